@@ -1,0 +1,47 @@
+"""Developer sessions: ``nox -s tests``, ``typecheck``, ``lint``, ``docs``.
+
+Every session forwards ``session.posargs`` (``nox -s tests -- -k masks``). torch is
+pinned to the CPU build that lies on this project's machines; an unpinned ``torch`` would
+pull a multi-GB CUDA build.
+"""
+
+import nox
+
+nox.options.sessions = ["tests", "typecheck", "lint", "docs"]
+nox.options.reuse_existing_virtualenvs = True
+
+TORCH = "torch==2.13.0"
+
+
+def _install(session: nox.Session, extra: str) -> None:
+    session.install(TORCH)
+    session.install("-e", f".[{extra}]")
+
+
+@nox.session
+def tests(session: nox.Session) -> None:
+    """Run the test suite (Hypothesis profile from HYPOTHESIS_PROFILE, default ci)."""
+    _install(session, "test")
+    session.run("pytest", *session.posargs)
+
+
+@nox.session
+def typecheck(session: nox.Session) -> None:
+    """mypy --strict over src, tests, benchmarks and this file."""
+    _install(session, "dev")
+    session.run("mypy", "--strict", *session.posargs)
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    """ruff check and format check."""
+    session.install("ruff")
+    session.run("ruff", "check", *session.posargs)
+    session.run("ruff", "format", "--check", *session.posargs)
+
+
+@nox.session
+def docs(session: nox.Session) -> None:
+    """Build the documentation strictly (warnings are errors)."""
+    _install(session, "dev")
+    session.run("mkdocs", "build", "--strict", *session.posargs)

@@ -1,0 +1,68 @@
+"""The one runtime-checking mechanism of attnref, and the dimension glossary.
+
+Every function or ``forward`` that takes or returns a tensor is decorated with
+:func:`checked`: its jaxtyping annotations (dtype and shape) are enforced by beartype on
+every call, and the dimension names bind consistently across the arguments and the
+return value of that one call.
+
+Dimension glossary (a letter means the same thing in every file and in the docs):
+
+=======  ==========================================================================
+``B``    batch
+``Tq``   number of queries
+``Tk``   number of keys (= number of values)
+``T``    sequence length where queries and keys are the same sequence
+``H``    model width, ``num_hiddens`` (``H = h * Dh``)
+``h``    number of query heads
+``g``    number of key/value heads (``h % g == 0``; ``g = h`` is plain MHA, ``g = 1`` MQA)
+``Dh``   head dim of queries and keys
+``Dv``   head dim of values
+``Dq``   raw query feature width (additive attention: queries and keys may differ)
+``Dk``   raw key feature width
+``V``    vocabulary size
+``L``    number of layers
+=======  ==========================================================================
+
+A leading ``*batch`` stands for any number of leading batch dims, a leading ``#`` marks a
+dim that may be 1 and broadcast.
+
+Checking is on by default. ``JAXTYPING_DISABLE=1`` in the environment, or
+:func:`set_checking(False) <set_checking>` at run time, turns every checked function into a
+plain call (one attribute lookup of overhead): benchmarks use it.
+"""
+
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import jaxtyping
+from beartype import beartype
+from jaxtyping import jaxtyped
+
+__all__ = ["CHECKED_ATTR", "checked", "checking_enabled", "set_checking"]
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+#: Attribute set on every function that went through :func:`checked`; the test suite
+#: walks the package and fails on any public tensor function that lacks it.
+CHECKED_ATTR = "__attnref_checked__"
+
+
+def checked(fn: F) -> F:
+    """Enforce ``fn``'s jaxtyping annotations with beartype on every call.
+
+    Use on plain functions and on ``nn.Module.forward``; never on a class (dimension
+    bindings would then leak across calls).
+    """
+    wrapped = jaxtyped(typechecker=beartype)(fn)
+    setattr(wrapped, CHECKED_ATTR, True)
+    return wrapped
+
+
+def checking_enabled() -> bool:
+    """Whether checked functions currently check their arguments."""
+    return not jaxtyping.config.jaxtyping_disable
+
+
+def set_checking(enabled: bool) -> None:
+    """Turn runtime shape and dtype checking on or off for the whole process."""
+    jaxtyping.config.update("jaxtyping_disable", not enabled)

@@ -1,0 +1,184 @@
+"""Audit cases: a declarative description of one SDPA call, and how to build its inputs.
+
+A :class:`Case` is plain data (shapes, flags, a seed), so a failure can be printed as a
+reproducer and a case list can be stored in a report. :func:`build` turns it into
+tensors on a device in a dtype.
+"""
+
+from dataclasses import asdict, dataclass, replace
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from attnref.masks import Alignment
+
+__all__ = ["Case", "Inputs", "build", "fixed_grid"]
+
+
+@dataclass(frozen=True)
+class Case:
+    """One SDPA call: ``(*batch, h, Tq, Dh)`` queries against ``(*batch, g, Tk, Dh)`` keys.
+
+    ``mask``: ``none``; ``bool`` (random, broadcast over heads); ``bool_full`` (one per
+    head); ``float`` (random offsets with some ``-inf``); ``padding`` (``(B, 1, 1, Tk)``
+    from random lengths); ``empty_rows`` (random, with some queries seeing nothing).
+    ``causal``: ``None``, ``"top_left"`` or ``"bottom_right"``. ``layout``:
+    ``contiguous``, ``transposed`` (query stored ``Dh``-major), ``sliced`` (key and value
+    cut from a wider tensor, with a storage offset) or ``broadcast`` (key and value
+    expanded over the batch, stride 0).
+    """
+
+    name: str
+    batch: tuple[int, ...] = (2,)
+    h: int = 3
+    g: int = 3
+    Tq: int = 17
+    Tk: int = 17
+    Dh: int = 8
+    Dv: int = 8
+    mask: str = "none"
+    causal: Alignment | None = None
+    layout: str = "contiguous"
+    amp: float = 1.0  # queries and keys are amp * randn: large amp makes the softmax peaky
+    scale: float | None = None
+    nan_in_masked: bool = False  # plant NaN in K and V at keys no query sees
+    seed: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Inputs:
+    """A case made concrete: the arguments of an SDPA call."""
+
+    query: Tensor
+    key: Tensor
+    value: Tensor
+    attn_mask: Tensor | None
+    causal: Alignment | None
+    scale: float | None
+
+    @property
+    def enable_gqa(self) -> bool:
+        return bool(self.query.shape[-3] != self.key.shape[-3])
+
+    def to(self, dtype: torch.dtype) -> "Inputs":
+        """The same inputs upcast (or cast) to ``dtype``; masks keep their kind."""
+        mask = self.attn_mask
+        if mask is not None and mask.is_floating_point():
+            mask = mask.to(dtype)
+        return replace(
+            self,
+            query=self.query.to(dtype),
+            key=self.key.to(dtype),
+            value=self.value.to(dtype),
+            attn_mask=mask,
+        )
+
+
+def _randn(shape: tuple[int, ...], gen: torch.Generator, amp: float = 1.0) -> Tensor:
+    return amp * torch.randn(shape, generator=gen)
+
+
+def build(case: Case, dtype: torch.dtype, device: str | torch.device = "cpu") -> Inputs:
+    """Make the tensors of ``case``, drawn in float32 from its seed, then cast to ``dtype``."""
+    gen = torch.Generator().manual_seed(case.seed)
+    B = case.batch
+    q_shape = (*B, case.h, case.Tq, case.Dh)
+    k_shape = (*B, case.g, case.Tk, case.Dh)
+    v_shape = (*B, case.g, case.Tk, case.Dv)
+    if case.layout == "transposed":
+        q = _randn((*B, case.h, case.Dh, case.Tq), gen, case.amp).transpose(-1, -2)
+    else:
+        q = _randn(q_shape, gen, case.amp)
+    if case.layout == "broadcast":
+        k = _randn((1, *k_shape[1:]), gen, case.amp).expand(k_shape)
+        v = _randn((1, *v_shape[1:]), gen).expand(v_shape)
+    else:
+        k = _randn(k_shape, gen, case.amp)
+        v = _randn(v_shape, gen)
+    mask = _make_mask(case, gen)
+    if case.nan_in_masked:
+        if mask is None or mask.dtype != torch.bool:
+            raise ValueError(f"case {case.name}: nan_in_masked needs a boolean mask")
+        hidden = ~mask.expand(*B, case.h, case.Tq, case.Tk).any(dim=-2).any(dim=-2)
+        hidden = hidden.unsqueeze(-2).unsqueeze(-1)  # (*B, 1, Tk, 1): hidden from all heads
+        k = k.masked_fill(hidden, float("nan"))
+        v = v.masked_fill(hidden, float("nan"))
+    q, k, v = (t.to(device=device, dtype=dtype) for t in (q, k, v))
+    if case.layout == "sliced":  # a view with a storage offset and a non-unit row stride
+        k = torch.cat([torch.zeros_like(k[..., :1]), k, k], dim=-1)[..., 1 : case.Dh + 1]
+        v = torch.cat([torch.zeros_like(v[..., :1]), v, v], dim=-1)[..., 1 : case.Dv + 1]
+    if case.layout == "broadcast":  # .to() may have materialised the expansion
+        k = k[:1].expand(k_shape)
+        v = v[:1].expand(v_shape)
+    if mask is not None:
+        mask = mask.to(device=device, dtype=dtype if mask.is_floating_point() else torch.bool)
+    return Inputs(q, k, v, mask, case.causal, case.scale)
+
+
+def _make_mask(case: Case, gen: torch.Generator) -> Tensor | None:
+    B, Tq, Tk = case.batch, case.Tq, case.Tk
+    if case.mask == "none":
+        return None
+    if case.mask == "bool":
+        return torch.rand((*B, 1, Tq, Tk), generator=gen) < 0.7
+    if case.mask == "bool_full":
+        return torch.rand((*B, case.h, Tq, Tk), generator=gen) < 0.6
+    if case.mask == "empty_rows":
+        mask = torch.rand((*B, 1, Tq, Tk), generator=gen) < 0.6
+        mask[..., ::3, :] = False  # every third query sees no key
+        return mask
+    if case.mask == "float":
+        offsets = torch.randn((*B, 1, Tq, Tk), generator=gen)
+        return offsets.masked_fill(torch.rand(offsets.shape, generator=gen) < 0.3, float("-inf"))
+    if case.mask == "padding":
+        lens = torch.randint(1, Tk + 1, B, generator=gen)
+        lens.view(-1)[0] = max(1, Tk // 2)  # at least one sample really padded
+        return (torch.arange(Tk) < lens.unsqueeze(-1)).reshape(*B, 1, 1, Tk)
+    raise ValueError(f"case {case.name}: unknown mask kind {case.mask!r}")
+
+
+def fixed_grid() -> list[Case]:
+    """The fixed grid of the first audit: every semantic switch and layout at least once.
+
+    Lengths are odd or prime (and 127/129 around a power of two) so that tail tiles of
+    block-based kernels are exercised; every case has a distinct seed.
+    """
+    cases = [
+        Case("basic"),
+        Case("tq_ne_tk", Tq=5, Tk=13),
+        Case("decode_tq1", Tq=1, Tk=31),
+        Case("single_key", Tq=7, Tk=1),
+        Case("dv_ne_dh", Dh=16, Dv=5),
+        Case("tail_127", batch=(1,), h=2, g=2, Tq=127, Tk=127, Dh=64, Dv=64),
+        Case("tail_129", batch=(1,), h=2, g=2, Tq=129, Tk=129, Dh=64, Dv=64),
+        Case("bool_mask", mask="bool"),
+        Case("bool_mask_per_head", mask="bool_full", Tq=11, Tk=19),
+        Case("float_mask", mask="float", Tq=9, Tk=23),
+        Case("padding", mask="padding", batch=(3,), Tk=29),
+        Case("empty_rows", mask="empty_rows", Tq=10, Tk=13),
+        Case("causal", causal="top_left"),
+        Case("causal_tq_lt_tk", causal="top_left", Tq=5, Tk=13),
+        Case("causal_tq_gt_tk", causal="top_left", Tq=13, Tk=5),
+        Case("causal_bottom_right", causal="bottom_right", Tq=5, Tk=13),
+        Case("causal_bottom_right_empty_rows", causal="bottom_right", Tq=13, Tk=5),
+        Case("causal_and_padding", causal="top_left", mask="padding", batch=(3,)),
+        Case("gqa", h=6, g=2, Tq=11, Tk=13),
+        Case("mqa", h=4, g=1, Tq=7, Tk=19),
+        Case("gqa_masked", h=6, g=3, mask="bool", Tq=9, Tk=15),
+        Case("gqa_decode", h=8, g=2, Tq=1, Tk=37),
+        Case("gqa_causal", h=4, g=2, causal="top_left"),
+        Case("transposed_query", layout="transposed"),
+        Case("sliced_kv", layout="sliced", mask="bool"),
+        Case("broadcast_kv", layout="broadcast", batch=(3,)),
+        Case("hot", amp=6.0, Dh=32, Dv=32),
+        Case("hot_causal", amp=6.0, causal="top_left", Tq=31, Tk=31),
+        Case("explicit_scale", scale=0.37),
+        Case("no_batch_dims", batch=(), Tq=6, Tk=10),
+        Case("two_batch_dims", batch=(2, 3), h=2, g=2, Tq=5, Tk=7),
+        Case("nan_in_padding", mask="padding", batch=(3,), nan_in_masked=True),
+    ]
+    return [replace(c, seed=i) for i, c in enumerate(cases)]

@@ -1,0 +1,579 @@
+"""The mathematics of attention, as pure functions.
+
+Notation (D2L, Annotated Transformer): queries ``Q``, keys ``K``, values ``V``; attention
+is ``softmax(Q K^T * scale + mask) V`` with the softmax taken over **keys** (the last
+axis of the scores). Shapes use the glossary of :mod:`attnref._checking`.
+
+Semantics pinned down here (ARCHITECTURE.md, "Semantics the reference pins down"):
+
+- boolean masks are ``True`` = may attend; float masks are added to the scores, and a
+  ``-inf`` entry hides its key exactly as ``False`` would;
+- a query with no visible key gets weights 0 and output 0 (torch >= 2.5, FlashAttention);
+  only D2L's :func:`masked_softmax` keeps D2L's uniform weights for such a row;
+- a key hidden from every query contributes nothing even if its K or V holds NaN or inf;
+- default scale ``1 / sqrt(Dh)`` (``1`` when ``Dh = 0``: every score is then 0);
+- GQA: query head ``i`` reads key/value head ``i // (h // g)`` (interleaved);
+- float16/bfloat16 inputs are computed in float32 and the result cast back;
+- dropout draws from an explicit ``torch.Generator`` (or takes an explicit keep-mask), so
+  a run can be replayed.
+"""
+
+import math
+from dataclasses import dataclass
+from typing import Literal, overload
+
+import torch
+from jaxtyping import Bool, Float, Int
+from torch import Tensor
+
+from attnref._checking import checked
+from attnref.masks import (
+    Alignment,
+    causal_block,
+    causal_offset,
+    check_alignment,
+    check_valid_lens,
+    sequence_mask,
+)
+
+__all__ = [
+    "D2L_MASK_VALUE",
+    "additive_scores",
+    "chunked_attention",
+    "compute_dtype",
+    "dot_product_scores",
+    "expand_kv_heads",
+    "masked_softmax",
+    "merge_heads",
+    "nadaraya_watson",
+    "safe_softmax",
+    "scaled_dot_product_attention",
+    "split_heads",
+    "transpose_output",
+    "transpose_qkv",
+]
+
+#: The finite fill D2L's ``masked_softmax`` puts on masked scores.
+D2L_MASK_VALUE = -1e6
+
+_NEG_INF = float("-inf")
+
+# Mask accepted by the SDPA-shaped functions: broadcastable to (*batch, h, Tq, Tk).
+AttnMask = Bool[Tensor, "*#mbatch #Tq #Tk"] | Float[Tensor, "*#mbatch #Tq #Tk"] | None
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype scores and softmax are computed in: float32 for half precision.
+
+    Raises:
+        ValueError: ``dtype`` is not float16, bfloat16, float32 or float64.
+    """
+    if dtype in (torch.float16, torch.bfloat16):
+        return torch.float32
+    if dtype in (torch.float32, torch.float64):
+        return dtype
+    raise ValueError(f"attention inputs must be float16, bfloat16, float32 or float64, got {dtype}")
+
+
+# --------------------------------------------------------------------------- softmax
+
+
+def _softmax_rows(scores: Tensor) -> Tensor:
+    """Softmax over the last axis in which a row of all ``-inf`` becomes all zeros."""
+    if scores.shape[-1] == 0:
+        return scores.clone()
+    row_max = scores.amax(dim=-1, keepdim=True)
+    row_max = row_max.masked_fill(row_max == _NEG_INF, 0.0)  # empty row: exp(-inf) = 0
+    e = torch.exp(scores - row_max)
+    total = e.sum(dim=-1, keepdim=True)
+    return e / total.masked_fill(total == 0, 1.0)
+
+
+@checked
+def safe_softmax(
+    scores: Float[Tensor, "*batch Tk"], mask: Bool[Tensor, "*#mbatch #Tk"] | None = None
+) -> Float[Tensor, "*batch Tk"]:
+    """Softmax over keys, with hidden keys getting exactly 0, and empty rows all 0.
+
+    ``w_j = exp(s_j - m) / sum_{visible k} exp(s_k - m)`` over visible keys, ``m`` the row
+    max; a row with no visible key (or only ``-inf`` scores) is all zeros rather than NaN.
+    This is the softmax the whole library uses.
+
+    Args:
+        scores: unnormalised scores; the last axis indexes keys.
+        mask: ``True`` where the key is visible; broadcast against ``scores``.
+
+    Raises:
+        ValueError: ``mask`` does not broadcast to ``scores``.
+    """
+    if mask is not None:
+        _check_broadcast("mask", mask.shape, scores.shape)
+        scores = scores.masked_fill(~mask, _NEG_INF)
+    return _softmax_rows(scores)
+
+
+@checked
+def masked_softmax(
+    X: Float[Tensor, "B Tq Tk"], valid_lens: Int[Tensor, " B"] | Int[Tensor, "B Tq"] | None
+) -> Float[Tensor, "B Tq Tk"]:
+    """D2L's ``masked_softmax``, faithful to the book.
+
+    Scores of keys ``j >= valid_len`` are replaced by ``-1e6`` (:data:`D2L_MASK_VALUE`)
+    before an ordinary softmax over the last axis. Because the fill is finite, a row whose
+    valid length is 0 becomes **uniform** over all keys, not zero: D2L's behaviour, kept
+    here on purpose. Use :func:`safe_softmax` for the library's semantics.
+
+    Args:
+        X: scores.
+        valid_lens: ``(B,)`` one length per sample, ``(B, Tq)`` one per query, or ``None``
+            for a plain softmax.
+
+    Raises:
+        ValueError: a length outside ``[0, Tk]``.
+    """
+    if valid_lens is None:
+        return torch.softmax(X, dim=-1)
+    B, Tq, Tk = X.shape
+    if valid_lens.dim() == 1:
+        lens = torch.repeat_interleave(valid_lens, Tq)  # (B * Tq,)
+    else:
+        lens = valid_lens.reshape(-1)  # (B * Tq,)
+    check_valid_lens(lens, Tk)
+    masked = sequence_mask(X.reshape(-1, Tk), lens, value=D2L_MASK_VALUE)  # (B * Tq, Tk)
+    return torch.softmax(masked.reshape(B, Tq, Tk), dim=-1)
+
+
+# ---------------------------------------------------------------------------- scores
+
+
+@checked
+def additive_scores(
+    queries: Float[Tensor, "B Tq Dq"],
+    keys: Float[Tensor, "B Tk Dk"],
+    W_q: Float[Tensor, "H Dq"],
+    W_k: Float[Tensor, "H Dk"],
+    w_v: Float[Tensor, "1 H"],
+) -> Float[Tensor, "B Tq Tk"]:
+    """Additive (Bahdanau) scores ``a(q, k) = w_v^T tanh(W_q q + W_k k)``.
+
+    Queries and keys may have different widths; both are projected to ``H``.
+    """
+    q = queries @ W_q.T  # (B, Tq, H)
+    k = keys @ W_k.T  # (B, Tk, H)
+    features = torch.tanh(q.unsqueeze(2) + k.unsqueeze(1))  # (B, Tq, Tk, H)
+    return (features @ w_v.T).squeeze(-1)
+
+
+def _default_scale(head_dim: int) -> float:
+    return 1.0 / math.sqrt(head_dim) if head_dim > 0 else 1.0
+
+
+@checked
+def dot_product_scores(
+    queries: Float[Tensor, "*batch Tq Dh"],
+    keys: Float[Tensor, "*batch Tk Dh"],
+    scale: float | None = None,
+) -> Float[Tensor, "*batch Tq Tk"]:
+    """Scaled dot-product scores ``a(q, k) = q^T k * scale``, ``scale = 1/sqrt(Dh)`` by default."""
+    s = _default_scale(queries.shape[-1]) if scale is None else scale
+    return (queries @ keys.transpose(-2, -1)) * s
+
+
+# ---------------------------------------------------------------- heads and GQA layout
+
+
+@checked
+def split_heads(X: Float[Tensor, "B T H"], num_heads: int) -> Float[Tensor, "B h T Dh"]:
+    """``(B, T, H)`` to ``(B, h, T, H / h)``: the layout SDPA-shaped functions take.
+
+    Raises:
+        ValueError: ``H`` is not divisible by ``num_heads``.
+    """
+    B, T, H = X.shape
+    if num_heads < 1 or H % num_heads != 0:
+        raise ValueError(f"width ({H}) must be divisible by num_heads ({num_heads})")
+    return X.reshape(B, T, num_heads, H // num_heads).permute(0, 2, 1, 3)  # (B, h, T, Dh)
+
+
+@checked
+def merge_heads(X: Float[Tensor, "B h T Dh"]) -> Float[Tensor, "B T h*Dh"]:
+    """``(B, h, T, Dh)`` to ``(B, T, h * Dh)``: heads side by side, head 0 first."""
+    B, h, T, Dh = X.shape
+    return X.permute(0, 2, 1, 3).reshape(B, T, h * Dh)  # (B, T, H)
+
+
+@checked
+def transpose_qkv(X: Float[Tensor, "B T H"], num_heads: int) -> Float[Tensor, "Bh T Dh"]:
+    """D2L's ``transpose_qkv``: ``(B, T, H)`` to ``(B * h, T, H / h)``, batch-major.
+
+    Row ``b * h + i`` holds head ``i`` of sample ``b`` (a permute, not a bare reshape).
+    """
+    heads = split_heads(X, num_heads)  # (B, h, T, Dh)
+    return heads.reshape(-1, heads.shape[2], heads.shape[3])  # (B * h, T, Dh)
+
+
+@checked
+def transpose_output(X: Float[Tensor, "Bh T Dh"], num_heads: int) -> Float[Tensor, "B T H"]:
+    """D2L's ``transpose_output``, the inverse of :func:`transpose_qkv`.
+
+    Raises:
+        ValueError: the leading dim is not a multiple of ``num_heads``.
+    """
+    Bh, T, Dh = X.shape
+    if num_heads < 1 or Bh % num_heads != 0:
+        raise ValueError(f"leading dim ({Bh}) must be a multiple of num_heads ({num_heads})")
+    return merge_heads(X.reshape(Bh // num_heads, num_heads, T, Dh))
+
+
+def _check_gqa(num_heads: int, num_kv_heads: int) -> None:
+    if num_kv_heads < 1 or num_heads % num_kv_heads != 0:
+        raise ValueError(
+            f"number of query heads ({num_heads}) must be divisible by the number of "
+            f"key/value heads ({num_kv_heads})"
+        )
+
+
+@checked
+def expand_kv_heads(
+    x: Float[Tensor, "*batch g Tk D"], num_heads: int
+) -> Float[Tensor, "*batch {num_heads} Tk D"]:
+    """Repeat each of the ``g`` key (or value) heads ``h / g`` times, interleaved.
+
+    After expansion head ``i`` is original head ``i // (h // g)``: ``[k0, k0, k1, k1]`` for
+    ``h = 4, g = 2``, never the tiled ``[k0, k1, k0, k1]``.
+
+    Raises:
+        ValueError: ``num_heads`` is not a multiple of ``g``.
+    """
+    g = x.shape[-3]
+    _check_gqa(num_heads, g)
+    return x.repeat_interleave(num_heads // g, dim=-3)
+
+
+# ------------------------------------------------------------------- the SDPA function
+
+
+@dataclass(frozen=True)
+class _Problem:
+    """Validated, normalised inputs shared by the materialised and the chunked paths."""
+
+    q: Tensor  # (*batch, h, Tq, Dh), compute dtype
+    k: Tensor  # (*batch, h, Tk, Dh), compute dtype, kv heads expanded
+    v: Tensor  # (*batch, h, Tk, Dv), compute dtype, kv heads expanded
+    bool_mask: Tensor | None  # broadcastable to (*batch, h, Tq, Tk), True = visible
+    float_mask: Tensor | None  # broadcastable, added to scores, compute dtype
+    causal_offset: int | None  # query i sees key j iff j <= i + offset
+    scale: float
+    out_dtype: torch.dtype
+
+
+def _check_broadcast(name: str, shape: torch.Size, target: torch.Size) -> None:
+    """Raise unless ``shape`` broadcasts to exactly ``target`` (right-aligned, 1 stretches)."""
+    ok = len(shape) <= len(target) and all(
+        s in (1, t) for s, t in zip(reversed(shape), reversed(target), strict=False)
+    )
+    if not ok:
+        raise ValueError(
+            f"{name} of shape {tuple(shape)} does not broadcast to shape {tuple(target)}"
+        )
+
+
+def _prepare(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attn_mask: Tensor | None,
+    is_causal: bool,
+    scale: float | None,
+    enable_gqa: bool,
+    causal_alignment: str,
+) -> _Problem:
+    check_alignment(causal_alignment)
+    if not (query.dtype == key.dtype == value.dtype):
+        raise ValueError(
+            "query, key and value must share a dtype, got "
+            f"{query.dtype}, {key.dtype} and {value.dtype}"
+        )
+    h, Tq = query.shape[-3], query.shape[-2]
+    g, Tk = key.shape[-3], key.shape[-2]
+    if g != h:
+        if not enable_gqa:
+            raise ValueError(
+                f"key and value have {g} heads but query has {h}; "
+                "pass enable_gqa=True for grouped-query attention"
+            )
+        _check_gqa(h, g)
+        key = key.repeat_interleave(h // g, dim=-3)
+        value = value.repeat_interleave(h // g, dim=-3)
+    ctype = compute_dtype(query.dtype)
+    scores_shape = torch.Size((*query.shape[:-1], Tk))
+    bool_mask = float_mask = None
+    if attn_mask is not None:
+        _check_broadcast("attn_mask", attn_mask.shape, scores_shape)
+        if attn_mask.dtype == torch.bool:
+            bool_mask = attn_mask
+        else:
+            float_mask = attn_mask.to(ctype)
+    return _Problem(
+        q=query.to(ctype),
+        k=key.to(ctype),
+        v=value.to(ctype),
+        bool_mask=bool_mask,
+        float_mask=float_mask,
+        causal_offset=causal_offset(Tq, Tk, causal_alignment) if is_causal else None,
+        scale=_default_scale(query.shape[-1]) if scale is None else scale,
+        out_dtype=query.dtype,
+    )
+
+
+def _key_block(mask: Tensor, start: int, stop: int, num_keys: int) -> Tensor:
+    """Columns ``start:stop`` of a mask whose key axis may be broadcast (size 1)."""
+    if mask.shape[-1] == 1 and num_keys != 1:
+        return mask
+    return mask[..., start:stop]
+
+
+def _masked_scores(p: _Problem, start: int, stop: int) -> tuple[Tensor, Tensor | None]:
+    """Scores of every query against keys ``start:stop``, hidden ones set to ``-inf``.
+
+    Returns the scores ``(*batch, h, Tq, stop - start)`` and the ``hidden`` mask (``True``
+    = hidden, broadcastable to the scores), or ``None`` when nothing is hidden.
+    """
+    Tq, Tk = p.q.shape[-2], p.k.shape[-2]
+    k = p.k[..., start:stop, :]
+    scores = (p.q @ k.transpose(-2, -1)) * p.scale  # (*batch, h, Tq, block)
+    hidden: Tensor | None = None
+    if p.float_mask is not None:
+        fm = _key_block(p.float_mask, start, stop, Tk)
+        scores = scores + fm
+        hidden = fm == _NEG_INF
+    if p.bool_mask is not None:
+        bm = ~_key_block(p.bool_mask, start, stop, Tk)
+        hidden = bm if hidden is None else hidden | bm
+    if p.causal_offset is not None:
+        cm = ~causal_block(Tq, start, stop, p.causal_offset, device=scores.device)
+        hidden = cm if hidden is None else hidden | cm
+    if hidden is not None:
+        # masked_fill (not +(-inf)) so a NaN or inf score at a hidden key is replaced too
+        scores = scores.masked_fill(hidden, _NEG_INF)
+    return scores, hidden
+
+
+def _values_block(p: _Problem, start: int, stop: int, hidden: Tensor | None) -> Tensor:
+    """Values of keys ``start:stop``, zeroed at keys hidden from every query.
+
+    ``0 * NaN`` is NaN, so a NaN or inf in the value of a padding key would otherwise
+    reach every output through the matmul even though its weight is exactly 0.
+    """
+    v = p.v[..., start:stop, :]
+    if hidden is None:
+        return v
+    hidden_for_all = hidden.all(dim=-2).unsqueeze(-1)  # (..., block, 1)
+    return v.masked_fill(hidden_for_all, 0.0)
+
+
+def _dropout(
+    weights: Tensor,
+    dropout_p: float,
+    generator: torch.Generator | None,
+    dropout_mask: Tensor | None,
+) -> Tensor:
+    if dropout_mask is not None:
+        _check_broadcast("dropout_mask", dropout_mask.shape, weights.shape)
+        keep = dropout_mask
+    elif dropout_p == 0.0:
+        return weights
+    else:
+        draws = torch.rand(
+            weights.shape, generator=generator, device=weights.device, dtype=weights.dtype
+        )
+        keep = draws >= dropout_p
+    if dropout_p >= 1.0:
+        return torch.zeros_like(weights)
+    return weights * keep / (1.0 - dropout_p)
+
+
+def _check_dropout_p(dropout_p: float) -> None:
+    if not 0.0 <= dropout_p <= 1.0:
+        raise ValueError(f"dropout_p must lie in [0, 1], got {dropout_p}")
+
+
+@overload
+def scaled_dot_product_attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attn_mask: Tensor | None = ...,
+    dropout_p: float = ...,
+    is_causal: bool = ...,
+    scale: float | None = ...,
+    enable_gqa: bool = ...,
+    *,
+    causal_alignment: Alignment = ...,
+    return_weights: Literal[False] = ...,
+    generator: torch.Generator | None = ...,
+    dropout_mask: Tensor | None = ...,
+) -> Tensor: ...
+
+
+@overload
+def scaled_dot_product_attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attn_mask: Tensor | None = ...,
+    dropout_p: float = ...,
+    is_causal: bool = ...,
+    scale: float | None = ...,
+    enable_gqa: bool = ...,
+    *,
+    causal_alignment: Alignment = ...,
+    return_weights: Literal[True],
+    generator: torch.Generator | None = ...,
+    dropout_mask: Tensor | None = ...,
+) -> tuple[Tensor, Tensor]: ...
+
+
+@checked
+def scaled_dot_product_attention(
+    query: Float[Tensor, "*batch h Tq Dh"],
+    key: Float[Tensor, "*batch g Tk Dh"],
+    value: Float[Tensor, "*batch g Tk Dv"],
+    attn_mask: AttnMask = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    *,
+    causal_alignment: Alignment = "top_left",
+    return_weights: bool = False,
+    generator: torch.Generator | None = None,
+    dropout_mask: Bool[Tensor, "*#batch #h #Tq #Tk"] | None = None,
+) -> (
+    Float[Tensor, "*batch h Tq Dv"]
+    | tuple[Float[Tensor, "*batch h Tq Dv"], Float[Tensor, "*batch h Tq Tk"]]
+):
+    """Scaled dot-product attention: a drop-in for torch's ``scaled_dot_product_attention``.
+
+    ``out = dropout(softmax(Q K^T * scale + M)) V``, softmax over keys, where ``M`` hides
+    every key the masks hide. See the module docstring for the semantics it pins down.
+
+    Args:
+        query: ``Q``.
+        key: ``K``; ``g`` may differ from ``h`` only with ``enable_gqa``.
+        value: ``V``.
+        attn_mask: boolean (``True`` = may attend) or float (added to the scores; ``-inf``
+            hides the key), broadcastable to ``(*batch, h, Tq, Tk)``.
+        dropout_p: probability of dropping an attention weight (kept ones are scaled by
+            ``1 / (1 - p)``).
+        is_causal: hide future keys under ``causal_alignment``; unlike torch, may be
+            combined with ``attn_mask`` (a key must pass both).
+        scale: factor on ``Q K^T``; ``1 / sqrt(Dh)`` when ``None``.
+        enable_gqa: allow ``g < h`` key/value heads (``h % g == 0``), head ``i`` reading
+            key/value head ``i // (h // g)``.
+        causal_alignment: ``"top_left"`` (torch's ``is_causal``) or ``"bottom_right"``
+            (query ``i`` at position ``Tk - Tq + i``).
+        return_weights: also return the attention weights (before dropout).
+        generator: random stream for dropout, so a run can be replayed.
+        dropout_mask: explicit keep-mask for dropout (``True`` = keep), overriding the
+            random draw.
+
+    Returns:
+        The output ``(*batch, h, Tq, Dv)`` in the input dtype; with ``return_weights``
+        also the weights ``(*batch, h, Tq, Tk)``: the probability that query ``i`` reads
+        key ``j``, 0 for hidden keys, rows summing to 1 (or all 0 with no visible key).
+
+    Raises:
+        ValueError: mismatched dtypes, ``g`` not dividing ``h`` (or ``g != h`` without
+            ``enable_gqa``), a mask that does not broadcast, an unknown alignment, or
+            ``dropout_p`` outside ``[0, 1]``.
+    """
+    _check_dropout_p(dropout_p)
+    p = _prepare(query, key, value, attn_mask, is_causal, scale, enable_gqa, causal_alignment)
+    Tk = p.k.shape[-2]
+    scores, hidden = _masked_scores(p, 0, Tk)  # (*batch, h, Tq, Tk)
+    weights = _softmax_rows(scores)
+    dropped = _dropout(weights, dropout_p, generator, dropout_mask)
+    out = (dropped @ _values_block(p, 0, Tk, hidden)).to(p.out_dtype)  # (*batch, h, Tq, Dv)
+    if return_weights:
+        return out, weights.to(p.out_dtype)
+    return out
+
+
+@checked
+def chunked_attention(
+    query: Float[Tensor, "*batch h Tq Dh"],
+    key: Float[Tensor, "*batch g Tk Dh"],
+    value: Float[Tensor, "*batch g Tk Dv"],
+    attn_mask: AttnMask = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    *,
+    causal_alignment: Alignment = "top_left",
+    block_size: int = 512,
+) -> Float[Tensor, "*batch h Tq Dv"]:
+    """:func:`scaled_dot_product_attention` computed over blocks of keys (online softmax).
+
+    Keys are visited ``block_size`` at a time. A running row max ``m``, running
+    denominator ``l`` and running output ``acc`` are rescaled whenever the max grows
+    (Milakov & Gimelshein 2018; FlashAttention)::
+
+        m' = max(m, rowmax(S_b));   a = exp(m - m');   P = exp(S_b - m')
+        l' = a * l + rowsum(P);     acc' = a * acc + P V_b;   out = acc / l
+
+    so memory grows with ``Tq * block_size`` rather than ``Tq * Tk``. Same semantics as the
+    materialised function (empty rows give 0, hidden keys never matter); dropout is not
+    supported.
+
+    Raises:
+        ValueError: as :func:`scaled_dot_product_attention`; ``block_size < 1``;
+            ``dropout_p != 0``.
+    """
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    if dropout_p != 0.0:
+        raise ValueError(f"chunked_attention does not implement dropout, got dropout_p={dropout_p}")
+    p = _prepare(query, key, value, attn_mask, is_causal, scale, enable_gqa, causal_alignment)
+    Tk = p.k.shape[-2]
+    stats_shape = (*p.q.shape[:-1], 1)  # (*batch, h, Tq, 1)
+    row_max = p.q.new_full(stats_shape, _NEG_INF)
+    denom = p.q.new_zeros(stats_shape)
+    acc = p.q.new_zeros((*p.q.shape[:-1], p.v.shape[-1]))  # (*batch, h, Tq, Dv)
+    for start in range(0, Tk, block_size):
+        stop = min(start + block_size, Tk)
+        scores, hidden = _masked_scores(p, start, stop)  # (*batch, h, Tq, block)
+        new_max = torch.maximum(row_max, scores.amax(dim=-1, keepdim=True))
+        safe_max = new_max.masked_fill(new_max == _NEG_INF, 0.0)  # no visible key yet
+        rescale = torch.exp(row_max - safe_max)
+        probs = torch.exp(scores - safe_max)
+        denom = rescale * denom + probs.sum(dim=-1, keepdim=True)
+        acc = rescale * acc + probs @ _values_block(p, start, stop, hidden)
+        row_max = new_max
+    return (acc / denom.masked_fill(denom == 0, 1.0)).to(p.out_dtype)
+
+
+# ------------------------------------------------------------------ Nadaraya-Watson
+
+
+@checked
+def nadaraya_watson(
+    queries: Float[Tensor, "*batch Tq"],
+    keys: Float[Tensor, "*batch Tk"],
+    values: Float[Tensor, "*batch Tk"],
+    w: float | Float[Tensor, ""] = 1.0,
+) -> tuple[Float[Tensor, "*batch Tq"], Float[Tensor, "*batch Tq Tk"]]:
+    """Nadaraya-Watson kernel regression, attention pooling with a Gaussian kernel.
+
+    ``f(x) = sum_i softmax_i(-((x - x_i) w)^2 / 2) y_i``: queries ``x``, keys ``x_i`` (the
+    training inputs), values ``y_i``. ``w = 1`` is the non-parametric estimator; a learnable
+    ``w`` (see :class:`attnref.layers.NadarayaWatson`) sets the kernel's width ``1 / w``.
+
+    Returns:
+        The predictions and the weights ``(*batch, Tq, Tk)``.
+    """
+    diffs = (queries.unsqueeze(-1) - keys.unsqueeze(-2)) * w  # (*batch, Tq, Tk)
+    weights = torch.softmax(-(diffs**2) / 2, dim=-1)
+    predictions = (weights @ values.unsqueeze(-1)).squeeze(-1)  # (*batch, Tq)
+    return predictions, weights

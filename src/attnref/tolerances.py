@@ -1,0 +1,53 @@
+"""Numerical tolerances by dtype, stated in one place.
+
+Two rules use them:
+
+- **direct comparison** (tests, reference vs an independent computation):
+  ``|actual - expected| <= atol[dtype] + rtol[dtype] * |expected|`` elementwise, with
+  ``expected`` computed in float64 from the same (already rounded) inputs;
+- **the audit rule** (PyTorch's and FlashAttention's rule for their own kernels):
+  ``max|backend - oracle| <= max(atol[dtype], FUDGE * max|reference_same_dtype - oracle|)``
+  and the same for the mean error, where the oracle is the reference in float64 and
+  ``reference_same_dtype`` is the reference run in the backend's dtype.
+
+The half-precision values cover one rounding of the output (float16 keeps 11 significant
+bits, bfloat16 8) with room for an accumulation in float32; float32 covers softmax
+and matmul accumulation over a few thousand keys.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["FUDGE", "TOLERANCES", "Tolerance", "tolerance"]
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    """Absolute and relative tolerance for one dtype."""
+
+    atol: float
+    rtol: float
+
+
+TOLERANCES: dict[torch.dtype, Tolerance] = {
+    torch.float64: Tolerance(atol=1e-10, rtol=1e-10),
+    torch.float32: Tolerance(atol=1e-5, rtol=1e-5),
+    torch.float16: Tolerance(atol=1e-3, rtol=1e-3),
+    torch.bfloat16: Tolerance(atol=1e-2, rtol=1.6e-2),
+}
+
+#: How many times the reference's own low-precision error a backend may make (audit rule).
+FUDGE = 3.0
+
+
+def tolerance(dtype: torch.dtype) -> Tolerance:
+    """The tolerance for ``dtype``.
+
+    Raises:
+        ValueError: no tolerance is defined for ``dtype``.
+    """
+    try:
+        return TOLERANCES[dtype]
+    except KeyError:
+        raise ValueError(f"no tolerance defined for {dtype}") from None
