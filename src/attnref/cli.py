@@ -1,6 +1,7 @@
 """Command line: ``attnref audit`` (``python -m attnref audit`` works too)."""
 
 import argparse
+import os
 import sys
 import traceback
 from collections.abc import Sequence
@@ -63,6 +64,8 @@ def _audit(args: argparse.Namespace) -> int:
         for name, b in BUILTIN_BACKENDS.items():
             print(f"{name:<20} {b.description}")
         return 0
+    if os.getcwd() not in sys.path:  # `module:function` may name a file in this folder
+        sys.path.insert(0, os.getcwd())
     try:
         backend = resolve_backend(args.backend)
     except BackendError as e:

@@ -41,6 +41,7 @@ __all__ = [
     "additive_scores",
     "chunked_attention",
     "compute_dtype",
+    "default_scale",
     "dot_product_scores",
     "expand_kv_heads",
     "masked_softmax",
@@ -58,8 +59,15 @@ D2L_MASK_VALUE = -1e6
 
 _NEG_INF = float("-inf")
 
-# Mask accepted by the SDPA-shaped functions: broadcastable to (*batch, h, Tq, Tk).
-AttnMask = Bool[Tensor, "*#mbatch #Tq #Tk"] | Float[Tensor, "*#mbatch #Tq #Tk"] | None
+# Mask accepted by the SDPA-shaped functions: broadcastable to (*batch, h, Tq, Tk); a 1-D
+# mask is one entry per key, as torch accepts.
+AttnMask = (
+    Bool[Tensor, "*#mbatch #Tq #Tk"]
+    | Float[Tensor, "*#mbatch #Tq #Tk"]
+    | Bool[Tensor, " #Tk"]
+    | Float[Tensor, " #Tk"]
+    | None
+)
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -164,7 +172,8 @@ def additive_scores(
     return (features @ w_v.T).squeeze(-1)
 
 
-def _default_scale(head_dim: int) -> float:
+def default_scale(head_dim: int) -> float:
+    """``1 / sqrt(Dh)``; ``1`` when ``Dh = 0`` (every score is then 0 whatever the scale)."""
     return 1.0 / math.sqrt(head_dim) if head_dim > 0 else 1.0
 
 
@@ -175,7 +184,7 @@ def dot_product_scores(
     scale: float | None = None,
 ) -> Float[Tensor, "*batch Tq Tk"]:
     """Scaled dot-product scores ``a(q, k) = q^T k * scale``, ``scale = 1/sqrt(Dh)`` by default."""
-    s = _default_scale(queries.shape[-1]) if scale is None else scale
+    s = default_scale(queries.shape[-1]) if scale is None else scale
     return (queries @ keys.transpose(-2, -1)) * s
 
 
@@ -321,7 +330,7 @@ def _prepare(
         bool_mask=bool_mask,
         float_mask=float_mask,
         causal_offset=causal_offset(Tq, Tk, causal_alignment) if is_causal else None,
-        scale=_default_scale(query.shape[-1]) if scale is None else scale,
+        scale=default_scale(query.shape[-1]) if scale is None else scale,
         out_dtype=query.dtype,
     )
 

@@ -70,7 +70,8 @@ def causal_block(
     return cols <= rows + offset
 
 
-def check_valid_lens(valid_lens: Tensor, num_keys: int) -> None:
+@checked
+def check_valid_lens(valid_lens: Int[Tensor, "*shape"], num_keys: int) -> None:
     """Raise ``ValueError`` unless every length lies in ``[0, num_keys]``."""
     if valid_lens.numel() == 0:
         return

@@ -3,25 +3,30 @@
 The oracle is the reference computed in float64 from the case's inputs (already rounded
 to the case's dtype, then upcast). A backend's output passes when
 
-    max|out - oracle|  <= max(atol[dtype], FUDGE * max|reference_same_dtype - oracle|)
-    mean|out - oracle| <= max(atol[dtype], FUDGE * mean|reference_same_dtype - oracle|)
+    max|out - oracle|  <= max(floor, FUDGE * max|reference_same_dtype - oracle|)
+    mean|out - oracle| <= max(floor, FUDGE * mean|reference_same_dtype - oracle|)
 
-and it has no NaN or inf where the oracle is finite. Constants: :mod:`attnref.tolerances`.
+with ``floor = max(atol[dtype], eps * kappa * max|V|)`` (:func:`error_floor`), and it has
+no NaN or inf where the oracle is finite. Constants and the reasoning behind the floor:
+:mod:`attnref.tolerances`.
 """
 
 from dataclasses import dataclass
 
 import torch
+from jaxtyping import Float, Float64
 from torch import Tensor
 
 from attnref import functional as F
+from attnref._checking import checked
 from attnref.conformance.cases import Inputs
-from attnref.tolerances import FUDGE, tolerance
+from attnref.tolerances import FUDGE, score_eps, tolerance
 
-__all__ = ["Comparison", "compare", "reference"]
+__all__ = ["Comparison", "compare", "error_floor", "reference"]
 
 
-def reference(inputs: Inputs) -> Tensor:
+@checked
+def reference(inputs: Inputs) -> Float[Tensor, "*batch h Tq Dv"]:
     """The reference's output for ``inputs``, in their dtype (float64 inputs: the oracle)."""
     return F.scaled_dot_product_attention(
         inputs.query,
@@ -33,6 +38,24 @@ def reference(inputs: Inputs) -> Tensor:
         enable_gqa=inputs.enable_gqa,
         causal_alignment="top_left" if inputs.causal is None else inputs.causal,
     )
+
+
+def error_floor(inputs: Inputs) -> float:
+    """``max(atol[dtype], eps * kappa * max|V|)``: the error no correct backend can avoid.
+
+    ``kappa = scale * max_ij sum_d |q_id| |k_jd|`` bounds how far rounding the dot
+    products can move a score (see :mod:`attnref.tolerances`).
+    """
+    dtype = inputs.query.dtype
+    q, k, v = (t.detach().to(torch.float64).abs() for t in (inputs.query, inputs.key, inputs.value))
+    if inputs.enable_gqa:
+        k = k.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3)
+    scale = inputs.scale if inputs.scale is not None else F.default_scale(q.shape[-1])
+    if q.numel() == 0 or k.numel() == 0 or v.numel() == 0:
+        return tolerance(dtype).atol
+    kappa = float((q @ k.transpose(-2, -1)).max()) * abs(scale)
+    conditioning = score_eps(dtype) * kappa * float(v.max())
+    return max(tolerance(dtype).atol, conditioning)
 
 
 @dataclass(frozen=True)
@@ -47,7 +70,14 @@ class Comparison:
     message: str = ""
 
 
-def compare(out: object, oracle: Tensor, same_dtype: Tensor, dtype: torch.dtype) -> Comparison:
+@checked
+def compare(
+    out: object,
+    oracle: Float64[Tensor, "*shape"],
+    same_dtype: Float[Tensor, "*shape"],
+    dtype: torch.dtype,
+    floor: float,
+) -> Comparison:
     """Judge ``out`` against the float64 ``oracle``; the reference's own error is the yardstick."""
     nan = float("nan")
     if not isinstance(out, Tensor):
@@ -67,9 +97,8 @@ def compare(out: object, oracle: Tensor, same_dtype: Tensor, dtype: torch.dtype)
         )
     got = out.detach().to(device=oracle.device, dtype=torch.float64)
     ref_err = (same_dtype.to(torch.float64) - oracle).abs()
-    atol = tolerance(dtype).atol
-    max_bound = max(atol, FUDGE * float(ref_err.max())) if ref_err.numel() else atol
-    mean_bound = max(atol, FUDGE * float(ref_err.mean())) if ref_err.numel() else atol
+    max_bound = max(floor, FUDGE * float(ref_err.max())) if ref_err.numel() else floor
+    mean_bound = max(floor, FUDGE * float(ref_err.mean())) if ref_err.numel() else floor
     bad = ~torch.isfinite(got) & torch.isfinite(oracle)
     if bad.any():
         first = tuple(int(i) for i in bad.nonzero()[0])

@@ -10,7 +10,7 @@ from tqdm import tqdm
 
 from attnref.conformance.backends import Backend
 from attnref.conformance.cases import Case, Inputs, build, fixed_grid
-from attnref.conformance.oracle import compare, reference
+from attnref.conformance.oracle import compare, error_floor, reference
 from attnref.conformance.report import AuditReport, CaseResult
 from attnref.masks import causal_mask
 
@@ -113,7 +113,7 @@ def run_case(
     seconds = time.perf_counter() - start
     if error is not None:
         return CaseResult(case, dtype, "fail", message=_one_line(error), seconds=seconds)
-    c = compare(out, oracle, same_dtype, dtype)
+    c = compare(out, oracle, same_dtype, dtype, error_floor(inputs))
     return CaseResult(
         case,
         dtype,

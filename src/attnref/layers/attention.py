@@ -149,13 +149,13 @@ class MultiHeadAttention(nn.Module):
     @checked
     def forward(
         self,
-        queries: Float[Tensor, "B Tq H"],
-        keys: Float[Tensor, "B Tk H"],
-        values: Float[Tensor, "B Tk H"],
+        queries: Float[Tensor, "B Tq {self.num_hiddens}"],
+        keys: Float[Tensor, "B Tk {self.num_hiddens}"],
+        values: Float[Tensor, "B Tk {self.num_hiddens}"],
         mask: Bool[Tensor, "#B #Tq #Tk"] | None = None,
         valid_lens: ValidLens = None,
-    ) -> Float[Tensor, "B Tq H"]:
-        """Attend from ``queries`` to ``keys``/``values``.
+    ) -> Float[Tensor, "B Tq {self.num_hiddens}"]:
+        """Attend from ``queries`` to ``keys``/``values``, all of width ``H = num_hiddens``.
 
         Args:
             queries: the sequence asking; keys/values: the sequence asked.

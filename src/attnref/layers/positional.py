@@ -61,11 +61,14 @@ class SinusoidalPositionalEncoding(nn.Module):
     def __init__(self, *, num_hiddens: int, dropout: float = 0.0, max_len: int = 1000) -> None:
         super().__init__()
         self.dropout = nn.Dropout(dropout)
+        self.num_hiddens = num_hiddens
         self.max_len = max_len
         self.register_buffer("P", sinusoidal_encoding(max_len, num_hiddens).unsqueeze(0))
 
     @checked
-    def forward(self, X: Float[Tensor, "B T H"], offset: int = 0) -> Float[Tensor, "B T H"]:
+    def forward(
+        self, X: Float[Tensor, "B T {self.num_hiddens}"], offset: int = 0
+    ) -> Float[Tensor, "B T {self.num_hiddens}"]:
         """``dropout(X + P[offset : offset + T])``; ``offset`` is the first position."""
         _check_positions(offset, X.shape[1], self.max_len)
         out: Tensor = self.dropout(X + self.P[:, offset : offset + X.shape[1]].to(X.dtype))
@@ -83,12 +86,15 @@ class LearnedPositionalEmbedding(nn.Module):
 
     def __init__(self, *, num_hiddens: int, max_len: int, dropout: float = 0.0) -> None:
         super().__init__()
+        self.num_hiddens = num_hiddens
         self.max_len = max_len
         self.embedding = nn.Embedding(max_len, num_hiddens)
         self.dropout = nn.Dropout(dropout)
 
     @checked
-    def forward(self, X: Float[Tensor, "B T H"], offset: int = 0) -> Float[Tensor, "B T H"]:
+    def forward(
+        self, X: Float[Tensor, "B T {self.num_hiddens}"], offset: int = 0
+    ) -> Float[Tensor, "B T {self.num_hiddens}"]:
         """``dropout(X + E[offset : offset + T])``."""
         _check_positions(offset, X.shape[1], self.max_len)
         positions = torch.arange(offset, offset + X.shape[1], device=X.device)

@@ -1,0 +1,95 @@
+"""One runtime-checking mechanism covers the whole package, and it can be switched off."""
+
+import importlib
+import inspect
+import pkgutil
+import types
+import typing
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+from jaxtyping import AbstractArray, TypeCheckError
+from torch import Tensor, nn
+
+import attnref
+from attnref import functional as F
+from attnref._checking import CHECKED_ATTR, checking_enabled, set_checking
+
+
+def _modules() -> Iterator[types.ModuleType]:
+    yield attnref
+    for info in pkgutil.walk_packages(attnref.__path__, prefix="attnref."):
+        if info.name != "attnref.__main__":
+            yield importlib.import_module(info.name)
+
+
+def _annotations(fn: Callable[..., Any]) -> list[object]:
+    sig = inspect.signature(inspect.unwrap(fn))
+    return [p.annotation for p in sig.parameters.values()] + [sig.return_annotation]
+
+
+def _flatten(annotation: object) -> Iterator[object]:
+    yield annotation
+    for arg in typing.get_args(annotation):
+        yield from _flatten(arg)
+
+
+def _is_tensor_type(t: object) -> bool:
+    return t is Tensor or (isinstance(t, type) and issubclass(t, AbstractArray))
+
+
+def _public_tensor_functions() -> Iterator[tuple[str, Callable[..., Any]]]:
+    for module in _modules():
+        for name, obj in vars(module).items():
+            if name.startswith("_") or getattr(obj, "__module__", None) != module.__name__:
+                continue
+            if inspect.isfunction(obj):
+                yield f"{module.__name__}.{name}", obj
+            elif inspect.isclass(obj) and issubclass(obj, nn.Module):
+                yield f"{module.__name__}.{name}.forward", obj.forward
+
+
+FUNCTIONS = list(_public_tensor_functions())
+
+
+def test_the_walk_finds_the_package() -> None:
+    names = {n for n, _ in FUNCTIONS}
+    assert "attnref.functional.scaled_dot_product_attention" in names
+    assert "attnref.layers.attention.MultiHeadAttention.forward" in names
+
+
+@pytest.mark.parametrize(("name", "fn"), FUNCTIONS, ids=[n for n, _ in FUNCTIONS])
+def test_every_public_tensor_function_is_checked(name: str, fn: Callable[..., Any]) -> None:
+    types_used = [t for a in _annotations(fn) for t in _flatten(a)]
+    if not any(_is_tensor_type(t) for t in types_used):
+        return  # takes and returns no tensor
+    assert getattr(fn, CHECKED_ATTR, False), f"{name} takes or returns a tensor but is unchecked"
+    bare = [t for t in types_used if t is Tensor]
+    assert not bare, f"{name} annotates a bare Tensor: declare its dtype and shape"
+
+
+def test_wrong_shape_names_the_argument() -> None:
+    q = torch.randn(2, 3, 5, 8)
+    with pytest.raises(TypeCheckError, match="parameter 'key'"):
+        F.scaled_dot_product_attention(q, torch.randn(2, 3, 7, 4), torch.randn(2, 3, 7, 8))
+
+
+def test_wrong_dtype_names_the_argument() -> None:
+    with pytest.raises(TypeCheckError, match="parameter 'valid_lens'"):
+        F.masked_softmax(torch.randn(2, 3, 4), torch.tensor([1.5, 2.0]))
+
+
+def test_checking_can_be_switched_off_and_on() -> None:
+    bad = (torch.randn(2, 5, 8), torch.randn(2, 7, 4), torch.randn(2, 7, 8))
+    assert checking_enabled()
+    set_checking(False)
+    try:
+        assert not checking_enabled()
+        with pytest.raises(RuntimeError):  # torch's own error now, not the checker's
+            F.scaled_dot_product_attention(*bad)
+    finally:
+        set_checking(True)
+    with pytest.raises(TypeCheckError):
+        F.scaled_dot_product_attention(*bad)

@@ -1,0 +1,186 @@
+"""Worked examples and edge cases of the functional API, and its errors on bad input."""
+
+import math
+
+import pytest
+import torch
+
+from attnref import functional as F
+
+
+def test_d2l_masked_softmax_example() -> None:
+    torch.manual_seed(0)
+    X = torch.rand(2, 2, 4)
+    out = F.masked_softmax(X, torch.tensor([2, 3]))
+    assert (out[0, :, 2:] < 1e-6).all()
+    assert (out[1, :, 3:] < 1e-6).all()
+    torch.testing.assert_close(out.sum(-1), torch.ones(2, 2))
+    out2 = F.masked_softmax(X, torch.tensor([[1, 3], [2, 4]]))
+    assert (out2[0, 0, 1:] < 1e-6).all()
+    assert (out2[1, 0, 2:] < 1e-6).all()
+    torch.testing.assert_close(out2[1, 1], torch.softmax(X[1, 1], -1))
+
+
+def test_d2l_masked_softmax_empty_row_is_uniform_but_safe_softmax_is_zero() -> None:
+    X = torch.randn(1, 2, 5)
+    lens = torch.tensor([[0, 2]])
+    torch.testing.assert_close(F.masked_softmax(X, lens)[0, 0], torch.full((5,), 0.2))
+    mask = torch.arange(5) < lens.unsqueeze(-1)
+    assert torch.equal(F.safe_softmax(X, mask)[0, 0], torch.zeros(5))
+
+
+def test_d2l_transpose_qkv_example() -> None:
+    X = torch.randn(2, 4, 8)
+    assert F.transpose_qkv(X, 2).shape == (4, 4, 4)
+    assert F.transpose_output(F.transpose_qkv(X, 2), 2).shape == (2, 4, 8)
+
+
+def test_sdpa_returns_zeros_for_a_query_with_no_visible_key() -> None:
+    q, k, v = torch.randn(1, 1, 3, 4), torch.randn(1, 1, 5, 4), torch.randn(1, 1, 5, 2)
+    mask = torch.ones(3, 5, dtype=torch.bool)
+    mask[1] = False
+    out, w = F.scaled_dot_product_attention(q, k, v, mask, return_weights=True)
+    assert torch.equal(out[0, 0, 1], torch.zeros(2))
+    assert torch.equal(w[0, 0, 1], torch.zeros(5))
+    assert torch.isfinite(out).all()
+
+
+def test_sdpa_is_causal_with_mask_requires_both() -> None:
+    q = k = v = torch.randn(1, 1, 3, 4)
+    mask = torch.tensor([True, False, True])
+    _, w = F.scaled_dot_product_attention(q, k, v, mask, is_causal=True, return_weights=True)
+    visible = torch.tensor([[1, 0, 0], [1, 0, 0], [1, 0, 1]], dtype=torch.bool)
+    assert torch.equal(w[0, 0] > 0, visible)
+
+
+def test_sdpa_half_precision_is_computed_in_float32() -> None:
+    # scores of 300 * 300 overflow float16 (max 65504); float32 keeps them
+    q = torch.full((1, 1, 1, 1), 300.0, dtype=torch.float16)
+    k = torch.tensor([[[[300.0], [299.0]]]], dtype=torch.float16)
+    v = torch.tensor([[[[1.0], [0.0]]]], dtype=torch.float16)
+    out = F.scaled_dot_product_attention(q, k, v)
+    assert out.dtype == torch.float16
+    assert torch.isfinite(out).all()
+    assert out.item() == 1.0
+
+
+def test_sdpa_default_scale_and_zero_head_dim() -> None:
+    q, k, v = torch.randn(1, 1, 2, 9), torch.randn(1, 1, 3, 9), torch.randn(1, 1, 3, 2)
+    torch.testing.assert_close(
+        F.scaled_dot_product_attention(q, k, v),
+        F.scaled_dot_product_attention(q, k, v, scale=1 / 3),
+    )
+    empty = torch.randn(1, 1, 2, 0)
+    out = F.scaled_dot_product_attention(empty, torch.randn(1, 1, 3, 0), v)
+    torch.testing.assert_close(out, v.mean(dim=-2, keepdim=True).expand(1, 1, 2, 2))
+
+
+def test_sdpa_dropout_is_replayable_and_zero_p_is_identity() -> None:
+    q, k, v = torch.randn(2, 3, 4, 5), torch.randn(2, 3, 6, 5), torch.randn(2, 3, 6, 5)
+    plain = F.scaled_dot_product_attention(q, k, v)
+    assert torch.equal(F.scaled_dot_product_attention(q, k, v, dropout_p=0.0), plain)
+    a = F.scaled_dot_product_attention(
+        q, k, v, dropout_p=0.5, generator=torch.Generator().manual_seed(3)
+    )
+    b = F.scaled_dot_product_attention(
+        q, k, v, dropout_p=0.5, generator=torch.Generator().manual_seed(3)
+    )
+    assert torch.equal(a, b)
+    assert not torch.allclose(a, plain)
+    keep = torch.rand(2, 3, 4, 6) > 0.5
+    _, w = F.scaled_dot_product_attention(q, k, v, return_weights=True)
+    by_mask = F.scaled_dot_product_attention(q, k, v, dropout_p=0.5, dropout_mask=keep)
+    torch.testing.assert_close(by_mask, (w * keep / 0.5) @ v)
+
+
+def test_chunked_attention_handles_any_block_size() -> None:
+    q, k, v = torch.randn(1, 2, 7, 4), torch.randn(1, 2, 13, 4), torch.randn(1, 2, 13, 3)
+    full = F.scaled_dot_product_attention(q, k, v, is_causal=True, causal_alignment="bottom_right")
+    for block in (1, 2, 5, 13, 64):
+        chunked = F.chunked_attention(
+            q, k, v, is_causal=True, causal_alignment="bottom_right", block_size=block
+        )
+        torch.testing.assert_close(chunked, full)
+
+
+def test_nadaraya_watson_nonparametric_is_a_weighted_average() -> None:
+    x_train = torch.tensor([0.0, 1.0, 2.0])
+    y_train = torch.tensor([1.0, 2.0, 3.0])
+    y_hat, w = F.nadaraya_watson(torch.tensor([1.0]), x_train, y_train)
+    e = torch.tensor([math.exp(-0.5), 1.0, math.exp(-0.5)])
+    torch.testing.assert_close(w[0], e / e.sum())
+    torch.testing.assert_close(y_hat, torch.tensor([2.0]))
+
+
+def test_additive_scores_shape_with_different_widths() -> None:
+    s = F.additive_scores(
+        torch.randn(2, 1, 20),
+        torch.randn(2, 10, 2),
+        torch.randn(8, 20),
+        torch.randn(8, 2),
+        torch.randn(1, 8),
+    )
+    assert s.shape == (2, 1, 10)
+
+
+# ---------------------------------------------------------------------- bad input
+
+QKV = (torch.randn(2, 4, 3, 8), torch.randn(2, 2, 5, 8), torch.randn(2, 2, 5, 8))
+
+
+def test_gqa_needs_enable_gqa() -> None:
+    with pytest.raises(
+        ValueError, match=r"key and value have 2 heads but query has 4; pass enable_gqa"
+    ):
+        F.scaled_dot_product_attention(*QKV)
+
+
+def test_gqa_heads_must_divide() -> None:
+    q = torch.randn(2, 3, 3, 8)
+    with pytest.raises(ValueError, match=r"query heads \(3\) must be divisible .* heads \(2\)"):
+        F.scaled_dot_product_attention(q, QKV[1], QKV[2], enable_gqa=True)
+
+
+def test_mask_must_broadcast() -> None:
+    with pytest.raises(ValueError, match=r"attn_mask of shape \(3, 2, 3, 5\) does not broadcast"):
+        F.scaled_dot_product_attention(
+            *QKV, torch.ones(3, 2, 3, 5, dtype=torch.bool), enable_gqa=True
+        )
+
+
+def test_mask_with_wrong_key_length_names_the_argument() -> None:
+    with pytest.raises(TypeError, match="attn_mask"):
+        F.scaled_dot_product_attention(*QKV, torch.ones(3, 4, dtype=torch.bool), enable_gqa=True)
+
+
+def test_unknown_alignment_and_bad_dropout() -> None:
+    with pytest.raises(TypeError, match="causal_alignment"):
+        F.scaled_dot_product_attention(*QKV, enable_gqa=True, causal_alignment="middle")  # type: ignore[call-overload]
+    with pytest.raises(ValueError, match=r"dropout_p must lie in \[0, 1\], got 1.5"):
+        F.scaled_dot_product_attention(*QKV, dropout_p=1.5, enable_gqa=True)
+
+
+def test_mixed_dtypes() -> None:
+    with pytest.raises(ValueError, match="must share a dtype"):
+        F.scaled_dot_product_attention(QKV[0].double(), QKV[1], QKV[2], enable_gqa=True)
+
+
+def test_wrong_rank() -> None:
+    with pytest.raises(TypeError, match="parameter 'query'"):
+        F.scaled_dot_product_attention(torch.randn(8), torch.randn(5, 8), torch.randn(5, 8))
+
+
+def test_chunked_rejects_bad_block_and_dropout() -> None:
+    with pytest.raises(ValueError, match="block_size must be >= 1, got 0"):
+        F.chunked_attention(*QKV, enable_gqa=True, block_size=0)
+    with pytest.raises(ValueError, match="does not implement dropout"):
+        F.chunked_attention(*QKV, dropout_p=0.1, enable_gqa=True)
+
+
+def test_head_split_errors() -> None:
+    with pytest.raises(ValueError, match=r"width \(10\) must be divisible by num_heads \(4\)"):
+        F.split_heads(torch.randn(1, 2, 10), 4)
+    with pytest.raises(
+        ValueError, match=r"leading dim \(6\) must be a multiple of num_heads \(4\)"
+    ):
+        F.transpose_output(torch.randn(6, 2, 3), 4)

@@ -1,0 +1,235 @@
+"""Prove that every property test can fail: plant one bug per property and watch it fail.
+
+Each mutation edits one line of ``src/attnref`` in a scratch copy of the repository, runs
+the property tests that should catch it, and records whether they failed. The working
+tree is never touched. Run from the repository root::
+
+    python tools/property_mutations.py            # all mutations, a table at the end
+    python tools/property_mutations.py -k gqa     # those whose name contains "gqa"
+
+Exit code 0 only if every mutation was caught. Takes a few minutes on 2 cores.
+"""
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+FUNC = "src/attnref/functional.py"
+MASKS = "src/attnref/masks.py"
+ATTN = "src/attnref/layers/attention.py"
+POS = "src/attnref/layers/positional.py"
+PROPS = "tests/property/test_functional_props.py"
+LAYERS = "tests/property/test_layers_props.py"
+
+
+@dataclass(frozen=True)
+class Mutation:
+    name: str
+    file: str
+    old: str
+    new: str
+    tests: tuple[str, ...]  # node ids that must fail
+
+
+MUTATIONS = [
+    Mutation(
+        "empty_row_nan",
+        FUNC,
+        "row_max = row_max.masked_fill(row_max == _NEG_INF, 0.0)  # empty row: exp(-inf) = 0",
+        "pass",
+        (f"{PROPS}::test_weights_are_probabilities_over_visible_keys",),
+    ),
+    Mutation(
+        "masked_value_nan_leaks",
+        FUNC,
+        "    return v.masked_fill(hidden_for_all, 0.0)",
+        "    return v",
+        (f"{PROPS}::test_hidden_keys_and_values_never_matter",),
+    ),
+    Mutation(
+        "scale_divides_by_d",
+        FUNC,
+        "return 1.0 / math.sqrt(head_dim) if head_dim > 0 else 1.0",
+        "return 1.0 / head_dim if head_dim > 0 else 1.0",
+        (f"{PROPS}::test_agrees_with_independent_float64", f"{PROPS}::test_agrees_with_torch_sdpa"),
+    ),
+    Mutation(
+        "causal_diagonal_excludes_self",
+        MASKS,
+        "return cols <= rows + offset",
+        "return cols < rows + offset",
+        (
+            f"{PROPS}::test_agrees_with_independent_float64",
+            f"{PROPS}::test_agrees_with_torch_sdpa",
+            f"{PROPS}::test_weights_are_probabilities_over_visible_keys",
+        ),
+    ),
+    Mutation(
+        "bottom_right_treated_as_top_left",
+        MASKS,
+        'return 0 if alignment == "top_left" else num_keys - num_queries',
+        "return 0",
+        (f"{PROPS}::test_agrees_with_independent_float64",),
+    ),
+    Mutation(
+        "online_softmax_no_rescale",
+        FUNC,
+        "rescale = torch.exp(row_max - safe_max)",
+        "rescale = torch.ones_like(row_max)",
+        (f"{PROPS}::test_chunked_equals_materialised_for_every_block_size",),
+    ),
+    Mutation(
+        "valid_lens_2d_off_by_one",
+        MASKS,
+        "return (keys < lens).expand(valid_lens.shape[0], num_queries, num_keys)",
+        "return (keys <= lens - (valid_lens.dim() == 1)).expand("
+        "valid_lens.shape[0], num_queries, num_keys)",
+        (f"{PROPS}::test_valid_lens_forms_and_masks_agree",),
+    ),
+    Mutation(
+        "mask_read_reversed",
+        FUNC,
+        "        bm = ~_key_block(p.bool_mask, start, stop, Tk)",
+        "        bm = ~_key_block(p.bool_mask, start, stop, Tk).flip(-1)",
+        (f"{PROPS}::test_permuting_key_value_pairs_changes_nothing",),
+    ),
+    Mutation(
+        "gqa_tiled",
+        FUNC,
+        "        key = key.repeat_interleave(h // g, dim=-3)",
+        "        key = key.repeat(*([1] * (key.dim() - 3)), h // g, 1, 1)",
+        (
+            f"{PROPS}::test_gqa_equals_expanded_heads",
+            f"{LAYERS}::test_mha_equals_heads_one_by_one",
+            f"{LAYERS}::test_gqa_module_equals_mha_with_repeated_kv_heads",
+        ),
+    ),
+    Mutation(
+        "softmax_over_queries",
+        FUNC,
+        "    row_max = scores.amax(dim=-1, keepdim=True)",
+        "    scores = scores.transpose(-1, -2) if scores.shape[-1] == scores.shape[-2] else scores"
+        "\n    row_max = scores.amax(dim=-1, keepdim=True)",
+        (f"{PROPS}::test_rows_depend_only_on_their_own_query",),
+    ),
+    Mutation(
+        "transpose_qkv_bare_reshape",
+        FUNC,
+        "return X.reshape(B, T, num_heads, H // num_heads).permute(0, 2, 1, 3)  # (B, h, T, Dh)",
+        "return X.reshape(B, num_heads, T, H // num_heads)",
+        (
+            f"{PROPS}::test_transpose_output_inverts_transpose_qkv",
+            f"{LAYERS}::test_self_attention_is_permutation_equivariant",
+            f"{LAYERS}::test_mha_permuting_key_value_pairs_changes_nothing",
+        ),
+    ),
+    Mutation(
+        "sin_cos_swapped",
+        POS,
+        "P[:, 0::2] = torch.sin(angles)",
+        "P[:, 0::2] = torch.cos(angles)",
+        (f"{LAYERS}::test_sinusoidal_offset_is_one_rotation",),
+    ),
+    Mutation(
+        "nadaraya_watson_unnormalised",
+        FUNC,
+        "weights = torch.softmax(-(diffs**2) / 2, dim=-1)",
+        "weights = torch.softmax(-(diffs**2) / 2, dim=-2)",
+        (f"{LAYERS}::test_nadaraya_watson_predictions_lie_within_targets",),
+    ),
+    Mutation(
+        "nadaraya_watson_linear_kernel",
+        FUNC,
+        "weights = torch.softmax(-(diffs**2) / 2, dim=-1)",
+        "weights = torch.softmax(-diffs / 2, dim=-1)",
+        (f"{LAYERS}::test_nadaraya_watson_large_width_is_nearest_neighbour",),
+    ),
+    Mutation(
+        "sdpa_gradient_detached_denominator",
+        FUNC,
+        "    return e / total.masked_fill(total == 0, 1.0)",
+        "    return e / total.masked_fill(total == 0, 1.0).detach()",
+        (
+            f"{LAYERS}::test_sdpa_gradcheck",
+            f"{LAYERS}::test_masked_softmax_gradcheck",
+            f"{LAYERS}::test_additive_attention_gradcheck",
+        ),
+    ),
+    Mutation(
+        "d2l_masked_softmax_gradient_detached",
+        FUNC,
+        "    return torch.softmax(masked.reshape(B, Tq, Tk), dim=-1)",
+        "    return torch.softmax(masked.reshape(B, Tq, Tk).detach(), dim=-1) + 0 * X",
+        (f"{LAYERS}::test_masked_softmax_gradcheck",),
+    ),
+    Mutation(
+        "additive_features_detached",
+        FUNC,
+        "features = torch.tanh(q.unsqueeze(2) + k.unsqueeze(1))  # (B, Tq, Tk, H)",
+        "features = torch.tanh(q.unsqueeze(2) + k.unsqueeze(1).detach())  # (B, Tq, Tk, H)",
+        (f"{LAYERS}::test_additive_attention_gradcheck",),
+    ),
+]
+
+
+def run(mutation: Mutation, scratch: Path) -> dict[str, bool]:
+    """Apply ``mutation`` in ``scratch`` and report, per test, whether it failed."""
+    target = scratch / mutation.file
+    original = target.read_text()
+    if original.count(mutation.old) != 1:
+        raise SystemExit(f"{mutation.name}: the line to mutate is not found exactly once")
+    target.write_text(original.replace(mutation.old, mutation.new))
+    try:
+        caught = {}
+        env = os.environ | {"PYTHONPATH": str(scratch / "src"), "HYPOTHESIS_PROFILE": "ci"}
+        for test in mutation.tests:
+            proc = subprocess.run(
+                [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", test],
+                cwd=scratch,
+                env=env,
+                capture_output=True,
+                text=True,
+            )
+            caught[test] = proc.returncode == 1
+        return caught
+    finally:
+        target.write_text(original)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("-k", default="", help="only mutations whose name contains this")
+    args = parser.parse_args()
+    chosen = [m for m in MUTATIONS if args.k in m.name]
+    all_caught = True
+    with tempfile.TemporaryDirectory() as tmp:
+        scratch = Path(tmp) / "repo"
+        shutil.copytree(ROOT, scratch, ignore=shutil.ignore_patterns(".venv", ".git", ".*cache*"))
+        shutil.rmtree(scratch / ".hypothesis", ignore_errors=True)
+        where = subprocess.run(
+            [sys.executable, "-c", "import attnref; print(attnref.__file__)"],
+            env=os.environ | {"PYTHONPATH": str(scratch / "src")},
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        if not where.startswith(str(scratch)):
+            raise SystemExit(f"the scratch copy is not the attnref imported: {where}")
+        for m in chosen:
+            caught = run(m, scratch)
+            for test, ok in caught.items():
+                all_caught &= ok
+                mark = "FAILED as it should" if ok else "NOT CAUGHT"
+                print(f"{m.name:<38} {test.split('::')[1]:<58} {mark}", flush=True)
+    print("every mutation caught" if all_caught else "some mutation was NOT caught")
+    return 0 if all_caught else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
