@@ -45,6 +45,17 @@ def test_sdpa_returns_zeros_for_a_query_with_no_visible_key() -> None:
     assert torch.isfinite(out).all()
 
 
+def test_safe_softmax_gradient_is_finite_with_an_empty_row() -> None:
+    X = torch.randn(2, 4, requires_grad=True)
+    additive = torch.tensor([[0.0, float("-inf"), 0.0, 0.0], [float("-inf")] * 4])
+    w = F.safe_softmax(X + additive)
+    assert torch.equal(w[1], torch.zeros(4))
+    (w * torch.randn(2, 4)).sum().backward()
+    assert X.grad is not None
+    assert torch.isfinite(X.grad).all()
+    assert torch.equal(X.grad[1], torch.zeros(4))
+
+
 def test_sdpa_is_causal_with_mask_requires_both() -> None:
     q = k = v = torch.randn(1, 1, 3, 4)
     mask = torch.tensor([True, False, True])

@@ -41,9 +41,16 @@ MUTATIONS = [
     Mutation(
         "empty_row_nan",
         FUNC,
-        "row_max = row_max.masked_fill(row_max == _NEG_INF, 0.0)  # empty row: exp(-inf) = 0",
-        "pass",
+        "    if not empty.any():",
+        "    if True:",
         (f"{PROPS}::test_weights_are_probabilities_over_visible_keys",),
+    ),
+    Mutation(
+        "empty_row_nan_in_backward",
+        FUNC,
+        "weights = torch.softmax(scores.masked_fill(empty, 0.0), dim=-1)",
+        "weights = torch.softmax(scores, dim=-1)",
+        ("tests/test_functional.py::test_safe_softmax_gradient_is_finite_with_an_empty_row",),
     ),
     Mutation(
         "masked_value_nan_leaks",
@@ -151,15 +158,18 @@ MUTATIONS = [
         (f"{LAYERS}::test_nadaraya_watson_large_width_is_nearest_neighbour",),
     ),
     Mutation(
-        "sdpa_gradient_detached_denominator",
+        "sdpa_key_gradient_dropped",
         FUNC,
-        "    return e / total.masked_fill(total == 0, 1.0)",
-        "    return e / total.masked_fill(total == 0, 1.0).detach()",
-        (
-            f"{LAYERS}::test_sdpa_gradcheck",
-            f"{LAYERS}::test_masked_softmax_gradcheck",
-            f"{LAYERS}::test_additive_attention_gradcheck",
-        ),
+        "scores = p.q @ k.transpose(-2, -1)  # (*batch, h, Tq, block); q is pre-scaled",
+        "scores = p.q @ k.detach().transpose(-2, -1)",
+        (f"{LAYERS}::test_sdpa_gradcheck",),
+    ),
+    Mutation(
+        "safe_softmax_gradient_detached",
+        FUNC,
+        "        scores = scores.masked_fill(hidden, _NEG_INF)\n    return _softmax_rows",
+        "        scores = scores.masked_fill(hidden, _NEG_INF).detach()\n    return _softmax_rows",
+        (f"{LAYERS}::test_masked_softmax_gradcheck",),
     ),
     Mutation(
         "d2l_masked_softmax_gradient_detached",

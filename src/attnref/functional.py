@@ -86,15 +86,24 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
 # --------------------------------------------------------------------------- softmax
 
 
-def _softmax_rows(scores: Tensor) -> Tensor:
-    """Softmax over the last axis in which a row of all ``-inf`` becomes all zeros."""
+def _softmax_rows(scores: Tensor, hidden: Tensor | None) -> Tensor:
+    """Softmax over the last axis; a row whose keys are all ``hidden`` becomes all zeros.
+
+    ``hidden`` (``True`` = hidden, broadcastable to ``scores``) must cover every ``-inf``
+    in ``scores``. Empty rows get finite scores before the softmax and zeros after: the
+    softmax of a row of ``-inf`` is NaN, and its backward pass would send that NaN into
+    the gradient of whatever produced the scores (``X + additive_mask`` given to
+    :func:`safe_softmax`), even though the output itself is replaced by zeros.
+    """
     if scores.shape[-1] == 0:
         return scores.clone()
-    row_max = scores.amax(dim=-1, keepdim=True)
-    row_max = row_max.masked_fill(row_max == _NEG_INF, 0.0)  # empty row: exp(-inf) = 0
-    e = torch.exp(scores - row_max)
-    total = e.sum(dim=-1, keepdim=True)
-    return e / total.masked_fill(total == 0, 1.0)
+    if hidden is None:
+        return torch.softmax(scores, dim=-1)
+    empty = hidden.all(dim=-1, keepdim=True)  # (..., 1): queries with no visible key
+    if not empty.any():
+        return torch.softmax(scores, dim=-1)
+    weights = torch.softmax(scores.masked_fill(empty, 0.0), dim=-1)
+    return weights.masked_fill(empty, 0.0)
 
 
 @checked
@@ -114,10 +123,12 @@ def safe_softmax(
     Raises:
         ValueError: ``mask`` does not broadcast to ``scores``.
     """
+    hidden = scores == _NEG_INF
     if mask is not None:
         _check_broadcast("mask", mask.shape, scores.shape)
-        scores = scores.masked_fill(~mask, _NEG_INF)
-    return _softmax_rows(scores)
+        hidden = hidden | ~mask
+        scores = scores.masked_fill(hidden, _NEG_INF)
+    return _softmax_rows(scores, hidden)
 
 
 @checked
@@ -266,13 +277,12 @@ def expand_kv_heads(
 class _Problem:
     """Validated, normalised inputs shared by the materialised and the chunked paths."""
 
-    q: Tensor  # (*batch, h, Tq, Dh), compute dtype
+    q: Tensor  # (*batch, h, Tq, Dh), compute dtype, multiplied by the scale
     k: Tensor  # (*batch, h, Tk, Dh), compute dtype, kv heads expanded
     v: Tensor  # (*batch, h, Tk, Dv), compute dtype, kv heads expanded
     bool_mask: Tensor | None  # broadcastable to (*batch, h, Tq, Tk), True = visible
     float_mask: Tensor | None  # broadcastable, added to scores, compute dtype
     causal_offset: int | None  # query i sees key j iff j <= i + offset
-    scale: float
     out_dtype: torch.dtype
 
 
@@ -323,14 +333,14 @@ def _prepare(
             bool_mask = attn_mask
         else:
             float_mask = attn_mask.to(ctype)
+    scale = default_scale(query.shape[-1]) if scale is None else scale
     return _Problem(
-        q=query.to(ctype),
+        q=query.to(ctype) * scale,  # scaling Q (Tq x Dh) is cheaper than the scores (Tq x Tk)
         k=key.to(ctype),
         v=value.to(ctype),
         bool_mask=bool_mask,
         float_mask=float_mask,
         causal_offset=causal_offset(Tq, Tk, causal_alignment) if is_causal else None,
-        scale=default_scale(query.shape[-1]) if scale is None else scale,
         out_dtype=query.dtype,
     )
 
@@ -350,7 +360,7 @@ def _masked_scores(p: _Problem, start: int, stop: int) -> tuple[Tensor, Tensor |
     """
     Tq, Tk = p.q.shape[-2], p.k.shape[-2]
     k = p.k[..., start:stop, :]
-    scores = (p.q @ k.transpose(-2, -1)) * p.scale  # (*batch, h, Tq, block)
+    scores = p.q @ k.transpose(-2, -1)  # (*batch, h, Tq, block); q is pre-scaled
     hidden: Tensor | None = None
     if p.float_mask is not None:
         fm = _key_block(p.float_mask, start, stop, Tk)
@@ -501,7 +511,7 @@ def scaled_dot_product_attention(
     p = _prepare(query, key, value, attn_mask, is_causal, scale, enable_gqa, causal_alignment)
     Tk = p.k.shape[-2]
     scores, hidden = _masked_scores(p, 0, Tk)  # (*batch, h, Tq, Tk)
-    weights = _softmax_rows(scores)
+    weights = _softmax_rows(scores, hidden)
     dropped = _dropout(weights, dropout_p, generator, dropout_mask)
     out = (dropped @ _values_block(p, 0, Tk, hidden)).to(p.out_dtype)  # (*batch, h, Tq, Dv)
     if return_weights:
