@@ -21,16 +21,15 @@ from attnref import set_checking
 torch.set_num_threads(2)
 
 
-def _qkv(
-    B: int, h: int, T: int, Dh: int, dtype: torch.dtype = torch.float32
-) -> tuple[torch.Tensor, ...]:
+def _qkv(shape: tuple[int, int, int, int]) -> tuple[torch.Tensor, ...]:
+    """Float32 query, key and value of shape ``(B, h, T, Dh)``."""
     gen = torch.Generator().manual_seed(0)
-    return tuple(torch.randn(B, h, T, Dh, generator=gen, dtype=dtype) for _ in range(3))
+    return tuple(torch.randn(shape, generator=gen) for _ in range(3))
 
 
 # ------------------------------------------------- reference vs torch, same shapes
 
-SHAPE = {"B": 2, "h": 8, "T": 512, "Dh": 64}
+SHAPE = (2, 8, 512, 64)  # (B, h, T, Dh)
 
 
 def _torch_math(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -48,7 +47,7 @@ SDPA_IMPLS: dict[str, Callable[..., torch.Tensor]] = {
 @pytest.mark.benchmark(group="sdpa fp32 B=2 h=8 T=512 Dh=64")
 @pytest.mark.parametrize("impl", list(SDPA_IMPLS))
 def test_sdpa(benchmark: Any, impl: str) -> None:
-    q, k, v = _qkv(**SHAPE)
+    q, k, v = _qkv(SHAPE)
     out = benchmark(SDPA_IMPLS[impl], q, k, v)
     assert out.shape == q.shape
 
@@ -56,7 +55,7 @@ def test_sdpa(benchmark: Any, impl: str) -> None:
 @pytest.mark.benchmark(group="sdpa fp32 causal B=2 h=8 T=512 Dh=64")
 @pytest.mark.parametrize("impl", list(SDPA_IMPLS))
 def test_sdpa_causal(benchmark: Any, impl: str) -> None:
-    q, k, v = _qkv(**SHAPE)
+    q, k, v = _qkv(SHAPE)
     fn = SDPA_IMPLS[impl]
     if impl == "torch_math[baseline]":
 
@@ -73,14 +72,14 @@ def test_sdpa_causal(benchmark: Any, impl: str) -> None:
 
 # ------------------------------------------------------- cost of runtime checking
 
-SMALL = {"B": 1, "h": 2, "T": 16, "Dh": 8}
+SMALL = (1, 2, 16, 8)  # (B, h, T, Dh)
 UNCHECKED = inspect.unwrap(F.scaled_dot_product_attention)
 
 
 @pytest.mark.benchmark(group="runtime checking, B=1 h=2 T=16 Dh=8")
 @pytest.mark.parametrize("mode", ["unwrapped[baseline]", "checking_off", "checking_on"])
 def test_checking_cost(benchmark: Any, mode: str) -> None:
-    q, k, v = _qkv(**SMALL)
+    q, k, v = _qkv(SMALL)
     fn = UNCHECKED if mode.startswith("unwrapped") else F.scaled_dot_product_attention
     set_checking(mode == "checking_on")
     try:

@@ -50,7 +50,7 @@ def test_safe_softmax_gradient_is_finite_with_an_empty_row() -> None:
     additive = torch.tensor([[0.0, float("-inf"), 0.0, 0.0], [float("-inf")] * 4])
     w = F.safe_softmax(X + additive)
     assert torch.equal(w[1], torch.zeros(4))
-    (w * torch.randn(2, 4)).sum().backward()
+    (w * torch.randn(2, 4)).sum().backward()  # type: ignore[no-untyped-call]
     assert X.grad is not None
     assert torch.isfinite(X.grad).all()
     assert torch.equal(X.grad[1], torch.zeros(4))
