@@ -7,7 +7,7 @@ pull a multi-GB CUDA build.
 
 import nox
 
-nox.options.sessions = ["tests", "typecheck", "lint", "docs"]
+nox.options.sessions = ["tests", "typecheck", "lint", "docs"]  # `bench` on request
 nox.options.reuse_existing_virtualenvs = True
 
 TORCH = "torch==2.13.0"
@@ -45,3 +45,10 @@ def docs(session: nox.Session) -> None:
     """Build the documentation strictly (warnings are errors)."""
     _install(session, "dev")
     session.run("mkdocs", "build", "--strict", *session.posargs)
+
+
+@nox.session
+def bench(session: nox.Session) -> None:
+    """CPU benchmarks (pytest-benchmark) with median ratios side by side."""
+    _install(session, "test")
+    session.run("pytest", "benchmarks", *session.posargs)

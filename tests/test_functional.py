@@ -39,10 +39,18 @@ def test_sdpa_returns_zeros_for_a_query_with_no_visible_key() -> None:
     q, k, v = torch.randn(1, 1, 3, 4), torch.randn(1, 1, 5, 4), torch.randn(1, 1, 5, 2)
     mask = torch.ones(3, 5, dtype=torch.bool)
     mask[1] = False
+    q.requires_grad_()
+    k.requires_grad_()
     out, w = F.scaled_dot_product_attention(q, k, v, mask, return_weights=True)
     assert torch.equal(out[0, 0, 1], torch.zeros(2))
     assert torch.equal(w[0, 0, 1], torch.zeros(5))
     assert torch.isfinite(out).all()
+    out.sum().backward()  # type: ignore[no-untyped-call]
+    assert q.grad is not None
+    assert k.grad is not None
+    assert torch.isfinite(q.grad).all()
+    assert torch.isfinite(k.grad).all()
+    assert torch.equal(q.grad[0, 0, 1], torch.zeros(4))
 
 
 def test_safe_softmax_gradient_is_finite_with_an_empty_row() -> None:

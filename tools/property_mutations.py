@@ -41,15 +41,15 @@ MUTATIONS = [
     Mutation(
         "empty_row_nan",
         FUNC,
-        "    if not empty.any():",
-        "    if True:",
+        "    return weights if empty is None else weights.masked_fill(empty, 0.0)",
+        "    return weights",
         (f"{PROPS}::test_weights_are_probabilities_over_visible_keys",),
     ),
     Mutation(
         "empty_row_nan_in_backward",
         FUNC,
-        "weights = torch.softmax(scores.masked_fill(empty, 0.0), dim=-1)",
-        "weights = torch.softmax(scores, dim=-1)",
+        "        scores = scores.masked_fill(empty, 0.0)",
+        "        pass",
         ("tests/test_functional.py::test_safe_softmax_gradient_is_finite_with_an_empty_row",),
     ),
     Mutation(
@@ -120,9 +120,8 @@ MUTATIONS = [
     Mutation(
         "softmax_over_queries",
         FUNC,
-        "    row_max = scores.amax(dim=-1, keepdim=True)",
-        "    scores = scores.transpose(-1, -2) if scores.shape[-1] == scores.shape[-2] else scores"
-        "\n    row_max = scores.amax(dim=-1, keepdim=True)",
+        "    weights = torch.softmax(scores, dim=-1)",
+        "    weights = torch.softmax(scores, dim=-2)",
         (f"{PROPS}::test_rows_depend_only_on_their_own_query",),
     ),
     Mutation(

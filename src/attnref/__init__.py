@@ -1,7 +1,7 @@
 """attnref: a shape-checked, typed reference implementation of attention and the Transformer.
 
-Start with :func:`attnref.functional.scaled_dot_product_attention` (a drop-in for torch's),
-:mod:`attnref.masks` and :class:`attnref.layers.MultiHeadAttention`;
+Start with `attnref.functional.scaled_dot_product_attention` (a drop-in for torch's),
+`attnref.masks` and `attnref.layers.MultiHeadAttention`;
 ``attnref audit`` compares any SDPA-compatible backend with the float64 reference.
 """
 

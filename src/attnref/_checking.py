@@ -1,7 +1,7 @@
 """The one runtime-checking mechanism of attnref, and the dimension glossary.
 
 Every function or ``forward`` that takes or returns a tensor is decorated with
-:func:`checked`: its jaxtyping annotations (dtype and shape) are enforced by beartype on
+`checked`: its jaxtyping annotations (dtype and shape) are enforced by beartype on
 every call, and the dimension names bind consistently across the arguments and the
 return value of that one call.
 
@@ -27,7 +27,7 @@ A leading ``*batch`` stands for any number of leading batch dims, a leading ``#`
 dim that may be 1 and broadcast.
 
 Checking is on by default. ``JAXTYPING_DISABLE=1`` in the environment, or
-:func:`set_checking(False) <set_checking>` at run time, turns every checked function into a
+`set_checking(False)` at run time, turns every checked function into a
 plain call (one attribute lookup of overhead): benchmarks use it.
 """
 
@@ -42,7 +42,7 @@ __all__ = ["CHECKED_ATTR", "checked", "checking_enabled", "set_checking"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-#: Attribute set on every function that went through :func:`checked`; the test suite
+#: Attribute set on every function that went through `checked`; the test suite
 #: walks the package and fails on any public tensor function that lacks it.
 CHECKED_ATTR = "__attnref_checked__"
 

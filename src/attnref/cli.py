@@ -51,7 +51,9 @@ def _parser() -> argparse.ArgumentParser:
     a.add_argument("--json", metavar="PATH", help="also write the JSON report to PATH")
     a.add_argument("--timeout", type=float, default=60.0, help="seconds allowed per case")
     a.add_argument("--list-backends", action="store_true", help="list built-in backends")
-    a.add_argument("--no-progress", action="store_true", help="no progress bar")
+    a.add_argument(
+        "--no-progress", action="store_true", help="no progress bar (none when not a terminal)"
+    )
     a.add_argument("--verbose", "-v", action="store_true", help="tracebacks and skip reasons")
     return parser
 
@@ -86,7 +88,7 @@ def _audit(args: argparse.Namespace) -> int:
         device=device,
         dtypes=dtypes,
         timeout=args.timeout,
-        progress=not args.no_progress,
+        progress=not args.no_progress and sys.stderr.isatty(),
     )
     print(report.format_table(verbose=args.verbose))
     if args.json:

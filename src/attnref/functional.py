@@ -2,14 +2,14 @@
 
 Notation (D2L, Annotated Transformer): queries ``Q``, keys ``K``, values ``V``; attention
 is ``softmax(Q K^T * scale + mask) V`` with the softmax taken over **keys** (the last
-axis of the scores). Shapes use the glossary of :mod:`attnref._checking`.
+axis of the scores). Shapes use the glossary of `attnref._checking`.
 
 Semantics pinned down here (ARCHITECTURE.md, "Semantics the reference pins down"):
 
 - boolean masks are ``True`` = may attend; float masks are added to the scores, and a
   ``-inf`` entry hides its key exactly as ``False`` would;
 - a query with no visible key gets weights 0 and output 0 (torch >= 2.5, FlashAttention);
-  only D2L's :func:`masked_softmax` keeps D2L's uniform weights for such a row;
+  only D2L's `masked_softmax` keeps D2L's uniform weights for such a row;
 - a key hidden from every query contributes nothing even if its K or V holds NaN or inf;
 - default scale ``1 / sqrt(Dh)`` (``1`` when ``Dh = 0``: every score is then 0);
 - GQA: query head ``i`` reads key/value head ``i // (h // g)`` (interleaved);
@@ -68,6 +68,8 @@ AttnMask = (
     | Float[Tensor, " #Tk"]
     | None
 )
+"""A mask for the SDPA-shaped functions: boolean (``True`` = may attend) or float (added to
+the scores, ``-inf`` hides), broadcastable to ``(*batch, h, Tq, Tk)``."""
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -93,17 +95,17 @@ def _softmax_rows(scores: Tensor, hidden: Tensor | None) -> Tensor:
     in ``scores``. Empty rows get finite scores before the softmax and zeros after: the
     softmax of a row of ``-inf`` is NaN, and its backward pass would send that NaN into
     the gradient of whatever produced the scores (``X + additive_mask`` given to
-    :func:`safe_softmax`), even though the output itself is replaced by zeros.
+    `safe_softmax`), even though the output itself is replaced by zeros.
     """
     if scores.shape[-1] == 0:
         return scores.clone()
-    if hidden is None:
-        return torch.softmax(scores, dim=-1)
-    empty = hidden.all(dim=-1, keepdim=True)  # (..., 1): queries with no visible key
-    if not empty.any():
-        return torch.softmax(scores, dim=-1)
-    weights = torch.softmax(scores.masked_fill(empty, 0.0), dim=-1)
-    return weights.masked_fill(empty, 0.0)
+    empty = None if hidden is None else hidden.all(dim=-1, keepdim=True)  # (..., 1)
+    if empty is not None and not empty.any():
+        empty = None  # no query without a visible key: skip two passes
+    if empty is not None:
+        scores = scores.masked_fill(empty, 0.0)
+    weights = torch.softmax(scores, dim=-1)
+    return weights if empty is None else weights.masked_fill(empty, 0.0)
 
 
 @checked
@@ -137,10 +139,10 @@ def masked_softmax(
 ) -> Float[Tensor, "B Tq Tk"]:
     """D2L's ``masked_softmax``, faithful to the book.
 
-    Scores of keys ``j >= valid_len`` are replaced by ``-1e6`` (:data:`D2L_MASK_VALUE`)
+    Scores of keys ``j >= valid_len`` are replaced by ``-1e6`` (`D2L_MASK_VALUE`)
     before an ordinary softmax over the last axis. Because the fill is finite, a row whose
     valid length is 0 becomes **uniform** over all keys, not zero: D2L's behaviour, kept
-    here on purpose. Use :func:`safe_softmax` for the library's semantics.
+    here on purpose. Use `safe_softmax` for the library's semantics.
 
     Args:
         X: scores.
@@ -234,7 +236,7 @@ def transpose_qkv(X: Float[Tensor, "B T H"], num_heads: int) -> Float[Tensor, "B
 
 @checked
 def transpose_output(X: Float[Tensor, "Bh T Dh"], num_heads: int) -> Float[Tensor, "B T H"]:
-    """D2L's ``transpose_output``, the inverse of :func:`transpose_qkv`.
+    """D2L's ``transpose_output``, the inverse of `transpose_qkv`.
 
     Raises:
         ValueError: the leading dim is not a multiple of ``num_heads``.
@@ -533,7 +535,7 @@ def chunked_attention(
     causal_alignment: Alignment = "top_left",
     block_size: int = 512,
 ) -> Float[Tensor, "*batch h Tq Dv"]:
-    """:func:`scaled_dot_product_attention` computed over blocks of keys (online softmax).
+    """`scaled_dot_product_attention` computed over blocks of keys (online softmax).
 
     Keys are visited ``block_size`` at a time. A running row max ``m``, running
     denominator ``l`` and running output ``acc`` are rescaled whenever the max grows
@@ -547,7 +549,7 @@ def chunked_attention(
     supported.
 
     Raises:
-        ValueError: as :func:`scaled_dot_product_attention`; ``block_size < 1``;
+        ValueError: as `scaled_dot_product_attention`; ``block_size < 1``;
             ``dropout_p != 0``.
     """
     if block_size < 1:
@@ -587,7 +589,7 @@ def nadaraya_watson(
 
     ``f(x) = sum_i softmax_i(-((x - x_i) w)^2 / 2) y_i``: queries ``x``, keys ``x_i`` (the
     training inputs), values ``y_i``. ``w = 1`` is the non-parametric estimator; a learnable
-    ``w`` (see :class:`attnref.layers.NadarayaWatson`) sets the kernel's width ``1 / w``.
+    ``w`` (see `attnref.layers.NadarayaWatson`) sets the kernel's width ``1 / w``.
 
     Returns:
         The predictions and the weights ``(*batch, Tq, Tk)``.

@@ -63,7 +63,7 @@ def causal_block(
 
     The one place the causal diagonal is computed: a full mask is the block ``0 .. Tk``;
     chunked attention asks for one block at a time (``Tk`` is then the block's width).
-    Query ``i`` sees key ``j`` iff ``j <= i + offset`` (see :func:`causal_offset`).
+    Query ``i`` sees key ``j`` iff ``j <= i + offset`` (see `causal_offset`).
     """
     rows = torch.arange(num_queries, device=device).unsqueeze(-1)  # (Tq, 1)
     cols = torch.arange(start, stop, device=device)  # (stop - start,)

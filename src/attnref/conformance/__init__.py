@@ -1,6 +1,6 @@
 """The conformance suite: audit any SDPA-compatible backend against the float64 reference.
 
-``audit(resolve_backend("torch-sdpa"))`` returns an :class:`AuditReport`;
+``audit(resolve_backend("torch-sdpa"))`` returns an `AuditReport`;
 ``attnref audit --backend module:function`` does the same from the command line.
 """
 

@@ -162,7 +162,7 @@ def _check_signature(fn: object, spec: str) -> SDPA:
 def resolve_backend(spec: str) -> Backend:
     """A built-in backend by name, or ``module:function`` for any SDPA-compatible callable.
 
-    A callable may carry a ``capabilities`` attribute (:class:`Capabilities`) declaring
+    A callable may carry a ``capabilities`` attribute (`Capabilities`) declaring
     what it supports.
 
     Raises:

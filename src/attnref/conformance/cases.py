@@ -1,7 +1,7 @@
 """Audit cases: a declarative description of one SDPA call, and how to build its inputs.
 
-A :class:`Case` is plain data (shapes, flags, a seed), so a failure can be printed as a
-reproducer and a case list can be stored in a report. :func:`build` turns it into
+A `Case` is plain data (shapes, flags, a seed), so a failure can be printed as a
+reproducer and a case list can be stored in a report. `build` turns it into
 tensors on a device in a dtype.
 """
 

@@ -6,9 +6,9 @@ to the case's dtype, then upcast). A backend's output passes when
     max|out - oracle|  <= max(floor, FUDGE * max|reference_same_dtype - oracle|)
     mean|out - oracle| <= max(floor, FUDGE * mean|reference_same_dtype - oracle|)
 
-with ``floor = max(atol[dtype], eps * kappa * max|V|)`` (:func:`error_floor`), and it has
+with ``floor = max(atol[dtype], eps * kappa * max|V|)`` (`error_floor`), and it has
 no NaN or inf where the oracle is finite. Constants and the reasoning behind the floor:
-:mod:`attnref.tolerances`.
+`attnref.tolerances`.
 """
 
 from dataclasses import dataclass
@@ -44,7 +44,7 @@ def error_floor(inputs: Inputs) -> float:
     """``max(atol[dtype], eps * kappa * max|V|)``: the error no correct backend can avoid.
 
     ``kappa = scale * max_ij sum_d |q_id| |k_jd|`` bounds how far rounding the dot
-    products can move a score (see :mod:`attnref.tolerances`).
+    products can move a score (see `attnref.tolerances`).
     """
     dtype = inputs.query.dtype
     q, k, v = (t.detach().to(torch.float64).abs() for t in (inputs.query, inputs.key, inputs.value))

@@ -1,4 +1,4 @@
-"""Thin ``nn.Module``s over :mod:`attnref.functional`."""
+"""Thin ``nn.Module``s over `attnref.functional`."""
 
 from attnref.layers.attention import (
     AdditiveAttention,

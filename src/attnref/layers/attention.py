@@ -1,4 +1,4 @@
-"""Attention modules: thin ``nn.Module``s that hold parameters and call :mod:`attnref.functional`.
+"""Attention modules: thin ``nn.Module``s that hold parameters and call `attnref.functional`.
 
 Where Q, K and V come from: each module takes queries, keys and values as given; in
 self-attention the caller passes the same sequence three times, in cross-attention the
