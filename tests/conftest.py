@@ -7,6 +7,9 @@
 
 import os
 
+# Before anything imports attnref: check the private helpers' shape contracts too.
+os.environ.setdefault("ATTNREF_CHECK_INTERNALS", "1")
+
 from hypothesis import HealthCheck, settings
 
 settings.register_profile(

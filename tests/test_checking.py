@@ -2,7 +2,10 @@
 
 import importlib
 import inspect
+import os
 import pkgutil
+import subprocess
+import sys
 import types
 import typing
 from collections.abc import Callable, Iterator
@@ -93,3 +96,37 @@ def test_checking_can_be_switched_off_and_on() -> None:
         set_checking(True)
     with pytest.raises(TypeCheckError):
         F.scaled_dot_product_attention(*bad)
+
+
+def test_the_suite_checks_private_helpers_too() -> None:
+    from attnref._checking import CHECK_INTERNALS
+
+    assert CHECK_INTERNALS, "tests/conftest.py sets ATTNREF_CHECK_INTERNALS=1 before import"
+    assert getattr(F._softmax_rows, CHECKED_ATTR, False)
+    with pytest.raises(TypeCheckError, match="parameter 'scores'"):
+        F._softmax_rows(torch.ones(3, 4, dtype=torch.int64), None)
+
+
+@pytest.mark.parametrize(
+    ("env", "expected"),
+    [
+        ({"JAXTYPING_DISABLE": "1"}, "checking=False internals=False"),
+        ({"ATTNREF_CHECK_INTERNALS": "0"}, "checking=True internals=False"),
+        ({"ATTNREF_CHECK_INTERNALS": "1"}, "checking=True internals=True"),
+    ],
+)
+def test_environment_switches(env: dict[str, str], expected: str) -> None:
+    code = (
+        "import attnref, attnref.functional as F; "
+        "print(f'checking={attnref.checking_enabled()} '"
+        "f'internals={hasattr(F._softmax_rows, \"__attnref_checked__\")}')"
+    )
+    clean = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("JAXTYPING_DISABLE", "ATTNREF_CHECK_INTERNALS")
+    }
+    proc = subprocess.run(
+        [sys.executable, "-c", code], env=clean | env, capture_output=True, text=True, check=True
+    )
+    assert proc.stdout.strip() == expected

@@ -29,8 +29,15 @@ dim that may be 1 and broadcast.
 Checking is on by default. ``JAXTYPING_DISABLE=1`` in the environment, or
 `set_checking(False)` at run time, turns every checked function into a
 plain call (one attribute lookup of overhead): benchmarks use it.
+
+Private helpers are annotated too, with :func:`checked_internal`: their inputs were
+checked at the public boundary, so they are re-checked only when
+``ATTNREF_CHECK_INTERNALS=1`` is set before attnref is imported. The test suite sets it,
+so every property-test example also verifies the internal shape contracts, while users
+pay nothing for them.
 """
 
+import os
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -38,7 +45,14 @@ import jaxtyping
 from beartype import beartype
 from jaxtyping import jaxtyped
 
-__all__ = ["CHECKED_ATTR", "checked", "checking_enabled", "set_checking"]
+__all__ = [
+    "CHECKED_ATTR",
+    "CHECK_INTERNALS",
+    "checked",
+    "checked_internal",
+    "checking_enabled",
+    "set_checking",
+]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -56,6 +70,15 @@ def checked(fn: F) -> F:
     wrapped = jaxtyped(typechecker=beartype)(fn)
     setattr(wrapped, CHECKED_ATTR, True)
     return wrapped
+
+
+#: Whether private helpers are checked too (``ATTNREF_CHECK_INTERNALS=1`` at import).
+CHECK_INTERNALS = os.environ.get("ATTNREF_CHECK_INTERNALS", "0") == "1"
+
+
+def checked_internal(fn: F) -> F:
+    """:func:`checked` for private helpers, applied only under ``ATTNREF_CHECK_INTERNALS=1``."""
+    return checked(fn) if CHECK_INTERNALS else fn
 
 
 def checking_enabled() -> bool:

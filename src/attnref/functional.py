@@ -23,10 +23,10 @@ from dataclasses import dataclass
 from typing import Literal, overload
 
 import torch
-from jaxtyping import Bool, Float, Int
+from jaxtyping import Bool, Float, Int, Shaped
 from torch import Tensor
 
-from attnref._checking import checked
+from attnref._checking import checked, checked_internal
 from attnref.masks import (
     Alignment,
     causal_block,
@@ -88,7 +88,10 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
 # --------------------------------------------------------------------------- softmax
 
 
-def _softmax_rows(scores: Tensor, hidden: Tensor | None) -> Tensor:
+@checked_internal
+def _softmax_rows(
+    scores: Float[Tensor, "*batch Tk"], hidden: Bool[Tensor, "*#hbatch #Tk"] | None
+) -> Float[Tensor, "*batch Tk"]:
     """Softmax over the last axis; a row whose keys are all ``hidden`` becomes all zeros.
 
     ``hidden`` (``True`` = hidden, broadcastable to ``scores``) must cover every ``-inf``
@@ -299,11 +302,12 @@ def _check_broadcast(name: str, shape: torch.Size, target: torch.Size) -> None:
         )
 
 
+@checked_internal
 def _prepare(
-    query: Tensor,
-    key: Tensor,
-    value: Tensor,
-    attn_mask: Tensor | None,
+    query: Float[Tensor, "*batch h Tq Dh"],
+    key: Float[Tensor, "*batch g Tk Dh"],
+    value: Float[Tensor, "*batch g Tk Dv"],
+    attn_mask: AttnMask,
     is_causal: bool,
     scale: float | None,
     enable_gqa: bool,
@@ -347,18 +351,24 @@ def _prepare(
     )
 
 
-def _key_block(mask: Tensor, start: int, stop: int, num_keys: int) -> Tensor:
+@checked_internal
+def _key_block(
+    mask: Shaped[Tensor, "*#mbatch #Tk"], start: int, stop: int, num_keys: int
+) -> Shaped[Tensor, "*#mbatch #Tb"]:
     """Columns ``start:stop`` of a mask whose key axis may be broadcast (size 1)."""
     if mask.shape[-1] == 1 and num_keys != 1:
         return mask
     return mask[..., start:stop]
 
 
-def _masked_scores(p: _Problem, start: int, stop: int) -> tuple[Tensor, Tensor | None]:
-    """Scores of every query against keys ``start:stop``, hidden ones set to ``-inf``.
+@checked_internal
+def _masked_scores(
+    p: _Problem, start: int, stop: int
+) -> tuple[Float[Tensor, "*batch h Tq Tb"], Bool[Tensor, "*#hbatch #Tq #Tb"] | None]:
+    """Scores of every query against the ``Tb`` keys ``start:stop``, hidden ones ``-inf``.
 
-    Returns the scores ``(*batch, h, Tq, stop - start)`` and the ``hidden`` mask (``True``
-    = hidden, broadcastable to the scores), or ``None`` when nothing is hidden.
+    Returns the scores and the ``hidden`` mask (``True`` = hidden, broadcastable to the
+    scores), or ``None`` when nothing is hidden.
     """
     Tq, Tk = p.q.shape[-2], p.k.shape[-2]
     k = p.k[..., start:stop, :]
@@ -380,7 +390,10 @@ def _masked_scores(p: _Problem, start: int, stop: int) -> tuple[Tensor, Tensor |
     return scores, hidden
 
 
-def _values_block(p: _Problem, start: int, stop: int, hidden: Tensor | None) -> Tensor:
+@checked_internal
+def _values_block(
+    p: _Problem, start: int, stop: int, hidden: Bool[Tensor, "*#hbatch #Tq #Tb"] | None
+) -> Float[Tensor, "*batch h Tb Dv"]:
     """Values of keys ``start:stop``, zeroed at keys hidden from every query.
 
     ``0 * NaN`` is NaN, so a NaN or inf in the value of a padding key would otherwise
@@ -393,12 +406,13 @@ def _values_block(p: _Problem, start: int, stop: int, hidden: Tensor | None) -> 
     return v.masked_fill(hidden_for_all, 0.0)
 
 
+@checked_internal
 def _dropout(
-    weights: Tensor,
+    weights: Float[Tensor, "*batch Tq Tk"],
     dropout_p: float,
     generator: torch.Generator | None,
-    dropout_mask: Tensor | None,
-) -> Tensor:
+    dropout_mask: Bool[Tensor, "*#dbatch #Tq #Tk"] | None,
+) -> Float[Tensor, "*batch Tq Tk"]:
     if dropout_mask is not None:
         _check_broadcast("dropout_mask", dropout_mask.shape, weights.shape)
         keep = dropout_mask

@@ -35,8 +35,13 @@ def test_weights_are_probabilities_over_visible_keys(case: AttnCase) -> None:
 @given(attention_cases(), st.sampled_from([1.0, float("nan"), float("inf")]), st.integers(0, 99))
 def test_hidden_keys_and_values_never_matter(case: AttnCase, fill: float, seed: int) -> None:
     """Changing K and V at keys no query sees (even to NaN or inf) leaves the output alone;
-    changing K and V at keys hidden from one query leaves that query's row alone."""
-    out = F.scaled_dot_product_attention(case.query, case.key, case.value, **case.kwargs())
+    changing K and V at keys hidden from one query leaves that query's row alone.
+
+    Equality is exact, so every call gets contiguous inputs: a different memory layout
+    may take another BLAS path and round the visible keys' sums differently.
+    """
+    q, key, value = (t.contiguous() for t in (case.query, case.key, case.value))
+    out = F.scaled_dot_product_attention(q, key, value, **case.kwargs())
     visible = case.visible()  # (*batch, h, Tq, Tk)
     group = case.query.shape[-3] // case.key.shape[-3]
     # a kv head is hidden from a (query, key) pair only if hidden from all heads reading it
@@ -47,18 +52,18 @@ def test_hidden_keys_and_values_never_matter(case: AttnCase, fill: float, seed: 
     hidden_for_all = torch.from_numpy(~np.asarray(vis_kv.any(axis=-2)))[
         ..., None
     ]  # (*batch, g, Tk, 1)
-    k2 = torch.where(hidden_for_all, noise, case.key)
-    v2 = torch.where(hidden_for_all, fill, case.value)
-    out2 = F.scaled_dot_product_attention(case.query, k2, v2, **case.kwargs())
+    k2 = torch.where(hidden_for_all, noise, key)
+    v2 = torch.where(hidden_for_all, fill, value)
+    out2 = F.scaled_dot_product_attention(q, k2, v2, **case.kwargs())
     torch.testing.assert_close(out2, out, atol=0, rtol=0)
     if fill != 1.0:
         return
     # one query row: perturb every key that row cannot see, finite values
     i = seed % case.query.shape[-2]
     hidden_for_i = torch.from_numpy(~vis_kv[..., i, :].copy())[..., None]  # (*batch, g, Tk, 1)
-    k3 = torch.where(hidden_for_i, noise, case.key)
-    v3 = torch.where(hidden_for_i, -case.value - 3, case.value)
-    out3 = F.scaled_dot_product_attention(case.query, k3, v3, **case.kwargs())
+    k3 = torch.where(hidden_for_i, noise, key)
+    v3 = torch.where(hidden_for_i, -value - 3, value)
+    out3 = F.scaled_dot_product_attention(q, k3, v3, **case.kwargs())
     torch.testing.assert_close(out3[..., i, :], out[..., i, :], atol=0, rtol=0)
 
 
@@ -155,14 +160,15 @@ def test_permuting_key_value_pairs_changes_nothing(case: AttnCase, data: st.Data
 
 @given(attention_cases(mask_kinds=("none", "causal_top_left", "causal_bottom_right")))
 def test_gqa_equals_expanded_heads(case: AttnCase) -> None:
-    h = case.query.shape[-3]
-    out = F.scaled_dot_product_attention(case.query, case.key, case.value, **case.kwargs())
-    k = F.expand_kv_heads(case.key, h)
-    v = F.expand_kv_heads(case.value, h)
-    g = case.key.shape[-3]
+    h, g = case.query.shape[-3], case.key.shape[-3]
+    # exact equality: same (contiguous) layout in both calls, hence the same BLAS path
+    q, key, value = (t.contiguous() for t in (case.query, case.key, case.value))
+    out = F.scaled_dot_product_attention(q, key, value, **case.kwargs())
+    k = F.expand_kv_heads(key, h)
+    v = F.expand_kv_heads(value, h)
     for i in range(h):  # head i reads kv head i // (h // g), by construction
-        assert torch.equal(k[..., i, :, :], case.key[..., i // (h // g), :, :])
-    expanded = F.scaled_dot_product_attention(case.query, k, v, **case.kwargs())
+        assert torch.equal(k[..., i, :, :], key[..., i // (h // g), :, :])
+    expanded = F.scaled_dot_product_attention(q, k, v, **case.kwargs())
     torch.testing.assert_close(out, expanded, atol=0, rtol=0)
 
 

@@ -10,7 +10,7 @@ from jaxtyping import Bool, Float, Int
 from torch import Tensor, nn
 
 from attnref import functional as F
-from attnref._checking import checked
+from attnref._checking import checked, checked_internal
 from attnref.masks import valid_lens_to_mask
 
 __all__ = ["AdditiveAttention", "DotProductAttention", "MultiHeadAttention", "NadarayaWatson"]
@@ -23,7 +23,10 @@ def _check_dropout(dropout: float) -> None:
         raise ValueError(f"dropout must lie in [0, 1), got {dropout}")
 
 
-def _lens_mask(valid_lens: Tensor | None, num_queries: int, num_keys: int) -> Tensor | None:
+@checked_internal
+def _lens_mask(
+    valid_lens: ValidLens, num_queries: int, num_keys: int
+) -> Bool[Tensor, "B Tq Tk"] | None:
     """``valid_lens`` to a ``(B, Tq, Tk)`` visibility mask, or ``None``."""
     if valid_lens is None:
         return None
