@@ -109,8 +109,8 @@ MUTATIONS = [
     Mutation(
         "gqa_tiled",
         FUNC,
-        "        key = key.repeat_interleave(h // g, dim=-3)",
-        "        key = key.repeat(*([1] * (key.dim() - 3)), h // g, 1, 1)",
+        "    return x.repeat_interleave(num_heads // g, dim=-3)",
+        "    return x.repeat(*([1] * (x.dim() - 3)), num_heads // g, 1, 1)",
         (
             f"{PROPS}::test_gqa_equals_expanded_heads",
             f"{LAYERS}::test_mha_equals_heads_one_by_one",

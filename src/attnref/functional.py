@@ -258,6 +258,16 @@ def _check_gqa(num_heads: int, num_kv_heads: int) -> None:
         )
 
 
+@checked_internal
+def _repeat_kv_heads(
+    x: Float[Tensor, "*batch g Tk D"], num_heads: int
+) -> Float[Tensor, "*batch {num_heads} Tk D"]:
+    """The one place the GQA head mapping is computed (see `expand_kv_heads`)."""
+    g = x.shape[-3]
+    _check_gqa(num_heads, g)
+    return x.repeat_interleave(num_heads // g, dim=-3)
+
+
 @checked
 def expand_kv_heads(
     x: Float[Tensor, "*batch g Tk D"], num_heads: int
@@ -270,9 +280,7 @@ def expand_kv_heads(
     Raises:
         ValueError: ``num_heads`` is not a multiple of ``g``.
     """
-    g = x.shape[-3]
-    _check_gqa(num_heads, g)
-    return x.repeat_interleave(num_heads // g, dim=-3)
+    return _repeat_kv_heads(x, num_heads)
 
 
 # ------------------------------------------------------------------- the SDPA function
@@ -327,9 +335,7 @@ def _prepare(
                 f"key and value have {g} heads but query has {h}; "
                 "pass enable_gqa=True for grouped-query attention"
             )
-        _check_gqa(h, g)
-        key = key.repeat_interleave(h // g, dim=-3)
-        value = value.repeat_interleave(h // g, dim=-3)
+        key, value = _repeat_kv_heads(key, h), _repeat_kv_heads(value, h)
     ctype = compute_dtype(query.dtype)
     scores_shape = torch.Size((*query.shape[:-1], Tk))
     bool_mask = float_mask = None

@@ -61,6 +61,21 @@ class AttnCase:
     enable_gqa: bool = False
     info: dict[str, Any] = field(default_factory=dict)
 
+    def __repr__(self) -> str:
+        """Shapes, strides, flags and seed: the values follow from the seed."""
+
+        def t(x: Tensor | None) -> str:
+            if x is None:
+                return "None"
+            return f"{str(x.dtype).removeprefix('torch.')}{list(x.shape)} stride={x.stride()}"
+
+        return (
+            f"AttnCase(query={t(self.query)}, key={t(self.key)}, value={t(self.value)}, "
+            f"attn_mask={t(self.attn_mask)}, is_causal={self.is_causal}, "
+            f"alignment={self.alignment!r}, scale={self.scale}, enable_gqa={self.enable_gqa}, "
+            f"info={self.info})"
+        )
+
     @property
     def scores_shape(self) -> tuple[int, ...]:
         return (*self.query.shape[:-1], self.key.shape[-2])
@@ -131,7 +146,8 @@ def attention_cases(
 ) -> AttnCase:
     """An SDPA call: odd, prime and unit lengths, Tq != Tk, masks of every form, GQA,
     non-contiguous, offset and stride-0 inputs, "hot" inputs and low precision."""
-    gen = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
+    seed = draw(st.integers(0, 2**31 - 1))
+    gen = torch.Generator().manual_seed(seed)
     batch = tuple(draw(st.lists(st.integers(1, 3), max_size=max_batch_dims)))
     h = draw(st.sampled_from([1, 2, 3, 4, 6]))
     g = draw(st.sampled_from(divisors(h))) if gqa else h
@@ -173,5 +189,5 @@ def attention_cases(
         alignment=alignment,
         scale=scale,
         enable_gqa=g != h,
-        info={"mask": kind, "layout": layout, "amp": amp},
+        info={"mask": kind, "layout": layout, "amp": amp, "seed": seed},
     )

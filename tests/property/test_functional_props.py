@@ -7,14 +7,19 @@ from hypothesis import strategies as st
 
 from attnref import functional as F
 from attnref.masks import valid_lens_to_mask
-from attnref.tolerances import tolerance
+from attnref.tolerances import attention_atol, tolerance
 from tests.naive import f64, naive_attention
 from tests.property.strategies import HALF, MASK_KINDS, AttnCase, attention_cases
 
 
-def assert_close_np(actual: np.ndarray, expected: np.ndarray, dtype: torch.dtype) -> None:
-    tol = tolerance(dtype)
-    np.testing.assert_allclose(actual, expected, atol=tol.atol, rtol=tol.rtol)
+def atol_for(case: AttnCase) -> float:
+    """The dtype's atol, or the rounding bound of the scores on "hot" inputs if larger."""
+    return attention_atol(case.query, case.key, case.value, case.scale)
+
+
+def assert_close_np(actual: np.ndarray, expected: np.ndarray, case: AttnCase) -> None:
+    rtol = tolerance(case.query.dtype).rtol
+    np.testing.assert_allclose(actual, expected, atol=atol_for(case), rtol=rtol)
 
 
 @given(attention_cases())
@@ -75,8 +80,8 @@ def test_agrees_with_independent_float64(case: AttnCase) -> None:
     expected_out, expected_w = naive_attention(case)
     assert out.dtype == case.query.dtype
     assert out.shape == (*case.query.shape[:-1], case.value.shape[-1])
-    assert_close_np(f64(out), expected_out, case.query.dtype)
-    assert_close_np(f64(weights), expected_w, case.query.dtype)
+    assert_close_np(f64(out), expected_out, case)
+    assert_close_np(f64(weights), expected_w, case)
 
 
 @given(attention_cases(dtypes=(torch.float32, *HALF)))
@@ -87,7 +92,7 @@ def test_agrees_with_torch_sdpa(case: AttnCase) -> None:
     )
     tol = tolerance(case.query.dtype)
     # both round once to the output dtype: allow twice the one-rounding tolerance
-    torch.testing.assert_close(ours, theirs, atol=2 * tol.atol, rtol=2 * tol.rtol)
+    torch.testing.assert_close(ours, theirs, atol=2 * atol_for(case), rtol=2 * tol.rtol)
 
 
 @given(attention_cases(dtypes=(torch.float64, torch.float32)), st.data())
@@ -101,7 +106,7 @@ def test_chunked_equals_materialised_for_every_block_size(
         case.query, case.key, case.value, **case.kwargs(), block_size=block
     )
     tol = tolerance(case.query.dtype)
-    torch.testing.assert_close(chunked, full, atol=tol.atol, rtol=tol.rtol)
+    torch.testing.assert_close(chunked, full, atol=atol_for(case), rtol=tol.rtol)
 
 
 @given(
@@ -136,7 +141,9 @@ def test_valid_lens_forms_and_masks_agree(case: AttnCase, data: st.DataObject) -
     torch.testing.assert_close(torch.where(nonempty, uniform, d2l_1d), uniform)
 
 
-@given(attention_cases(), st.data())
+# Metamorphic laws are claims about the function, not about rounding: float64 keeps
+# rounding (which a different summation order changes) far below the tolerance.
+@given(attention_cases(dtypes=(torch.float64,)), st.data())
 def test_permuting_key_value_pairs_changes_nothing(case: AttnCase, data: st.DataObject) -> None:
     Tk = case.key.shape[-2]
     perm = torch.tensor(data.draw(st.permutations(range(Tk)), label="perm"))
@@ -172,7 +179,9 @@ def test_gqa_equals_expanded_heads(case: AttnCase) -> None:
     torch.testing.assert_close(out, expanded, atol=0, rtol=0)
 
 
-@given(attention_cases(mask_kinds=tuple(k for k in MASK_KINDS if k != "none")))
+@given(
+    attention_cases(dtypes=(torch.float64,), mask_kinds=tuple(k for k in MASK_KINDS if k != "none"))
+)
 def test_rows_depend_only_on_their_own_query(case: AttnCase) -> None:
     """Output row i is a function of query i alone: recomputing it by itself changes nothing."""
     out = F.scaled_dot_product_attention(case.query, case.key, case.value, **case.kwargs())

@@ -20,7 +20,7 @@ from torch import Tensor
 from attnref import functional as F
 from attnref._checking import checked
 from attnref.conformance.cases import Inputs
-from attnref.tolerances import FUDGE, score_eps, tolerance
+from attnref.tolerances import FUDGE, attention_atol
 
 __all__ = ["Comparison", "compare", "error_floor", "reference"]
 
@@ -43,19 +43,9 @@ def reference(inputs: Inputs) -> Float[Tensor, "*batch h Tq Dv"]:
 def error_floor(inputs: Inputs) -> float:
     """``max(atol[dtype], eps * kappa * max|V|)``: the error no correct backend can avoid.
 
-    ``kappa = scale * max_ij sum_d |q_id| |k_jd|`` bounds how far rounding the dot
-    products can move a score (see `attnref.tolerances`).
+    See `attnref.tolerances.attention_atol`.
     """
-    dtype = inputs.query.dtype
-    q, k, v = (t.detach().to(torch.float64).abs() for t in (inputs.query, inputs.key, inputs.value))
-    if inputs.enable_gqa:
-        k = k.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3)
-    scale = inputs.scale if inputs.scale is not None else F.default_scale(q.shape[-1])
-    if q.numel() == 0 or k.numel() == 0 or v.numel() == 0:
-        return tolerance(dtype).atol
-    kappa = float((q @ k.transpose(-2, -1)).max()) * abs(scale)
-    conditioning = score_eps(dtype) * kappa * float(v.max())
-    return max(tolerance(dtype).atol, conditioning)
+    return attention_atol(inputs.query, inputs.key, inputs.value, inputs.scale)
 
 
 @dataclass(frozen=True)
