@@ -5,9 +5,11 @@ Run: ``python -m pytest benchmarks`` (``-k chunked`` for the memory benchmark al
 
 import inspect
 import json
+import statistics
 import subprocess
 import sys
 import textwrap
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -68,6 +70,50 @@ def test_sdpa_causal(benchmark: Any, impl: str) -> None:
             return fn(q, k, v, is_causal=True)
 
     assert benchmark(call).shape == q.shape
+
+
+def _interleaved_ratio(
+    a: Callable[[], object], b: Callable[[], object], pairs: int = 40
+) -> tuple[float, float, float]:
+    """Median, first and third quartile of ``time(a) / time(b)`` over alternating pairs.
+
+    Timing a and b in turn (ab, ba, ab, ...) exposes both to the same drift of a shared
+    machine, which separate benchmark loops do not.
+    """
+    for _ in range(3):  # warm-up
+        a()
+        b()
+    ratios = []
+    for i in range(pairs):
+        first, second = (a, b) if i % 2 == 0 else (b, a)
+        t0 = time.perf_counter()
+        first()
+        t1 = time.perf_counter()
+        second()
+        t2 = time.perf_counter()
+        ta, tb = (t1 - t0, t2 - t1) if i % 2 == 0 else (t2 - t1, t1 - t0)
+        ratios.append(ta / tb)
+    q1, median, q3 = statistics.quantiles(ratios, n=4)
+    return median, q1, q3
+
+
+@pytest.mark.benchmark(group="attnref / torch MATH, interleaved pairs, fp32 B=2 h=8 T=512 Dh=64")
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_sdpa_ratio_interleaved(benchmark: Any, causal: bool) -> None:
+    q, k, v = _qkv(SHAPE)
+
+    def ours() -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+    def theirs() -> torch.Tensor:
+        with sdpa_kernel(SDPBackend.MATH):
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+    result: list[tuple[float, float, float]] = []
+    benchmark.pedantic(lambda: result.append(_interleaved_ratio(ours, theirs)), rounds=1)
+    median, q1, q3 = result[0]
+    benchmark.extra_info["ratio_median"] = round(median, 3)
+    benchmark.extra_info["ratio_IQR"] = f"{q1:.3f}-{q3:.3f}"
 
 
 # ------------------------------------------------------- cost of runtime checking

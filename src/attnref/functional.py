@@ -391,8 +391,10 @@ def _masked_scores(
         cm = ~causal_block(Tq, start, stop, p.causal_offset, device=scores.device)
         hidden = cm if hidden is None else hidden | cm
     if hidden is not None:
-        # masked_fill (not +(-inf)) so a NaN or inf score at a hidden key is replaced too
-        scores = scores.masked_fill(hidden, _NEG_INF)
+        # masked_fill (not +(-inf)) so a NaN or inf score at a hidden key is replaced too;
+        # in place: `scores` is this function's own tensor, and matmul's backward needs
+        # only its inputs
+        scores.masked_fill_(hidden, _NEG_INF)
     return scores, hidden
 
 
@@ -409,6 +411,8 @@ def _values_block(
     if hidden is None:
         return v
     hidden_for_all = hidden.all(dim=-2).unsqueeze(-1)  # (..., block, 1)
+    if not hidden_for_all.any():
+        return v  # e.g. causal: every key is seen by some query; no copy of V needed
     return v.masked_fill(hidden_for_all, 0.0)
 
 
