@@ -41,7 +41,6 @@ __all__ = [
     "Tolerance",
     "attention_atol",
     "score_eps",
-    "score_rounding_bound",
     "tolerance",
 ]
 
@@ -84,39 +83,28 @@ def tolerance(dtype: torch.dtype) -> Tolerance:
 
 
 @checked
-def score_rounding_bound(
-    query: Float[Tensor, "*batch h Tq Dh"],
-    key: Float[Tensor, "*batch g Tk Dh"],
-    value: Float[Tensor, "*batch g Tk Dv"],
-    scale: float | None = None,
-) -> float:
-    """``eps * kappa * max|V|``: how far rounding the scores can move an attention output.
-
-    ``kappa = scale * max_ij sum_d |q_id| |k_jd|`` bounds how far rounding a dot product
-    in precision ``eps`` (:func:`score_eps` of the inputs' dtype) moves a score, and the
-    softmax passes a score error on to the output scaled by at most ``max|V|``.
-    Non-finite entries (NaN planted in padding) do not count.
-    """
-    q, k, v = (
-        torch.nan_to_num(t.detach().to(torch.float64), nan=0.0, posinf=0.0, neginf=0.0).abs()
-        for t in (query, key, value)
-    )
-    if q.numel() == 0 or k.numel() == 0 or v.numel() == 0:
-        return 0.0
-    k = expand_kv_heads(k, q.shape[-3])
-    s = default_scale(q.shape[-1]) if scale is None else scale
-    kappa = float((q @ k.transpose(-2, -1)).max()) * abs(s)
-    return score_eps(query.dtype) * kappa * float(v.max())
-
-
-@checked
 def attention_atol(
     query: Float[Tensor, "*batch h Tq Dh"],
     key: Float[Tensor, "*batch g Tk Dh"],
     value: Float[Tensor, "*batch g Tk Dv"],
     scale: float | None = None,
 ) -> float:
-    """``max(atol[dtype], score_rounding_bound(...))``: the absolute error no correct
-    attention in the inputs' dtype can be asked to beat on these inputs."""
-    bound = score_rounding_bound(query, key, value, scale)
-    return max(tolerance(query.dtype).atol, bound)
+    """The absolute error no correct attention in the inputs' dtype can be asked to beat.
+
+    ``max(atol[dtype], eps * kappa * max|V|)``: ``kappa = scale * max_ij sum_d |q_id|
+    |k_jd|`` bounds how far rounding a dot product in precision ``eps``
+    (:func:`score_eps` of the inputs' dtype) moves a score, and the softmax passes a score
+    error on to the output scaled by at most ``max|V|``. Non-finite entries (NaN planted
+    in padding) do not count.
+    """
+    atol = tolerance(query.dtype).atol
+    q, k, v = (
+        torch.nan_to_num(t.detach().to(torch.float64), nan=0.0, posinf=0.0, neginf=0.0).abs()
+        for t in (query, key, value)
+    )
+    if q.numel() == 0 or k.numel() == 0 or v.numel() == 0:
+        return atol
+    k = expand_kv_heads(k, q.shape[-3])
+    s = default_scale(q.shape[-1]) if scale is None else scale
+    kappa = float((q @ k.transpose(-2, -1)).max()) * abs(s)
+    return max(atol, score_eps(query.dtype) * kappa * float(v.max()))
