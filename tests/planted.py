@@ -101,6 +101,11 @@ def contiguous_assumed(q: Tensor, k: Tensor, v: Tensor, *args: Any, **kwargs: An
     return torch.nn.functional.scaled_dot_product_attention(raw(q), raw(k), raw(v), *args, **kwargs)
 
 
+def wrong_dtype(*args: Any, **kwargs: Any) -> Tensor:
+    """Returns float64 whatever the input dtype."""
+    return _naive(*args, **kwargs).double()
+
+
 def raises(*args: Any, **kwargs: Any) -> Tensor:
     """Always raises."""
     raise RuntimeError("kernel launch failed\nsecond line of the message")

@@ -69,6 +69,7 @@ def test_planted_bugs_fail(spec: str, caught_by: set[str]) -> None:
         ("tests.planted:raises", "RuntimeError: kernel launch failed"),
         ("tests.planted:wrong_shape", "returned shape"),
         ("tests.planted:not_a_tensor", "returned list, not a tensor"),
+        ("tests.planted:wrong_dtype", "returned dtype torch.float64, expected torch.float32"),
     ],
 )
 def test_misbehaving_backends_are_reported(spec: str, message: str) -> None:

@@ -9,8 +9,10 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import torch
+from jaxtyping import Bool, Float32
 from torch import Tensor
 
+from attnref._checking import checked_internal
 from attnref.masks import Alignment
 
 __all__ = ["Case", "Inputs", "build", "fixed_grid"]
@@ -78,7 +80,10 @@ class Inputs:
         )
 
 
-def _randn(shape: tuple[int, ...], gen: torch.Generator, amp: float = 1.0) -> Tensor:
+@checked_internal
+def _randn(
+    shape: tuple[int, ...], gen: torch.Generator, amp: float = 1.0
+) -> Float32[Tensor, "*shape"]:
     return amp * torch.randn(shape, generator=gen)
 
 
@@ -119,7 +124,10 @@ def build(case: Case, dtype: torch.dtype, device: str | torch.device = "cpu") ->
     return Inputs(q, k, v, mask, case.causal, case.scale)
 
 
-def _make_mask(case: Case, gen: torch.Generator) -> Tensor | None:
+@checked_internal
+def _make_mask(
+    case: Case, gen: torch.Generator
+) -> Bool[Tensor, "*#mbatch #Tq #Tk"] | Float32[Tensor, "*#mbatch #Tq #Tk"] | None:
     B, Tq, Tk = case.batch, case.Tq, case.Tk
     if case.mask == "none":
         return None
