@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from attnref.cli import main
 
@@ -61,6 +62,9 @@ def test_bad_backend_is_a_clear_message(
 def test_cuda_absent_and_unknown_device(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["audit", "--device", "tpu"]) == 2
     assert "unknown device 'tpu'" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        assert main(["audit", "--device", "cuda"]) == 2
+        assert "no CUDA device is present" in capsys.readouterr().err
 
 
 def test_list_backends(capsys: pytest.CaptureFixture[str]) -> None:
