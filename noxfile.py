@@ -27,7 +27,7 @@ def tests(session: nox.Session) -> None:
 
 @nox.session
 def typecheck(session: nox.Session) -> None:
-    """mypy --strict over src, tests, benchmarks and this file."""
+    """mypy --strict over src, tests, benchmarks, tools and this file."""
     _install(session, "dev")
     session.run("mypy", "--strict", *session.posargs)
 
