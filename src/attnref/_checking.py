@@ -19,6 +19,9 @@ Dimension glossary (a letter means the same thing in every file and in the docs)
 ``Dv``   head dim of values
 ``Dq``   raw query feature width (additive attention: queries and keys may differ)
 ``Dk``   raw key feature width
+``D``    a head dim that may be ``Dh`` or ``Dv`` (functions taking keys and values alike)
+``N``    number of rows (D2L's ``sequence_mask``)
+``Tb``   keys in one block of chunked attention
 ``V``    vocabulary size
 ``L``    number of layers
 =======  ==========================================================================
@@ -30,7 +33,7 @@ Checking is on by default. ``JAXTYPING_DISABLE=1`` in the environment, or
 `set_checking(False)` at run time, turns every checked function into a
 plain call (one attribute lookup of overhead): benchmarks use it.
 
-Private helpers are annotated too, with :func:`checked_internal`: their inputs were
+Private helpers are annotated too, with `checked_internal`: their inputs were
 checked at the public boundary, so they are re-checked only when
 ``ATTNREF_CHECK_INTERNALS=1`` is set before attnref is imported. The test suite sets it,
 so every property-test example also verifies the internal shape contracts, while users
@@ -77,7 +80,7 @@ CHECK_INTERNALS = os.environ.get("ATTNREF_CHECK_INTERNALS", "0") == "1"
 
 
 def checked_internal(fn: F) -> F:
-    """:func:`checked` for private helpers, applied only under ``ATTNREF_CHECK_INTERNALS=1``."""
+    """`checked` for private helpers, applied only under ``ATTNREF_CHECK_INTERNALS=1``."""
     return checked(fn) if CHECK_INTERNALS else fn
 
 

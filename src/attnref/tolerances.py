@@ -93,7 +93,7 @@ def attention_atol(
 
     ``max(atol[dtype], eps * kappa * max|V|)``: ``kappa = scale * max_ij sum_d |q_id|
     |k_jd|`` bounds how far rounding a dot product in precision ``eps``
-    (:func:`score_eps` of the inputs' dtype) moves a score, and the softmax passes a score
+    (`score_eps` of the inputs' dtype) moves a score, and the softmax passes a score
     error on to the output scaled by at most ``max|V|``. Non-finite entries (NaN planted
     in padding) do not count.
     """
