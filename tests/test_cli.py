@@ -12,14 +12,15 @@ from attnref.cli import main
 
 
 def test_audit_passes_torch_sdpa(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["audit", "--no-progress", "--dtype", "float32"]) == 0
+    assert main(["audit", "--no-progress", "--dtype", "float32", "--no-grad"]) == 0
     out = capsys.readouterr().out
-    assert "backend torch-sdpa on cpu" in out
+    assert "backend torch-sdpa on cpu, profile quick, seed 0" in out
     assert "0 failed" in out
+    assert "gradient" not in out
     assert out.rstrip().endswith("OK")
 
 
-def test_audit_fails_a_planted_bug_and_writes_json(
+def test_audit_fails_a_mutant_and_writes_json(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     path = tmp_path / "r.json"
@@ -27,9 +28,13 @@ def test_audit_fails_a_planted_bug_and_writes_json(
         [
             "audit",
             "--backend",
-            "tests.planted:gqa_tiled",
+            "mutant.gqa_tiled",
             "--dtype",
             "float32",
+            "--property",
+            "gqa",
+            "--seed",
+            "7",
             "--no-progress",
             "--json",
             str(path),
@@ -37,9 +42,31 @@ def test_audit_fails_a_planted_bug_and_writes_json(
     )
     assert code == 1
     out = capsys.readouterr().out
-    assert "failures:" in out
-    assert "gqa [float32]: max error" in out
-    assert json.loads(path.read_text())["summary"]["ok"] is False
+    assert "failures (each shrunk to a minimal case):" in out
+    assert "gqa [float32]: GQA against expanded heads: max error" in out
+    assert "resolve_backend('mutant.gqa_tiled')" in out  # the reproducer
+    assert "reproducers written to" in out
+    data = json.loads(path.read_text())
+    assert data["summary"]["ok"] is False
+    assert data["seed"] == 7
+    assert (tmp_path / "r.reproducers" / "gqa-float32.py").exists()
+
+
+def test_fail_fast(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["audit", "--backend", "mutant.scale_by_d", "--fail-fast", "--no-progress"]) == 1
+    assert "stopped at the first failure (--fail-fast)" in capsys.readouterr().out
+
+
+def test_list_properties(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["audit", "--list-properties"]) == 0
+    out = capsys.readouterr().out
+    for pid in ("forward", "gradient", "masked_keys", "decode", "large_index"):
+        assert pid in out
+
+
+def test_unknown_property(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["audit", "--property", "speed"]) == 2
+    assert "unknown property 'speed'" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(
@@ -47,6 +74,7 @@ def test_audit_fails_a_planted_bug_and_writes_json(
     [
         ("nope", "unknown backend 'nope'"),
         ("tests.planted:no_mask_argument", "lacks the keyword arguments"),
+        ("mutant.nope", "unknown mutant"),
         ("no_such_module_xyz:f", "cannot import module"),
     ],
 )
@@ -70,7 +98,7 @@ def test_cuda_absent_and_unknown_device(capsys: pytest.CaptureFixture[str]) -> N
 def test_list_backends(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["audit", "--list-backends"]) == 0
     out = capsys.readouterr().out
-    for name in ("reference", "torch-sdpa", "torch-sdpa-math"):
+    for name in ("reference", "torch-sdpa", "torch-sdpa-flash", "naive", "mutant.gqa_tiled"):
         assert name in out
 
 

@@ -10,8 +10,9 @@ Two rules use them:
   ``max|backend - oracle| <= max(floor, FUDGE * max|reference_same_dtype - oracle|)``
   and the same for the mean error, where the oracle is the reference in float64,
   ``reference_same_dtype`` is the reference run in the backend's dtype, and
-  ``floor = max(atol[dtype], eps(compute dtype) * kappa * max|V|)`` with
-  ``kappa = scale * max_ij sum_d |q_id| |k_jd|``.
+  ``floor = max(atol[dtype], (eps(compute dtype) * kappa + u[dtype]) * max|V|)`` with
+  ``kappa = scale * max_ij sum_d |q_id| |k_jd|`` and ``u`` the unit roundoff of the
+  inputs' dtype.
 
   The conditioning term is first-order error analysis of the problem, not of any
   implementation: rounding ``q . k`` in precision ``eps`` moves a score by up to about
@@ -20,6 +21,9 @@ Two rules use them:
   kernels from being failed for the conditioning of the input; on ordinary inputs it is
   below ``atol`` and changes nothing. Half precision computes scores in float32 (every
   kernel we know accumulates ``QK^T`` in float32), so ``eps`` is float32's there.
+  The ``u`` term is the one rounding every fused kernel makes on purpose: the
+  probabilities are rounded to the inputs' dtype before the ``P @ V`` matmul, which
+  moves an output by up to ``u * max|V|``; it matters when ``|V|`` is well above 1.
 
 The half-precision values cover one rounding of the output (float16 keeps 11 significant
 bits, bfloat16 8) with room for an accumulation in float32; float32 covers softmax
@@ -29,7 +33,7 @@ and matmul accumulation over a few thousand keys.
 from dataclasses import dataclass
 
 import torch
-from jaxtyping import Float
+from jaxtyping import Bool, Float
 from torch import Tensor
 
 from attnref._checking import checked
@@ -37,9 +41,11 @@ from attnref.functional import default_scale, expand_kv_heads
 
 __all__ = [
     "FUDGE",
+    "GRAD_FUDGE",
     "TOLERANCES",
     "Tolerance",
     "attention_atol",
+    "score_condition",
     "score_eps",
     "tolerance",
 ]
@@ -62,6 +68,9 @@ TOLERANCES: dict[torch.dtype, Tolerance] = {
 
 #: How many times the reference's own low-precision error a backend may make (audit rule).
 FUDGE = 3.0
+#: The same for gradients (dQ, dK, dV): backward passes round more intermediate values
+#: (the recomputed probabilities, ``dP``, ``dS``) and sum over both sequence lengths.
+GRAD_FUDGE = 4.0
 
 
 def score_eps(dtype: torch.dtype) -> float:
@@ -83,28 +92,56 @@ def tolerance(dtype: torch.dtype) -> Tolerance:
 
 
 @checked
+def score_condition(
+    query: Float[Tensor, "*batch h Tq Dh"],
+    key: Float[Tensor, "*batch g Tk Dh"],
+    scale: float | None = None,
+    visible: Bool[Tensor, "*#batch #h #Tq #Tk"] | None = None,
+) -> float:
+    """``kappa = scale * max_ij sum_d |q_id| |k_jd|`` over the (visible) query-key pairs.
+
+    Rounding a dot product in precision ``eps`` moves a score by up to ``eps * kappa``.
+    Keys nobody sees (and NaN or inf planted there) do not count.
+    """
+    q, k = (
+        torch.nan_to_num(t.detach().to(torch.float64), nan=0.0, posinf=0.0, neginf=0.0).abs()
+        for t in (query, key)
+    )
+    if q.numel() == 0 or k.numel() == 0:
+        return 0.0
+    terms = q @ expand_kv_heads(k, q.shape[-3]).transpose(-2, -1)
+    if visible is not None:
+        terms = terms.masked_fill(~visible, 0.0)
+    s = default_scale(q.shape[-1]) if scale is None else scale
+    return float(terms.max()) * abs(s)
+
+
+@checked
 def attention_atol(
     query: Float[Tensor, "*batch h Tq Dh"],
     key: Float[Tensor, "*batch g Tk Dh"],
     value: Float[Tensor, "*batch g Tk Dv"],
     scale: float | None = None,
+    visible: Bool[Tensor, "*#batch #h #Tq #Tk"] | None = None,
 ) -> float:
     """The absolute error no correct attention in the inputs' dtype can be asked to beat.
 
-    ``max(atol[dtype], eps * kappa * max|V|)``: ``kappa = scale * max_ij sum_d |q_id|
-    |k_jd|`` bounds how far rounding a dot product in precision ``eps``
-    (`score_eps` of the inputs' dtype) moves a score, and the softmax passes a score
-    error on to the output scaled by at most ``max|V|``. Non-finite entries (NaN planted
-    in padding) do not count.
+    ``max(atol[dtype], (eps * kappa + u) * max|V|)``: ``kappa`` (`score_condition`)
+    bounds how far rounding a dot product in precision ``eps`` (`score_eps` of the
+    inputs' dtype) moves a score, and the softmax passes a score error on to the output
+    scaled by at most ``max|V|``; ``u`` (the unit roundoff of the inputs' dtype) covers
+    rounding the probabilities to that dtype before ``P @ V``, as fused kernels do.
+    With ``visible`` (which keys each query sees), keys nobody sees do not count;
+    non-finite entries (NaN planted in padding) never do.
     """
     atol = tolerance(query.dtype).atol
-    q, k, v = (
-        torch.nan_to_num(t.detach().to(torch.float64), nan=0.0, posinf=0.0, neginf=0.0).abs()
-        for t in (query, key, value)
-    )
-    if q.numel() == 0 or k.numel() == 0 or v.numel() == 0:
+    v = torch.nan_to_num(value.detach().to(torch.float64), nan=0.0, posinf=0.0, neginf=0.0)
+    if query.numel() == 0 or key.numel() == 0 or v.numel() == 0:
         return atol
-    k = expand_kv_heads(k, q.shape[-3])
-    s = default_scale(q.shape[-1]) if scale is None else scale
-    kappa = float((q @ k.transpose(-2, -1)).max()) * abs(s)
-    return max(atol, score_eps(query.dtype) * kappa * float(v.max()))
+    v = expand_kv_heads(v.abs(), query.shape[-3])
+    if visible is not None:
+        seen = visible.expand(*query.shape[:-1], key.shape[-2]).any(dim=-2)
+        v = v.masked_fill(~seen.unsqueeze(-1), 0.0)
+    kappa = score_condition(query, key, scale, visible)
+    u = torch.finfo(query.dtype).eps / 2
+    return max(atol, (score_eps(query.dtype) * kappa + u) * float(v.max()))

@@ -8,6 +8,7 @@ visible key, every float dtype, boolean and float masks, GQA through ``enable_gq
 import contextlib
 import importlib
 import inspect
+import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -47,10 +48,16 @@ class Capabilities:
     # other alignment reaches it as an explicit boolean mask
     causal_alignments: tuple[str, ...] = ("top_left",)
     causal_with_mask: bool = False  # may `is_causal=True` be combined with `attn_mask`?
-    empty_row: str = "zero"  # output for a query with no visible key
+    # output for a query with no visible key: "zero", "nan" or "uniform" (the mean of V)
+    empty_row: str = "zero"
     # "contained": NaN/inf in K/V at keys no query sees never reaches the output;
     # "propagates": it may (0 * NaN = NaN in a materialised P @ V, as torch's CPU kernels)
     masked_nan: str = "propagates"
+    gradients: bool = True  # backward through the output gives dQ, dK, dV
+    dropout: bool = True  # takes dropout_p (only dropout_p = 0 is audited)
+    zero_head_dim: bool = True  # Dqk = 0 (scores all zero: the mean of V)
+    # substrings of an error message that mean "refused this input" (a skip, not a failure)
+    refuses: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -63,11 +70,22 @@ class Backend:
     capabilities: Capabilities = field(default_factory=Capabilities)
     # entered around every call (e.g. forcing one torch SDPBackend)
     context: Callable[[], contextlib.AbstractContextManager[None]] = contextlib.nullcontext
+    # try a small call first: a backend that cannot run at all here is skipped, not failed
+    probe: bool = False
 
     def available(self, device: str) -> str | None:
         """``None`` if the backend can run on ``device``, else why not."""
         if device not in self.capabilities.devices:
             return f"{self.name} does not run on {device}"
+        if device == "cuda" and not torch.cuda.is_available():
+            return "no CUDA device is present"
+        if self.probe:
+            q = torch.randn(1, 1, 8, 64, device=device, dtype=self.capabilities.dtypes[-1])
+            try:
+                self(q, q, q)
+            except Exception as e:  # the backend says why it cannot run here
+                first = (str(e).strip().splitlines() or [""])[0]
+                return f"{self.name} is unavailable on {device}: {first}"
         return None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Tensor:
@@ -84,18 +102,118 @@ def _reference_chunked(*args: Any, **kwargs: Any) -> Tensor:
     return F.chunked_attention(*args, **kwargs, block_size=4)
 
 
+def _naive(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attn_mask: Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> Tensor:
+    """Textbook attention materialised with plain torch ops, in the inputs' dtype.
+
+    ``softmax(Q K^T * scale + mask) V``. Scores and the softmax are computed in float32
+    (float64 for float64 inputs), as kernels accumulate them; the probabilities are
+    rounded to the inputs' dtype before ``P @ V``, as kernels round them. A query with
+    no visible key gets zeros.
+    """
+    if dropout_p != 0.0:
+        raise ValueError("the naive backend has no dropout")
+    h, g = query.shape[-3], key.shape[-3]
+    if h != g:
+        key = key.repeat_interleave(h // g, dim=-3)
+        value = value.repeat_interleave(h // g, dim=-3)
+    d = query.shape[-1]
+    if scale is None:
+        scale = 1 / math.sqrt(d) if d else 1.0  # Dqk = 0: every score is an empty sum
+    acc = torch.promote_types(query.dtype, torch.float32)
+    s = (query.to(acc) @ key.to(acc).transpose(-2, -1)) * scale
+    Tq, Tk = s.shape[-2], s.shape[-1]
+    if is_causal:
+        s = s.masked_fill(~torch.ones(Tq, Tk, dtype=torch.bool, device=s.device).tril(), -math.inf)
+    if attn_mask is not None:
+        if attn_mask.dtype == torch.bool:
+            s = s.masked_fill(~attn_mask, -math.inf)
+        else:
+            s = s + attn_mask.to(acc)
+    empty = (s == -math.inf).all(dim=-1, keepdim=True)
+    p = torch.softmax(s.masked_fill(empty, 0.0), dim=-1).masked_fill(empty, 0.0)
+    return p.to(query.dtype) @ value
+
+
+def _flex(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attn_mask: Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> Tensor:
+    """FlexAttention with the mask as a ``score_mod``: eager on the CPU, compiled on CUDA."""
+    import warnings
+
+    from torch.nn.attention.flex_attention import flex_attention
+
+    if dropout_p != 0.0:
+        raise ValueError("FlexAttention has no dropout")
+    batch = query.shape[:-3]
+    h, Tq, Tk = query.shape[-3], query.shape[-2], key.shape[-2]
+    B = math.prod(batch)
+    q, k, v = (t.reshape(B, *t.shape[-3:]) for t in (query, key, value))
+    bias = None
+    if attn_mask is not None:
+        full = attn_mask.expand(*batch, h, Tq, Tk).reshape(B, h, Tq, Tk)
+        bias = (
+            torch.zeros(full.shape, device=full.device).masked_fill(~full, -math.inf)
+            if full.dtype == torch.bool
+            else full.float()
+        )
+
+    def score_mod(score: Tensor, b: Tensor, hh: Tensor, qi: Tensor, kj: Tensor) -> Tensor:
+        if bias is not None:
+            score = score + bias[b, hh, qi, kj]
+        if is_causal:
+            score = torch.where(qi >= kj, score, -math.inf)
+        return score
+
+    fn: Callable[..., Tensor] = flex_attention
+    if query.device.type == "cuda":
+        fn = torch.compile(flex_attention)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # eager FlexAttention warns that it is unfused
+        out = fn(q, k, v, score_mod=score_mod, scale=scale, enable_gqa=h != k.shape[-3])
+    return out.reshape(*batch, h, Tq, value.shape[-1])
+
+
 def _force(
     backend: "torch.nn.attention.SDPBackend",
 ) -> Callable[[], contextlib.AbstractContextManager[None]]:
     @contextlib.contextmanager
     def ctx() -> Iterator[None]:
+        import warnings
+
         from torch.nn.attention import sdpa_kernel
 
-        with sdpa_kernel(backend):
+        # a forced kernel that refuses an input warns why before it raises; the error
+        # is the verdict, the warning only noise
+        with sdpa_kernel(backend), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
             yield
 
     return ctx
 
+
+# a forced kernel may refuse inputs it does not handle ("No available kernel"): a skip
+_FORCED_CAPS = Capabilities(refuses=("No available kernel",))
+# eager FlexAttention has no backward on the CPU, and says so
+# and divides by sqrt(Dqk) in Python, so Dqk = 0 raises ZeroDivisionError
+_FLEX_CAPS = Capabilities(
+    dropout=False, zero_head_dim=False, refuses=("does not support backward on CPU",)
+)
 
 _REFERENCE_CAPS = Capabilities(
     causal_alignments=("top_left", "bottom_right"), causal_with_mask=True, masked_nan="contained"
@@ -124,6 +242,33 @@ def _builtin() -> dict[str, Backend]:
                 torch_sdpa,
                 "torch SDPA with the MATH backend forced",
                 context=_force(SDPBackend.MATH),
+            ),
+            *(
+                Backend(
+                    f"torch-sdpa-{name}",
+                    torch_sdpa,
+                    f"torch SDPA with the {kernel.name} backend forced (skipped where absent)",
+                    _FORCED_CAPS,
+                    context=_force(kernel),
+                    probe=True,
+                )
+                for name, kernel in (
+                    ("flash", SDPBackend.FLASH_ATTENTION),
+                    ("efficient", SDPBackend.EFFICIENT_ATTENTION),
+                    ("cudnn", SDPBackend.CUDNN_ATTENTION),
+                )
+            ),
+            Backend(
+                "torch-flex",
+                _flex,
+                "FlexAttention (torch.nn.attention.flex_attention): eager on CPU, compiled on CUDA",
+                _FLEX_CAPS,
+            ),
+            Backend(
+                "naive",
+                _naive,
+                "textbook softmax(QK^T * scale + mask) V, materialised in the inputs' dtype",
+                Capabilities(dropout=False),
             ),
         ]
     }
@@ -160,7 +305,8 @@ def _check_signature(fn: object, spec: str) -> SDPA:
 
 
 def resolve_backend(spec: str) -> Backend:
-    """A built-in backend by name, or ``module:function`` for any SDPA-compatible callable.
+    """A built-in backend by name, ``mutant.NAME``, or ``module:function`` for any
+    SDPA-compatible callable.
 
     A callable may carry a ``capabilities`` attribute (`Capabilities`) declaring
     what it supports.
@@ -171,6 +317,14 @@ def resolve_backend(spec: str) -> Backend:
     """
     if spec in BUILTIN_BACKENDS:
         return BUILTIN_BACKENDS[spec]
+    if spec.startswith("mutant."):
+        from attnref.conformance.mutants import MUTANTS
+
+        if spec.removeprefix("mutant.") in MUTANTS:
+            return MUTANTS[spec.removeprefix("mutant.")].backend()
+        raise BackendError(
+            f"unknown mutant {spec!r}: give one of mutant.{', mutant.'.join(MUTANTS)}"
+        )
     if ":" not in spec:
         known = ", ".join(sorted(BUILTIN_BACKENDS))
         raise BackendError(f"unknown backend {spec!r}: give one of {known}, or module:function")

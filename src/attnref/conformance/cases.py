@@ -9,11 +9,11 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import torch
-from jaxtyping import Bool, Float32
+from jaxtyping import Bool, Float, Float32
 from torch import Tensor
 
 from attnref._checking import checked_internal
-from attnref.masks import Alignment
+from attnref.masks import Alignment, causal_mask
 
 __all__ = ["Case", "Inputs", "build", "fixed_grid"]
 
@@ -24,11 +24,15 @@ class Case:
 
     ``mask``: ``none``; ``bool`` (random, broadcast over heads); ``bool_full`` (one per
     head); ``float`` (random offsets with some ``-inf``); ``padding`` (``(B, 1, 1, Tk)``
-    from random lengths); ``empty_rows`` (random, with some queries seeing nothing).
+    from random lengths); ``columns`` (random keys hidden from every query of a sample);
+    ``empty_rows`` (random, with some queries seeing nothing).
     ``causal``: ``None``, ``"top_left"`` or ``"bottom_right"``. ``layout``:
     ``contiguous``, ``transposed`` (query stored ``Dh``-major), ``sliced`` (key and value
-    cut from a wider tensor, with a storage offset) or ``broadcast`` (key and value
-    expanded over the batch, stride 0).
+    cut from a wider tensor, with a storage offset), ``broadcast`` (key and value
+    expanded over the first dimension, stride 0) or ``broadcast_heads`` (expanded over
+    the KV heads). ``poison``: ``none``, or ``garbage`` (large
+    finite values), ``nan`` or ``inf`` planted in K and V at keys that no query of the
+    sample sees (through the mask or the causal diagonal).
     """
 
     name: str
@@ -44,7 +48,7 @@ class Case:
     layout: str = "contiguous"
     amp: float = 1.0  # queries and keys are amp * randn: large amp makes the softmax peaky
     scale: float | None = None
-    nan_in_masked: bool = False  # plant NaN in K and V at keys no query sees
+    poison: str = "none"  # what to plant in K and V at keys no query sees
     seed: int = 0
 
     def to_dict(self) -> dict[str, Any]:
@@ -65,6 +69,10 @@ class Inputs:
     @property
     def enable_gqa(self) -> bool:
         return bool(self.query.shape[-3] != self.key.shape[-3])
+
+    def visible(self) -> Tensor:
+        """``(*batch, h, Tq, Tk)`` booleans: which keys each query sees (mask and causal)."""
+        return _visible(self.query, self.key, self.attn_mask, self.causal)
 
     def to(self, dtype: torch.dtype) -> "Inputs":
         """The same inputs upcast (or cast) to ``dtype``; masks keep their kind."""
@@ -98,20 +106,20 @@ def build(case: Case, dtype: torch.dtype, device: str | torch.device = "cpu") ->
         q = _randn((*B, case.h, case.Dh, case.Tq), gen, case.amp).transpose(-1, -2)
     else:
         q = _randn(q_shape, gen, case.amp)
-    if case.layout == "broadcast":
+    if case.layout == "broadcast":  # stride 0 over the first dimension
         k = _randn((1, *k_shape[1:]), gen, case.amp).expand(k_shape)
         v = _randn((1, *v_shape[1:]), gen).expand(v_shape)
+    elif case.layout == "broadcast_heads":  # stride 0 over the KV heads
+        k = _randn((*B, 1, *k_shape[-2:]), gen, case.amp).expand(k_shape)
+        v = _randn((*B, 1, *v_shape[-2:]), gen).expand(v_shape)
     else:
         k = _randn(k_shape, gen, case.amp)
         v = _randn(v_shape, gen)
     mask = _make_mask(case, gen)
-    if case.nan_in_masked:
-        if mask is None or mask.dtype != torch.bool:
-            raise ValueError(f"case {case.name}: nan_in_masked needs a boolean mask")
-        hidden = ~mask.expand(*B, case.h, case.Tq, case.Tk).any(dim=-2).any(dim=-2)
-        hidden = hidden.unsqueeze(-2).unsqueeze(-1)  # (*B, 1, Tk, 1): hidden from all heads
-        k = k.masked_fill(hidden, float("nan"))
-        v = v.masked_fill(hidden, float("nan"))
+    if case.poison != "none":
+        if case.layout.startswith("broadcast"):
+            raise ValueError(f"case {case.name}: poison needs K and V of their own per sample")
+        k, v = _plant(case, q, k, v, mask, gen)
     q, k, v = (t.to(device=device, dtype=dtype) for t in (q, k, v))
     if case.layout == "sliced":  # a view with a storage offset and a non-unit row stride
         k = torch.cat([torch.zeros_like(k[..., :1]), k, k], dim=-1)[..., 1 : case.Dh + 1]
@@ -119,9 +127,56 @@ def build(case: Case, dtype: torch.dtype, device: str | torch.device = "cpu") ->
     if case.layout == "broadcast":  # .to() may have materialised the expansion
         k = k[:1].expand(k_shape)
         v = v[:1].expand(v_shape)
+    if case.layout == "broadcast_heads":
+        k = k[..., :1, :, :].expand(k_shape)
+        v = v[..., :1, :, :].expand(v_shape)
     if mask is not None:
         mask = mask.to(device=device, dtype=dtype if mask.is_floating_point() else torch.bool)
     return Inputs(q, k, v, mask, case.causal, case.scale)
+
+
+POISONS = ("none", "garbage", "nan", "inf")
+
+
+@checked_internal
+def _visible(
+    q: Float[Tensor, "*batch h Tq Dh"],
+    k: Float[Tensor, "*batch g Tk Dh"],
+    mask: Bool[Tensor, "*#mbatch #Tq #Tk"] | Float[Tensor, "*#mbatch #Tq #Tk"] | None,
+    causal: Alignment | None,
+) -> Bool[Tensor, "*batch h Tq Tk"]:
+    Tq, Tk = q.shape[-2], k.shape[-2]
+    shape = (*q.shape[:-1], Tk)
+    seen = torch.ones(shape, dtype=torch.bool, device=q.device)
+    if mask is not None:
+        seen = seen & (mask if mask.dtype == torch.bool else mask > float("-inf"))
+    if causal is not None:
+        seen = seen & causal_mask(Tq, Tk, causal, device=q.device)
+    return seen
+
+
+@checked_internal
+def _plant(
+    case: Case,
+    q: Float32[Tensor, "*batch h Tq Dh"],
+    k: Float32[Tensor, "*batch g Tk Dh"],
+    v: Float32[Tensor, "*batch g Tk Dv"],
+    mask: Bool[Tensor, "*#mbatch #Tq #Tk"] | Float32[Tensor, "*#mbatch #Tq #Tk"] | None,
+    gen: torch.Generator,
+) -> tuple[Float32[Tensor, "*batch g Tk Dh"], Float32[Tensor, "*batch g Tk Dv"]]:
+    """Plant ``case.poison`` in K and V at the keys no query of a sample sees."""
+    if case.poison not in POISONS:
+        raise ValueError(f"case {case.name}: unknown poison {case.poison!r}")
+    hidden = ~_visible(q, k, mask, case.causal).any(dim=-2).any(dim=-2)  # (*batch, Tk)
+    hidden = hidden.unsqueeze(-2).unsqueeze(-1)  # (*batch, 1, Tk, 1): hidden from all heads
+    k, v = k.contiguous(), v.contiguous()  # a broadcast K/V is written per sample
+    if case.poison == "garbage":
+        bad_k = 100 * torch.randn(k.shape, generator=gen)
+        bad_v = 100 * torch.randn(v.shape, generator=gen)
+    else:
+        fill = float("nan") if case.poison == "nan" else float("inf")
+        bad_k, bad_v = torch.full_like(k, fill), torch.full_like(v, -fill)
+    return torch.where(hidden, bad_k, k), torch.where(hidden, bad_v, v)
 
 
 @checked_internal
@@ -142,6 +197,8 @@ def _make_mask(
     if case.mask == "float":
         offsets = torch.randn((*B, 1, Tq, Tk), generator=gen)
         return offsets.masked_fill(torch.rand(offsets.shape, generator=gen) < 0.3, float("-inf"))
+    if case.mask == "columns":
+        return (torch.rand((*B, 1, 1, Tk), generator=gen) < 0.6).expand(*B, 1, Tq, Tk)
     if case.mask == "padding":
         lens = torch.randint(1, Tk + 1, B, generator=gen)
         lens.view(-1)[0] = max(1, Tk // 2)  # at least one sample really padded
@@ -187,6 +244,6 @@ def fixed_grid() -> list[Case]:
         Case("explicit_scale", scale=0.37),
         Case("no_batch_dims", batch=(), Tq=6, Tk=10),
         Case("two_batch_dims", batch=(2, 3), h=2, g=2, Tq=5, Tk=7),
-        Case("nan_in_padding", mask="padding", batch=(3,), nan_in_masked=True),
+        Case("nan_in_padding", mask="padding", batch=(3,), poison="nan"),
     ]
     return [replace(c, seed=i) for i, c in enumerate(cases)]

@@ -7,22 +7,35 @@ to the case's dtype, then upcast). A backend's output passes when
     mean|out - oracle| <= max(floor, FUDGE * mean|reference_same_dtype - oracle|)
 
 with ``floor = max(atol[dtype], eps * kappa * max|V|)`` (`error_floor`), and it has
-no NaN or inf where the oracle is finite. Constants and the reasoning behind the floor:
-`attnref.tolerances`.
+no NaN or inf where the oracle is finite. Gradients follow the same rule with
+``GRAD_FUDGE`` and a floor set by the size of the terms each gradient entry sums. Constants and the
+reasoning behind the floors: `attnref.tolerances`.
+
+Rows of a query with no visible key hold what the backend's declared policy says:
+zeros, NaN, or the mean of V.
 """
 
+import math
 from dataclasses import dataclass
 
 import torch
-from jaxtyping import Float, Float64
+from jaxtyping import Bool, Float, Float64
 from torch import Tensor
 
 from attnref import functional as F
 from attnref._checking import checked
+from attnref.conformance.calls import Failure
 from attnref.conformance.cases import Inputs
-from attnref.tolerances import FUDGE, attention_atol
+from attnref.tolerances import (
+    FUDGE,
+    GRAD_FUDGE,
+    attention_atol,
+    score_condition,
+    score_eps,
+    tolerance,
+)
 
-__all__ = ["Comparison", "compare", "error_floor", "reference"]
+__all__ = ["Expected", "close", "error_floor", "expect", "expect_grads", "reference"]
 
 
 @checked
@@ -41,76 +54,193 @@ def reference(inputs: Inputs) -> Float[Tensor, "*batch h Tq Dv"]:
 
 
 def error_floor(inputs: Inputs) -> float:
-    """``max(atol[dtype], eps * kappa * max|V|)``: the error no correct backend can avoid.
-
-    See `attnref.tolerances.attention_atol`.
-    """
-    return attention_atol(inputs.query, inputs.key, inputs.value, inputs.scale)
+    """``max(atol[dtype], eps * kappa * max|V|)`` over the visible query-key pairs: the
+    error no correct backend can avoid. See `attnref.tolerances.attention_atol`."""
+    return attention_atol(
+        inputs.query, inputs.key, inputs.value, inputs.scale, visible=inputs.visible()
+    )
 
 
 @dataclass(frozen=True)
-class Comparison:
-    """How far a backend's output lies from the oracle, and whether that passes."""
+class Expected:
+    """What a correct backend returns for some inputs, and how far it may stray.
 
-    ok: bool
-    max_err: float
-    mean_err: float
-    max_bound: float
-    mean_bound: float
-    message: str = ""
+    ``value`` is float64 (NaN where the declared policy expects NaN); ``ref_err`` is the
+    reference's own error in the case's dtype, elementwise; ``fudge`` and ``floor`` turn
+    it into bounds.
+    """
+
+    value: Tensor
+    ref_err: Tensor
+    floor: float
+    fudge: float = FUDGE
+
+    def bounds(self, sel: Tensor | None = None) -> tuple[float, float]:
+        """The (max, mean) error bounds over the selected elements (all by default)."""
+        err = self.ref_err if sel is None else self.ref_err[sel.expand_as(self.ref_err)]
+        if err.numel() == 0:
+            return self.floor, self.floor
+        return (
+            max(self.floor, self.fudge * float(err.max())),
+            max(self.floor, self.fudge * float(err.mean())),
+        )
 
 
 @checked
-def compare(
-    out: object,
-    oracle: Float64[Tensor, "*shape"],
-    same_dtype: Float[Tensor, "*shape"],
-    dtype: torch.dtype,
-    floor: float,
-) -> Comparison:
-    """Judge ``out`` against the float64 ``oracle``; the reference's own error is the yardstick."""
-    nan = float("nan")
-    if not isinstance(out, Tensor):
-        return Comparison(False, nan, nan, nan, nan, f"returned {type(out).__name__}, not a tensor")
-    if tuple(out.shape) != tuple(oracle.shape):
-        return Comparison(
-            False,
-            nan,
-            nan,
-            nan,
-            nan,
-            f"returned shape {tuple(out.shape)}, expected {tuple(oracle.shape)}",
+def empty_rows(inputs: Inputs) -> Bool[Tensor, "*batch h Tq 1"]:
+    """Queries that see no key (through the mask and the causal diagonal)."""
+    return ~inputs.visible().any(dim=-1, keepdim=True)
+
+
+def expect(inputs: Inputs, empty_row: str = "zero") -> Expected:
+    """The oracle for ``inputs`` under the empty-row policy ``empty_row``."""
+    oracle = reference(inputs.to(torch.float64))
+    ref_err = (reference(inputs).to(torch.float64) - oracle).abs()
+    empty = empty_rows(inputs)
+    if empty.any() and empty_row != "zero":
+        if empty_row == "nan":
+            policy = torch.full_like(oracle, math.nan)
+        elif empty_row == "uniform":
+            v = F.expand_kv_heads(inputs.value.to(torch.float64), inputs.query.shape[-3])
+            policy = v.mean(dim=-2, keepdim=True).expand_as(oracle)
+        else:
+            raise ValueError(f"unknown empty-row policy {empty_row!r}: use zero, nan or uniform")
+        oracle = torch.where(empty, policy, oracle)
+        ref_err = ref_err.masked_fill(empty, 0.0)
+    return Expected(oracle, torch.nan_to_num(ref_err, nan=0.0), error_floor(inputs))
+
+
+def _grads(inputs: Inputs, d_out: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    q, k, v = (t.detach().requires_grad_(True) for t in (inputs.query, inputs.key, inputs.value))
+    leaves = Inputs(q, k, v, inputs.attn_mask, inputs.causal, inputs.scale)
+    dq, dk, dv = torch.autograd.grad(reference(leaves), (q, k, v), d_out)
+    return dq, dk, dv
+
+
+def _gradient_terms(inputs: Inputs, d_out: Tensor) -> tuple[float, float, float]:
+    """The largest sum of absolute terms in each of dQ, dK, dV (float64 inputs).
+
+    ``dV = P^T dO``, ``dQ = scale * dS K``, ``dK = scale * dS^T Q`` with ``dS = P * (dP -
+    D)``, ``dP = dO V^T`` and ``D = rowsum(dO * O)``. Rounding ``P``, ``dS`` or the stored
+    output ``O`` to the inputs' dtype (FlashAttention's backward, and torch's CPU kernel,
+    compute ``D`` from the rounded output) moves an entry by up to about ``eps`` times
+    the sum of the absolute values of its terms.
+    """
+    q, k, v = inputs.query, inputs.key, inputs.value
+    h = q.shape[-3]
+    out, p = F.scaled_dot_product_attention(
+        q,
+        k,
+        v,
+        inputs.attn_mask,
+        is_causal=inputs.causal is not None,
+        scale=inputs.scale,
+        enable_gqa=inputs.enable_gqa,
+        causal_alignment="top_left" if inputs.causal is None else inputs.causal,
+        return_weights=True,
+    )
+    p = torch.nan_to_num(p)
+    ke, ve = F.expand_kv_heads(k, h), F.expand_kv_heads(v, h)
+    # |dS| <= P * (|dO| |V|^T + rowsum(|dO| |O|)): every term of dP and of D
+    d_s = p * (d_out.abs() @ ve.abs().transpose(-2, -1) + (d_out * out).abs().sum(-1, True))
+    scale = abs(F.default_scale(q.shape[-1]) if inputs.scale is None else inputs.scale)
+    terms_dq = scale * d_s @ ke.abs()
+    terms_dk = scale * d_s.transpose(-2, -1) @ q.abs()
+    terms_dv = p.transpose(-2, -1) @ d_out.abs()
+
+    def biggest(t: Tensor) -> float:
+        t = torch.nan_to_num(t, nan=0.0, posinf=0.0)
+        return float(t.max()) if t.numel() else 0.0
+
+    return biggest(terms_dq), biggest(terms_dk), biggest(terms_dv)
+
+
+@checked
+def expect_grads(
+    inputs: Inputs, d_out: Float[Tensor, "*batch h Tq Dv"]
+) -> tuple[Expected, Expected, Expected]:
+    """The oracle's dQ, dK, dV for the upstream gradient ``d_out``, with their bounds.
+
+    The floor of each is ``max(atol[dtype], (eps[dtype] + 2 * eps_s * kappa) * T)`` where
+    ``T`` is the largest sum of absolute terms of an entry (`_gradient_terms`): a
+    backward that rounds the probabilities, ``dS`` and the output once to the inputs'
+    dtype is correct, and so is one whose scores are off by ``eps_s * kappa`` as in the
+    forward floor. For dK and dV, ``T`` is per head, times the GQA group size.
+    """
+    inputs64, d_out64 = inputs.to(torch.float64), d_out.to(torch.float64)
+    oracle = _grads(inputs64, d_out64)
+    same = _grads(inputs, d_out)
+    dtype = inputs.query.dtype
+    # one rounding to the dtype, plus what a score error of eps * kappa does to P (twice
+    # that, relatively: the error of a weight and of its row's normaliser)
+    kappa = score_condition(inputs.query, inputs.key, inputs.scale, inputs.visible())
+    rel = torch.finfo(dtype).eps + 2 * score_eps(dtype) * kappa
+    group = inputs.query.shape[-3] // inputs.key.shape[-3]
+    terms = _gradient_terms(inputs64, d_out64)
+    out = []
+    for o, s, t, n in zip(oracle, same, terms, (1, group, group), strict=True):
+        err = torch.nan_to_num((s.to(torch.float64) - o).abs(), nan=0.0)
+        floor = max(tolerance(dtype).atol, rel * t * n)
+        out.append(Expected(o, err, floor, GRAD_FUDGE))
+    return out[0], out[1], out[2]
+
+
+@checked
+def close(
+    got: Float64[Tensor, "*shape"],
+    want: Float64[Tensor, "*shape"],
+    max_bound: float,
+    mean_bound: float,
+    what: str,
+    sel: Bool[Tensor, "*#shape"] | None = None,
+) -> None:
+    """Raise `Failure` unless ``got`` is within the bounds of ``want`` where ``sel`` holds.
+
+    NaN in ``want`` means the declared policy expects a non-finite value there; NaN or
+    inf in ``got`` where ``want`` is finite is always a failure, whatever the bounds.
+    """
+    sel = torch.ones_like(got, dtype=torch.bool) if sel is None else sel.expand_as(got)
+    want_nan = ~torch.isfinite(want) & sel
+    got_bad = ~torch.isfinite(got) & sel
+
+    def at(mask: Tensor) -> tuple[int, ...]:
+        return tuple(int(i) for i in mask.nonzero()[0])
+
+    wrong = got_bad & ~want_nan
+    if wrong.any():
+        where = at(wrong)
+        raise Failure(
+            f"{what}: {int(wrong.sum())} NaN/inf values where a finite value is expected; "
+            f"first at {where}: got {float(got[where])}, expected {float(want[where]):.6g}",
+            got=float(got[where]),
+            expected=float(want[where]),
+            where=where,
         )
-    if out.dtype != dtype:
-        return Comparison(
-            False, nan, nan, nan, nan, f"returned dtype {out.dtype}, expected {dtype}"
+    missing = want_nan & ~got_bad
+    if missing.any():
+        where = at(missing)
+        raise Failure(
+            f"{what}: {int(missing.sum())} finite values where the declared policy gives NaN; "
+            f"first at {where}: got {float(got[where]):.6g}",
+            got=float(got[where]),
+            expected=math.nan,
+            where=where,
         )
-    got = out.detach().to(device=oracle.device, dtype=torch.float64)
-    ref_err = (same_dtype.to(torch.float64) - oracle).abs()
-    max_bound = max(floor, FUDGE * float(ref_err.max())) if ref_err.numel() else floor
-    mean_bound = max(floor, FUDGE * float(ref_err.mean())) if ref_err.numel() else floor
-    bad = ~torch.isfinite(got) & torch.isfinite(oracle)
-    if bad.any():
-        first = tuple(int(i) for i in bad.nonzero()[0])
-        return Comparison(
-            False,
-            nan,
-            nan,
-            max_bound,
-            mean_bound,
-            f"{int(bad.sum())} NaN/inf values where the oracle is finite (first at {first})",
-        )
-    err = (got - oracle).abs()
-    if err.numel() == 0:
-        return Comparison(True, 0.0, 0.0, max_bound, mean_bound)
-    max_err, mean_err = float(err.max()), float(err.mean())
-    ok = max_err <= max_bound and mean_err <= mean_bound
-    message = ""
-    if not ok:
-        where = tuple(int(i) for i in (err == err.max()).nonzero()[0])
-        message = (
-            f"max error {max_err:.3g} (bound {max_bound:.3g}), mean error {mean_err:.3g} "
-            f"(bound {mean_bound:.3g}); worst at {where}: got {float(got[where]):.6g}, "
-            f"oracle {float(oracle[where]):.6g}"
-        )
-    return Comparison(ok, max_err, mean_err, max_bound, mean_bound, message)
+    checked_ = sel & ~want_nan
+    n = int(checked_.sum())
+    if n == 0:
+        return
+    err = torch.where(checked_, (got - want).abs(), 0.0)
+    max_err, mean_err = float(err.max()), float(err.sum()) / n
+    if max_err <= max_bound and mean_err <= mean_bound:
+        return
+    where = tuple(int(i) for i in torch.unravel_index(err.argmax(), err.shape))
+    g, w = float(got[where]), float(want[where])
+    raise Failure(
+        f"{what}: max error {max_err:.3g} (bound {max_bound:.3g}), mean error "
+        f"{mean_err:.3g} (bound {mean_bound:.3g}); worst at {where}: got {g:.6g}, "
+        f"expected {w:.6g}",
+        got=g,
+        expected=w,
+        where=where,
+    )

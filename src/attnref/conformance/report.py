@@ -1,18 +1,27 @@
-"""Audit reports: per-case results, a terminal table and a versioned JSON document.
+"""Audit reports: a verdict per (property, dtype), a terminal table, a versioned JSON document.
 
-JSON schema (``schema_version`` 1)::
+JSON schema (``schema_version`` 2)::
 
     {
-      "schema_version": 1,
+      "schema_version": 2,
       "attnref_version": str, "torch_version": str,
       "backend": str, "device": str, "dtypes": [str],
-      "started": ISO-8601 str, "seconds": float,
-      "summary": {"passed": int, "failed": int, "skipped": int, "ok": bool},
+      "profile": "quick" | "ci" | "thorough", "seed": int,
+      "capabilities": {field of Capabilities: value},
+      "started": ISO-8601 str, "seconds": float, "stopped_early": bool,
+      "summary": {"passed": int, "failed": int, "skipped": int, "checks": int, "ok": bool},
       "results": [
-        {"case": {Case fields}, "dtype": str, "status": "pass" | "fail" | "skip",
-         "max_err": float | null, "mean_err": float | null,
-         "max_bound": float | null, "mean_bound": float | null,
-         "message": str, "seconds": float}
+        {"property": str, "dtype": str, "status": "pass" | "fail" | "skip",
+         "checks": int,            # cases checked, shrinking included
+         "skipped": int,           # of which outside the backend's declaration
+         "seconds": float,
+         "message": str,           # the failure's one-line summary, or why it was skipped
+         "failure": null | {
+            "case": {Case fields},  # the shrunk, minimal failing case
+            "message": str,
+            "got": float | null, "expected": float | null, "where": [int] | null,
+            "reproducer": str       # a runnable Python snippet
+         }}
       ]
     }
 """
@@ -21,48 +30,92 @@ import datetime
 import json
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from attnref.conformance.backends import Capabilities
 from attnref.conformance.cases import Case
 
-__all__ = ["SCHEMA_VERSION", "AuditReport", "CaseResult"]
+__all__ = ["SCHEMA_VERSION", "AuditReport", "Finding", "PropertyResult", "reproducer"]
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+
+
+def _dt(dtype: torch.dtype | str) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _num(x: float | None) -> float | None:
+    return None if x is None or math.isnan(x) else x
+
+
+@dataclass(frozen=True)
+class Finding:
+    """A failure shrunk to a minimal case, and a snippet that reproduces it."""
+
+    case: Case
+    message: str
+    got: float | None
+    expected: float | None
+    where: tuple[int, ...] | None
+    reproducer: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "case": self.case.to_dict(),
+            "message": self.message,
+            "got": _num(self.got),
+            "expected": _num(self.expected),
+            "where": None if self.where is None else list(self.where),
+            "reproducer": self.reproducer,
+        }
 
 
 @dataclass
-class CaseResult:
-    """The verdict on one case in one dtype."""
+class PropertyResult:
+    """The verdict on one property in one dtype."""
 
-    case: Case
+    property: str
     dtype: torch.dtype
     status: str  # "pass" | "fail" | "skip"
-    max_err: float = math.nan
-    mean_err: float = math.nan
-    max_bound: float = math.nan
-    mean_bound: float = math.nan
-    message: str = ""
+    checks: int = 0
+    skipped: int = 0
     seconds: float = 0.0
+    message: str = ""
+    finding: Finding | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        def num(x: float) -> float | None:
-            return None if math.isnan(x) else x
-
         return {
-            "case": self.case.to_dict(),
-            "dtype": str(self.dtype).removeprefix("torch."),
+            "property": self.property,
+            "dtype": _dt(self.dtype),
             "status": self.status,
-            "max_err": num(self.max_err),
-            "mean_err": num(self.mean_err),
-            "max_bound": num(self.max_bound),
-            "mean_bound": num(self.mean_bound),
+            "checks": self.checks,
+            "skipped": self.skipped,
+            "seconds": round(self.seconds, 4),
             "message": self.message,
-            "seconds": self.seconds,
+            "failure": None if self.finding is None else self.finding.to_dict(),
         }
+
+
+def reproducer(
+    backend: str, pid: str, case: Case, dtype: torch.dtype, device: str, message: str
+) -> str:
+    """A runnable Python snippet that rebuilds the failing case and checks it again."""
+    return (
+        f"# attnref: property {pid!r} failed for backend {backend!r} ({_dt(dtype)}, {device})\n"
+        f"# {message}\n"
+        "import torch\n"
+        "from attnref.conformance import Case, build, check_case, resolve_backend\n"
+        "\n"
+        f"case = {case!r}\n"
+        f"inputs = build(case, torch.{_dt(dtype)}, {device!r})  "
+        "# query, key, value, attn_mask of the case\n"
+        f"print(check_case({pid!r}, resolve_backend({backend!r}), case, "
+        f"torch.{_dt(dtype)}, {device!r}))\n"
+    )
 
 
 @dataclass
@@ -72,18 +125,33 @@ class AuditReport:
     backend: str
     device: str
     dtypes: list[str]
+    profile: str
+    seed: int
+    capabilities: Capabilities
     started: str
-    results: list[CaseResult] = field(default_factory=list)
+    results: list[PropertyResult] = field(default_factory=list)
     seconds: float = 0.0
+    stopped_early: bool = False
     _t0: float = 0.0
 
     @classmethod
-    def start(cls, backend: str, device: str, dtypes: list[str]) -> "AuditReport":
+    def start(
+        cls,
+        backend: str,
+        device: str,
+        dtypes: list[str],
+        profile: str,
+        seed: int,
+        capabilities: Capabilities,
+    ) -> "AuditReport":
         now = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
         return cls(
             backend,
             device,
-            [d.removeprefix("torch.") for d in dtypes],
+            [_dt(d) for d in dtypes],
+            profile,
+            seed,
+            capabilities,
             now,
             _t0=time.perf_counter(),
         )
@@ -99,9 +167,17 @@ class AuditReport:
         """True when nothing failed."""
         return self.count("fail") == 0
 
+    def failed_properties(self) -> set[str]:
+        """The ids of the properties that failed in at least one dtype."""
+        return {r.property for r in self.results if r.status == "fail"}
+
     def to_dict(self) -> dict[str, Any]:
         from attnref import __version__
 
+        caps = {
+            k: [_dt(x) for x in v] if k == "dtypes" else v
+            for k, v in asdict(self.capabilities).items()
+        }
         return {
             "schema_version": SCHEMA_VERSION,
             "attnref_version": __version__,
@@ -109,68 +185,92 @@ class AuditReport:
             "backend": self.backend,
             "device": self.device,
             "dtypes": self.dtypes,
+            "profile": self.profile,
+            "seed": self.seed,
+            "capabilities": caps,
             "started": self.started,
             "seconds": round(self.seconds, 3),
+            "stopped_early": self.stopped_early,
             "summary": {
                 "passed": self.count("pass"),
                 "failed": self.count("fail"),
                 "skipped": self.count("skip"),
+                "checks": sum(r.checks for r in self.results),
                 "ok": self.ok,
             },
             "results": [r.to_dict() for r in self.results],
         }
 
-    def write_json(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+    def write_json(self, path: str | Path) -> list[Path]:
+        """Write the report to ``path``, and each reproducer beside it.
+
+        Reproducers go to ``<path without suffix>.reproducers/<property>-<dtype>.py``.
+        Returns the files written.
+        """
+        path = Path(path)
+        path.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+        written = [path]
+        findings = [r for r in self.results if r.finding is not None]
+        if findings:
+            folder = path.with_suffix(".reproducers")
+            folder.mkdir(exist_ok=True)
+            for r in findings:
+                assert r.finding is not None
+                out = folder / f"{r.property}-{_dt(r.dtype)}.py"
+                out.write_text(r.finding.reproducer)
+                written.append(out)
+        return written
 
     def format_table(self, *, verbose: bool = False) -> str:
-        """A terminal table: one row per case, one column per dtype, then the failures."""
-        dtypes = self.dtypes
+        """One row per property, one column per dtype, then each failure and its reproducer."""
         names: list[str] = []
-        cells: dict[tuple[str, str], CaseResult] = {}
+        cells: dict[tuple[str, str], PropertyResult] = {}
         for r in self.results:
-            if r.case.name not in names:
-                names.append(r.case.name)
-            cells[(r.case.name, str(r.dtype).removeprefix("torch."))] = r
-        width = max([len("case"), *map(len, names)])
-        header = f"{'case':<{width}}  " + "  ".join(f"{d:>16}" for d in dtypes)
+            if r.property not in names:
+                names.append(r.property)
+            cells[(r.property, _dt(r.dtype))] = r
+        width = max([len("property"), *map(len, names)])
+        header = f"{'property':<{width}}  " + "  ".join(f"{d:>10}" for d in self.dtypes)
         lines = [
-            f"attnref audit: backend {self.backend} on {self.device}, torch {torch.__version__}",
+            f"attnref audit: backend {self.backend} on {self.device}, profile {self.profile}, "
+            f"seed {self.seed}, torch {torch.__version__}",
             header,
             "-" * len(header),
         ]
         for name in names:
             row = [f"{name:<{width}}"]
-            for d in dtypes:
-                row.append(f"{_cell(cells.get((name, d))):>16}")
+            row += [f"{_cell(cells.get((name, d))):>10}" for d in self.dtypes]
             lines.append("  ".join(row))
         failures = [r for r in self.results if r.status == "fail"]
-        skips = [r for r in self.results if r.status == "skip"]
         if failures:
-            lines += ["", "failures:"]
-            lines += [f"  {r.case.name} [{_dt(r)}]: {r.message}" for r in failures]
+            lines += ["", "failures (each shrunk to a minimal case):"]
+            shown: set[str] = set()
+            for r in failures:
+                lines.append(f"  {r.property} [{_dt(r.dtype)}]: {r.message}")
+                if r.finding is not None and (verbose or r.property not in shown):
+                    shown.add(r.property)
+                    lines += ["    " + x for x in r.finding.reproducer.rstrip().splitlines()]
+        skips = [r for r in self.results if r.status == "skip"]
         if skips and verbose:
             lines += ["", "skipped:"]
-            lines += [f"  {r.case.name} [{_dt(r)}]: {r.message}" for r in skips]
+            lines += [f"  {r.property} [{_dt(r.dtype)}]: {r.message}" for r in skips]
+        if self.stopped_early:
+            lines += ["", "stopped at the first failure (--fail-fast)"]
+        checks = sum(r.checks for r in self.results)
         lines += [
             "",
             f"{self.count('pass')} passed, {self.count('fail')} failed, "
-            f"{self.count('skip')} skipped in {self.seconds:.1f} s: "
+            f"{self.count('skip')} skipped ({checks} cases checked) in {self.seconds:.1f} s: "
             + ("OK" if self.ok else "FAILED"),
         ]
         return "\n".join(lines)
 
 
-def _dt(r: CaseResult) -> str:
-    return str(r.dtype).removeprefix("torch.")
-
-
-def _cell(r: CaseResult | None) -> str:
+def _cell(r: PropertyResult | None) -> str:
     if r is None:
-        return ""
+        return "-"
     if r.status == "skip":
         return "skip"
-    if r.status == "fail" and math.isnan(r.max_err):
+    if r.status == "fail":
         return "FAIL"
-    mark = "ok" if r.status == "pass" else "FAIL"
-    return f"{mark} {r.max_err:.1e}"
+    return f"ok {r.checks}"

@@ -1,22 +1,34 @@
-"""Run a backend over audit cases; never let the backend crash or hang the audit."""
+"""Run a backend through the properties: Hypothesis searches, shrinks, and we report.
 
-import threading
+Each (property, dtype) pair is one Hypothesis search seeded from the audit's seed. The
+first failure Hypothesis finds is shrunk to a minimal case (within the profile's shrink
+budget), then the property's explicit examples run if the search found nothing. The
+backend never crashes or hangs the audit: see `attnref.conformance.calls`.
+"""
+
 import time
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
+from hypothesis import HealthCheck, Phase, Verbosity, given, settings
+from hypothesis import seed as hypothesis_seed
 from tqdm import tqdm
 
 from attnref.conformance.backends import Backend
-from attnref.conformance.cases import Case, Inputs, build, fixed_grid
-from attnref.conformance.oracle import compare, error_floor, reference
-from attnref.conformance.report import AuditReport, CaseResult
-from attnref.masks import causal_mask
+from attnref.conformance.calls import Failure, Skip
+from attnref.conformance.cases import Case
+from attnref.conformance.profiles import Profile, get_profile
+from attnref.conformance.properties import (
+    PROPERTIES,
+    Context,
+    Property,
+    get_property,
+    property_seed,
+)
+from attnref.conformance.report import AuditReport, Finding, PropertyResult, reproducer
 
-__all__ = ["DEFAULT_DTYPES", "audit", "backend_call", "best_device"]
-
-DEFAULT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+__all__ = ["audit", "best_device", "run_property"]
 
 
 def best_device() -> str:
@@ -24,134 +36,159 @@ def best_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def backend_call(backend: Backend, inputs: Inputs) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """The arguments to call ``backend`` with for ``inputs``.
-
-    A causal alignment the backend does not compute itself (or causal combined with a
-    mask, where it cannot take both) reaches it as an explicit boolean mask, so that every
-    case runs on every backend.
-    """
-    caps = backend.capabilities
-    mask = inputs.attn_mask
-    kwargs: dict[str, Any] = {"dropout_p": 0.0, "is_causal": False, "scale": inputs.scale}
-    if inputs.enable_gqa:
-        kwargs["enable_gqa"] = True
-    if inputs.causal is not None:
-        native = inputs.causal in caps.causal_alignments and (mask is None or caps.causal_with_mask)
-        if native:
-            kwargs["is_causal"] = True
-            if inputs.causal != "top_left":
-                kwargs["causal_alignment"] = inputs.causal
-        else:
-            Tq, Tk = inputs.query.shape[-2], inputs.key.shape[-2]
-            visible = causal_mask(Tq, Tk, inputs.causal, device=inputs.query.device)
-            if mask is None:
-                mask = visible
-            elif mask.dtype == torch.bool:
-                mask = mask & visible
-            else:
-                mask = mask.masked_fill(~visible, float("-inf"))
-    kwargs["attn_mask"] = mask
-    return (inputs.query, inputs.key, inputs.value), kwargs
+class _Found(Exception):  # noqa: N818 (a signal to Hypothesis)
+    """Raised from one place for every failure, so Hypothesis treats them as one bug."""
 
 
-def skip_reason(backend: Backend, case: Case, inputs: Inputs, dtype: torch.dtype) -> str | None:
-    """Why ``backend`` declares it does not support this case, or ``None``."""
-    caps = backend.capabilities
-    if dtype not in caps.dtypes:
-        return f"dtype {dtype} not declared"
-    _, kwargs = backend_call(backend, inputs)
-    mask = kwargs["attn_mask"]
-    if mask is not None and mask.dtype == torch.bool and not caps.bool_mask:
-        return "boolean masks not declared"
-    if mask is not None and mask.is_floating_point() and not caps.float_mask:
-        return "float masks not declared"
-    if inputs.enable_gqa and not caps.gqa:
-        return "GQA not declared"
-    if case.nan_in_masked and caps.masked_nan != "contained":
-        return "declares that NaN in masked K/V may propagate"
-    return None
+@dataclass
+class _Search:
+    checks: int = 0
+    skipped: int = 0
+    skip_reason: str = ""
+    failure: tuple[Case, Failure] | None = None
+    shrink_until: float | None = None
+    stop: bool = False
 
 
-def _call_with_timeout(fn: Callable[[], Any], timeout: float) -> tuple[Any, BaseException | None]:
-    """Run ``fn`` in a daemon thread; a call still running after ``timeout`` is abandoned."""
-    result: list[Any] = []
-    error: list[BaseException] = []
-
-    def target() -> None:
-        try:
-            result.append(fn())
-        except BaseException as e:  # the backend's failure is data for the report
-            error.append(e)
-
-    thread = threading.Thread(target=target, daemon=True)
-    thread.start()
-    thread.join(timeout)
-    if thread.is_alive():
-        return None, TimeoutError(f"no answer within {timeout:g} s")
-    return (result[0] if result else None), (error[0] if error else None)
-
-
-def _one_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0] if text else ''}"
-
-
-def run_case(
-    backend: Backend, case: Case, dtype: torch.dtype, device: str, timeout: float
-) -> CaseResult:
-    """Audit ``backend`` on one case in one dtype."""
-    inputs = build(case, dtype, device)
-    reason = skip_reason(backend, case, inputs, dtype)
-    if reason is not None:
-        return CaseResult(case, dtype, "skip", message=reason)
-    oracle = reference(inputs.to(torch.float64))
-    same_dtype = reference(inputs)
-    args, kwargs = backend_call(backend, inputs)
+def run_property(
+    backend: Backend,
+    prop: Property,
+    dtype: torch.dtype,
+    *,
+    device: str,
+    profile: Profile,
+    seed: int = 0,
+    timeout: float = 60.0,
+) -> PropertyResult:
+    """Search for a case on which ``backend`` breaks ``prop`` in ``dtype``; shrink it."""
     start = time.perf_counter()
-    out, error = _call_with_timeout(lambda: backend(*args, **kwargs), timeout)
-    seconds = time.perf_counter() - start
-    if error is not None:
-        return CaseResult(case, dtype, "fail", message=_one_line(error), seconds=seconds)
-    c = compare(out, oracle, same_dtype, dtype, error_floor(inputs))
-    return CaseResult(
-        case,
-        dtype,
-        "pass" if c.ok else "fail",
-        max_err=c.max_err,
-        mean_err=c.mean_err,
-        max_bound=c.max_bound,
-        mean_bound=c.mean_bound,
-        message=c.message,
-        seconds=seconds,
-    )
+    caps = backend.capabilities
+
+    def done(status: str, message: str = "", finding: Finding | None = None) -> PropertyResult:
+        return PropertyResult(
+            prop.id,
+            dtype,
+            status,
+            checks=search.checks,
+            skipped=search.skipped,
+            seconds=time.perf_counter() - start,
+            message=message,
+            finding=finding,
+        )
+
+    search = _Search()
+    if dtype not in caps.dtypes:
+        return done("skip", f"dtype {str(dtype).removeprefix('torch.')} not declared")
+    reason = prop.requires(caps)
+    if reason is not None:
+        return done("skip", reason)
+    ctx = Context(backend, dtype, device, timeout)
+
+    def body(case: Case) -> None:
+        if search.stop:
+            return  # out of shrink budget (or the backend hangs): keep what we have
+        search.checks += 1
+        try:
+            prop.check(ctx, case)
+        except Skip as s:
+            search.skipped += 1
+            search.skip_reason = str(s)
+            return
+        except Failure as f:
+            search.failure = (case, f)
+            now = time.perf_counter()
+            if search.shrink_until is None:
+                search.shrink_until = now + profile.shrink_seconds
+            search.stop = f.fatal or now > search.shrink_until
+            raise _Found from None
+
+    test = given(prop.cases(profile, caps))(body)
+    test = settings(
+        max_examples=profile.examples,
+        deadline=None,
+        database=None,
+        derandomize=False,
+        phases=(Phase.generate, Phase.shrink),
+        suppress_health_check=list(HealthCheck),
+        report_multiple_bugs=False,
+        verbosity=Verbosity.quiet,
+        print_blob=False,
+    )(test)
+    test = hypothesis_seed(property_seed(seed, prop.id, dtype))(test)
+    try:
+        test()
+    except Exception:
+        # _Found, or Hypothesis' own complaint when a shrink budget made the final replay
+        # pass: either way the failure we recorded is the smallest one found
+        if search.failure is None:
+            raise
+    if search.failure is None:
+        for case in prop.examples(profile, caps):
+            try:
+                body(case)
+            except _Found:
+                break
+    if search.failure is not None:
+        case, failure = search.failure
+        finding = Finding(
+            case,
+            str(failure),
+            failure.got,
+            failure.expected,
+            failure.where,
+            reproducer(backend.name, prop.id, case, dtype, device, str(failure)),
+        )
+        return done("fail", str(failure), finding)
+    if search.checks and search.skipped == search.checks:
+        return done("skip", search.skip_reason)
+    return done("pass")
 
 
 def audit(
     backend: Backend,
     *,
+    profile: str | Profile = "quick",
     device: str | None = None,
-    dtypes: Sequence[torch.dtype] = DEFAULT_DTYPES,
-    cases: Sequence[Case] | None = None,
+    dtypes: Sequence[torch.dtype] | None = None,
+    seed: int = 0,
+    properties: Sequence[str] | None = None,
     timeout: float = 60.0,
+    fail_fast: bool = False,
+    gradients: bool = True,
     progress: bool = True,
 ) -> AuditReport:
-    """Audit ``backend`` against the float64 oracle over ``cases`` (default: the fixed grid).
+    """Audit ``backend`` against the float64 oracle: every property in every dtype.
 
-    Every case runs in every dtype; unsupported ones are skipped and counted; an exception,
-    a hang past ``timeout`` seconds, a wrong shape or dtype, NaN where the oracle is finite,
-    or an error beyond the bound is a failure. The audit itself never raises because of
-    the backend.
+    ``dtypes`` defaults to every dtype the backend declares; ``properties`` to all of
+    them (`PROPERTIES`); ``gradients=False`` leaves out the gradient property;
+    ``fail_fast`` stops after the first failing property. A property the backend
+    cannot be held to (an undeclared capability) is skipped and counted. The audit never
+    raises because of the backend.
     """
+    prof = get_profile(profile) if isinstance(profile, str) else profile
     device = device or best_device()
-    grid = list(fixed_grid() if cases is None else cases)
-    report = AuditReport.start(backend.name, device, [str(d) for d in dtypes])
+    chosen = [get_property(p) for p in (properties or list(PROPERTIES))]
+    if not gradients:
+        chosen = [p for p in chosen if not p.gradient]
+    dtype_list = list(dtypes) if dtypes is not None else list(backend.capabilities.dtypes)
+    report = AuditReport.start(
+        backend.name, device, [str(d) for d in dtype_list], prof.name, seed, backend.capabilities
+    )
     unavailable = backend.available(device)
-    work = [(c, d) for d in dtypes for c in grid]
-    for case, dtype in tqdm(work, desc=f"audit {backend.name}", disable=not progress, leave=False):
+    work = [(p, d) for p in chosen for d in dtype_list]
+    bar = tqdm(work, desc=f"audit {backend.name}", disable=not progress, leave=False)
+    for prop, dtype in bar:
+        bar.set_postfix_str(f"{prop.id} {str(dtype).removeprefix('torch.')}")
         if unavailable is not None:
-            report.results.append(CaseResult(case, dtype, "skip", message=unavailable))
+            report.results.append(PropertyResult(prop.id, dtype, "skip", message=unavailable))
             continue
-        report.results.append(run_case(backend, case, dtype, device, timeout))
+        result = run_property(
+            backend, prop, dtype, device=device, profile=prof, seed=seed, timeout=timeout
+        )
+        report.results.append(result)
+        if fail_fast and result.status == "fail":
+            report.stopped_early = True
+            break
+    bar.close()
     report.finish()
     return report

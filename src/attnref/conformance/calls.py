@@ -1,0 +1,170 @@
+"""Calling a backend safely: its arguments, its declared limits, a timeout, a verdict on its output.
+
+Nothing a backend does (raise, hang, return a list, the wrong shape, dtype or device)
+escapes as an exception other than `Failure` (the backend is wrong) or `Skip` (the
+backend declared it does not support the call).
+"""
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from jaxtyping import Float
+from torch import Tensor
+
+from attnref._checking import checked
+from attnref.conformance.backends import Backend
+from attnref.conformance.cases import Inputs
+from attnref.masks import causal_mask
+
+__all__ = ["Failure", "Skip", "backend_call", "call", "call_with_timeout", "skip_reason"]
+
+
+class Failure(Exception):  # noqa: N818 (a verdict on the backend, not an error of ours)
+    """The backend got a check wrong; ``str(failure)`` is a one-line summary.
+
+    ``fatal`` failures (a hang) stop the search: calling the backend again only costs time.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        got: float | None = None,
+        expected: float | None = None,
+        where: tuple[int, ...] | None = None,
+        fatal: bool = False,
+    ) -> None:
+        super().__init__(message)
+        self.got = got
+        self.expected = expected
+        self.where = where
+        self.fatal = fatal
+
+
+class Skip(Exception):  # noqa: N818 (a signal, like pytest.skip)
+    """The backend declares it does not support this call (or refused it as declared)."""
+
+
+def backend_call(
+    backend: Backend, inputs: Inputs, **overrides: Any
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The arguments to call ``backend`` with for ``inputs`` (``overrides`` replace keywords).
+
+    A causal alignment the backend does not compute itself (or causal combined with a
+    mask, where it cannot take both) reaches it as an explicit boolean mask, so that every
+    case runs on every backend.
+    """
+    caps = backend.capabilities
+    mask = inputs.attn_mask
+    kwargs: dict[str, Any] = {"dropout_p": 0.0, "is_causal": False, "scale": inputs.scale}
+    if inputs.enable_gqa:
+        kwargs["enable_gqa"] = True
+    if inputs.causal is not None:
+        native = inputs.causal in caps.causal_alignments and (mask is None or caps.causal_with_mask)
+        if native:
+            kwargs["is_causal"] = True
+            if inputs.causal != "top_left":
+                kwargs["causal_alignment"] = inputs.causal
+        else:
+            Tq, Tk = inputs.query.shape[-2], inputs.key.shape[-2]
+            visible = causal_mask(Tq, Tk, inputs.causal, device=inputs.query.device)
+            if mask is None:
+                mask = visible
+            elif mask.dtype == torch.bool:
+                mask = mask & visible
+            else:
+                mask = mask.masked_fill(~visible, float("-inf"))
+    kwargs["attn_mask"] = mask
+    kwargs.update(overrides)
+    return (inputs.query, inputs.key, inputs.value), kwargs
+
+
+def skip_reason(backend: Backend, inputs: Inputs, kwargs: dict[str, Any]) -> str | None:
+    """Why ``backend`` declares it does not support this call, or ``None``."""
+    caps = backend.capabilities
+    dtype = inputs.query.dtype
+    if dtype not in caps.dtypes:
+        return f"dtype {dtype} not declared"
+    mask = kwargs["attn_mask"]
+    if mask is not None and mask.dtype == torch.bool and not caps.bool_mask:
+        return "boolean masks not declared"
+    if mask is not None and mask.is_floating_point() and not caps.float_mask:
+        return "float masks not declared"
+    if kwargs.get("enable_gqa") and not caps.gqa:
+        return "GQA not declared"
+    if inputs.query.shape[-1] == 0 and not caps.zero_head_dim:
+        return "head dim 0 not declared"
+    return None
+
+
+def call_with_timeout(fn: Callable[[], Any], timeout: float) -> tuple[Any, BaseException | None]:
+    """Run ``fn`` in a daemon thread; a call still running after ``timeout`` is abandoned."""
+    result: list[Any] = []
+    error: list[BaseException] = []
+
+    def target() -> None:
+        try:
+            result.append(fn())
+        except BaseException as e:  # the backend's failure is data for the report
+            error.append(e)
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    thread.join(timeout)
+    if thread.is_alive():
+        return None, TimeoutError(f"no answer within {timeout:g} s")
+    return (result[0] if result else None), (error[0] if error else None)
+
+
+def one_line(e: BaseException) -> str:
+    """``Type: first line of the message``."""
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}"
+
+
+def raise_for_error(backend: Backend, error: BaseException) -> None:
+    """Turn what the backend raised into `Skip` (a declared refusal) or `Failure`."""
+    if isinstance(error, TimeoutError):
+        raise Failure(one_line(error), fatal=True)
+    if any(pattern in str(error) for pattern in backend.capabilities.refuses):
+        raise Skip(f"refused: {one_line(error)}")
+    raise Failure(one_line(error))
+
+
+@checked
+def check_output(
+    out: object, expected_shape: tuple[int, ...], inputs: Inputs
+) -> Float[Tensor, "*shape"]:
+    """``out`` if it is a tensor of the expected shape, dtype and device, else `Failure`."""
+    if not isinstance(out, Tensor):
+        raise Failure(f"returned {type(out).__name__}, not a tensor")
+    if tuple(out.shape) != expected_shape:
+        raise Failure(f"returned shape {tuple(out.shape)}, expected {expected_shape}")
+    if out.dtype != inputs.query.dtype:
+        raise Failure(f"returned dtype {out.dtype}, expected {inputs.query.dtype}")
+    if out.device != inputs.query.device:
+        raise Failure(f"returned a tensor on {out.device}, expected {inputs.query.device}")
+    return out
+
+
+@checked
+def call(
+    backend: Backend, inputs: Inputs, timeout: float, **overrides: Any
+) -> Float[Tensor, "*batch h Tq Dv"]:
+    """The backend's output for ``inputs``, checked for type, shape, dtype and device.
+
+    Raises:
+        Skip: the call is outside what the backend declares, or it refused as declared.
+        Failure: it raised, hung past ``timeout`` seconds, or returned something wrong.
+    """
+    args, kwargs = backend_call(backend, inputs, **overrides)
+    reason = skip_reason(backend, inputs, kwargs)
+    if reason is not None:
+        raise Skip(reason)
+    out, error = call_with_timeout(lambda: backend(*args, **kwargs), timeout)
+    if error is not None:
+        raise_for_error(backend, error)
+    expected_shape = (*inputs.query.shape[:-1], inputs.value.shape[-1])
+    return check_output(out, expected_shape, inputs).detach()

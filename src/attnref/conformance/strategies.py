@@ -1,0 +1,130 @@
+"""Hypothesis strategies that draw audit `Case`s within a profile's limits.
+
+A case is plain data (shapes, flags and a seed for the values), so Hypothesis draws and
+shrinks the *structure* of a failing call: the shrunk case is small, simple and printable.
+Every choice lists its simplest option first (no mask, not causal, contiguous, amplitude
+1), because that is where Hypothesis shrinks to.
+"""
+
+from dataclasses import replace
+from typing import Any
+
+from hypothesis import strategies as st
+
+from attnref.conformance.backends import Capabilities
+from attnref.conformance.cases import Case
+from attnref.conformance.profiles import Profile
+
+__all__ = ["LAYOUTS", "MASKS", "case_strategy", "lengths", "masks_for"]
+
+#: every mask kind `build` knows, simplest first
+MASKS = ("none", "bool", "padding", "columns", "bool_full", "float", "empty_rows")
+#: non-contiguous layouts `build` knows (class 6 and 7)
+LAYOUTS = ("transposed", "sliced", "broadcast", "broadcast_heads")
+#: small primes and odd lengths: none is a multiple of a common tile size
+_ODD = (1, 2, 3, 5, 7, 11, 13, 17, 23, 31)
+
+
+def lengths(profile: Profile) -> st.SearchStrategy[int]:
+    """Sequence lengths: small odd and prime ones, any length up to the profile's limit,
+    and lengths just off a power of two (class 12)."""
+    return st.one_of(
+        st.sampled_from(_ODD),
+        st.integers(1, profile.max_len),
+        st.sampled_from(profile.tail_lengths),
+    )
+
+
+def _head_dims() -> st.SearchStrategy[int]:
+    return st.sampled_from((8, 1, 2, 3, 4, 5, 16, 32, 64, 80, 128))
+
+
+def _fits(case: Case, profile: Profile) -> Case:
+    """Shrink the batch, then the heads, until the score matrix fits the profile."""
+    while True:
+        batch = 1
+        for b in case.batch:
+            batch *= b
+        if batch * case.h * case.Tq * case.Tk <= profile.max_scores:
+            return case
+        if batch > 1:
+            case = replace(case, batch=tuple(1 for _ in case.batch))
+        elif case.h > 1:
+            case = replace(case, h=case.h // case.g, g=1) if case.g > 1 else replace(case, h=1)
+        else:
+            return replace(case, Tq=min(case.Tq, 64), Tk=min(case.Tk, 64))
+
+
+def masks_for(caps: Capabilities, kinds: tuple[str, ...] = MASKS) -> tuple[str, ...]:
+    """The mask kinds of ``kinds`` that a backend with ``caps`` accepts."""
+    ok = []
+    for kind in kinds:
+        if kind == "float" and not caps.float_mask:
+            continue
+        if kind not in ("none", "float") and not caps.bool_mask:
+            continue
+        ok.append(kind)
+    return tuple(ok) or ("none",)
+
+
+def case_strategy(
+    name: str, profile: Profile, caps: Capabilities, **fields: Any
+) -> st.SearchStrategy[Case]:
+    """Cases named ``name``; each field of `Case` may be pinned by a value or a strategy.
+
+    Unpinned fields are drawn over the whole space the profile allows: zero to two batch
+    dimensions, GQA groups (when declared), every mask kind the backend accepts, both
+    causal alignments, every layout, hot inputs and explicit scales.
+    """
+
+    def pick(draw: st.DrawFn, field: str, default: st.SearchStrategy[Any]) -> Any:
+        value = fields.get(field, default)
+        return draw(value) if isinstance(value, st.SearchStrategy) else value
+
+    @st.composite
+    def draw_case(draw: st.DrawFn) -> Case:
+        batch = pick(
+            draw,
+            "batch",
+            st.one_of(
+                st.tuples(st.integers(1, profile.max_batch)),
+                st.just(()),
+                st.tuples(st.integers(1, profile.max_batch), st.integers(1, 3)),
+            ),
+        )
+        g = pick(draw, "g", st.integers(1, profile.max_kv_heads))
+        group = pick(draw, "group", st.sampled_from((1, 2, 3, 4)) if caps.gqa else st.just(1))
+        Tq = pick(draw, "Tq", lengths(profile))
+        Tk = pick(draw, "Tk", lengths(profile))
+        Dh = pick(draw, "Dh", _head_dims())
+        Dv = pick(draw, "Dv", st.one_of(st.just(Dh), _head_dims()))
+        # no mask twice as often: it is the case where kernels take their fast paths
+        mask = pick(draw, "mask", st.sampled_from(("none", *masks_for(caps))))
+        causal = pick(draw, "causal", st.sampled_from((None, "top_left", "bottom_right")))
+        layout = pick(draw, "layout", st.sampled_from(("contiguous", *LAYOUTS)))
+        amp = pick(draw, "amp", st.sampled_from((1.0, 0.25, 2.0, 4.0, 8.0)))
+        scale = pick(draw, "scale", st.sampled_from((None, None, 0.37, 1.0, 2.5)))
+        poison = pick(draw, "poison", st.just("none"))
+        if poison != "none" and layout.startswith("broadcast"):
+            layout = "contiguous"
+        seed = pick(draw, "seed", st.integers(0, 2**16))
+        case = Case(
+            name,
+            batch=tuple(batch),
+            h=g * group,
+            g=g,
+            Tq=Tq,
+            Tk=Tk,
+            Dh=Dh,
+            Dv=Dv,
+            mask=mask,
+            causal=causal,
+            layout=layout,
+            amp=amp,
+            scale=scale,
+            poison=poison,
+            seed=seed,
+        )
+        return _fits(case, profile)
+
+    return draw_case()

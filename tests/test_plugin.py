@@ -1,0 +1,73 @@
+"""The pytest plugin: ``pytest --attnref-backend=...`` audits a backend in someone else's CI."""
+
+import xml.etree.ElementTree as ET
+
+import pytest
+
+pytest_plugins = ["pytester"]
+
+
+def test_without_the_option_the_plugin_adds_nothing(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile("def test_one(): pass")
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
+    result.assert_outcomes(passed=1)
+
+
+def test_one_test_per_property_and_dtype_with_junit(pytester: pytest.Pytester) -> None:
+    result = pytester.runpytest_subprocess(
+        "-p",
+        "no:cacheprovider",
+        "--attnref-backend=mutant.gqa_tiled",
+        "--attnref-dtype=float32",
+        "--attnref-dtype=float16",
+        "--attnref-property=gqa",
+        "--attnref-property=causality",
+        "--junitxml=report.xml",
+    )
+    result.assert_outcomes(passed=2, failed=2)
+    result.stdout.fnmatch_lines(
+        [
+            "*attnref[[]mutant.gqa_tiled[]]::gqa[[]float32[]]*",
+            "*GQA against expanded heads: max error*",
+            "case = Case(name='gqa'*",
+        ]
+    )
+    cases = ET.parse(pytester.path / "report.xml").getroot().iter("testcase")
+    names = sorted(c.get("name", "") for c in cases)
+    assert names == sorted(
+        f"attnref[mutant.gqa_tiled]::{p}[{d}]"
+        for p in ("gqa", "causality")
+        for d in ("float32", "float16")
+    )
+
+
+def test_a_user_module_passes_and_undeclared_is_a_skip(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(
+        mykernel="""
+import torch
+from attnref.conformance import Capabilities
+
+def attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+              enable_gqa=False):
+    return torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
+
+attention.capabilities = Capabilities(dtypes=(torch.float32,), gqa=False)
+"""
+    )
+    result = pytester.runpytest_subprocess(
+        "-p",
+        "no:cacheprovider",
+        "--attnref-backend=mykernel:attention",
+        "--attnref-property=forward",
+        "--attnref-property=gqa",
+        "-rs",
+    )
+    result.assert_outcomes(passed=1, skipped=1)
+    result.stdout.fnmatch_lines(["*GQA not declared*"])
+
+
+def test_a_bad_backend_is_a_usage_error(pytester: pytest.Pytester) -> None:
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--attnref-backend=nope")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*--attnref-backend: unknown backend 'nope'*"])
