@@ -1,4 +1,5 @@
-"""Developer sessions: ``nox -s tests``, ``typecheck``, ``lint``, ``docs``.
+"""Developer sessions: ``nox -s tests``, ``typecheck``, ``lint``, ``docs``, ``bench``,
+``audit_gpu``.
 
 Every session forwards ``session.posargs`` (``nox -s tests -- -k masks``). torch is
 pinned to the CPU build that lies on this project's machines; an unpinned ``torch`` would
@@ -7,7 +8,7 @@ pull a multi-GB CUDA build.
 
 import nox
 
-nox.options.sessions = ["tests", "typecheck", "lint", "docs"]  # `bench` on request
+nox.options.sessions = ["tests", "typecheck", "lint", "docs"]  # bench, audit_gpu on request
 nox.options.reuse_existing_virtualenvs = True
 
 TORCH = "torch==2.13.0"
@@ -52,3 +53,14 @@ def bench(session: nox.Session) -> None:
     """CPU benchmarks (pytest-benchmark) with median ratios side by side."""
     _install(session, "test")
     session.run("pytest", "benchmarks", *session.posargs)
+
+
+@nox.session(venv_backend="none")
+def audit_gpu(session: nox.Session) -> None:
+    """Audit every torch SDPA kernel forced, float16 and bfloat16, into docs/gpu-audit.
+
+    Runs in the current environment (``venv_backend="none"``): a GPU machine has no
+    network, so it uses the torch already installed there. ``nox -s audit_gpu -- --profile
+    ci`` forwards options to tools/gpu_audit.py.
+    """
+    session.run("python", "tools/gpu_audit.py", *session.posargs)

@@ -96,19 +96,20 @@ def test_mutant_is_caught_by_a_property_aimed_at_its_class(name: str) -> None:
 
 
 def test_kill_matrix_in_docs_covers_every_mutant_and_property() -> None:
-    text = (DOCS / "kill-matrix.md").read_text()
-    rows = {m.group(1): m.group(0) for m in re.finditer(r"^\| `(\w+)` \|.*$", text, re.M)}
+    lines = (DOCS / "kill-matrix.md").read_text().splitlines()
+    header = next(x for x in lines if x.startswith("| mutant |"))
+    columns = [c.strip().strip("`") for c in header.strip("|").split("|")][2:]
+    assert columns == list(PROPERTIES), "regenerate with python tools/kill_matrix.py"
+    rows = {}
+    for line in lines:
+        m = re.match(r"^\| `(\w+)` \|", line)
+        if m:
+            rows[m.group(1)] = [c.strip() for c in line.strip("|").split("|")][2:]
     assert set(rows) == set(MUTANTS), "regenerate with python tools/kill_matrix.py"
-    for p in PROPERTIES:
-        assert (
-            f"`{p}`"
-            in text.splitlines()[
-                next(i for i, x in enumerate(text.splitlines()) if x.startswith("| mutant"))
-            ]
-        )
-    for name, row in rows.items():
-        cells = [c.strip() for c in row.strip("|").split("|")[2:]]
-        assert any(c != "." for c in cells), f"{name}: no property caught it"
+    for name, cells in rows.items():
+        assert any(c != "." for c in cells), f"no property caught {name}"
+    for i, pid in enumerate(columns):
+        assert any(cells[i] != "." for cells in rows.values()), f"{pid} caught no mutant"
 
 
 def test_a_failure_is_shrunk_and_its_reproducer_runs(capsys: pytest.CaptureFixture[str]) -> None:
@@ -275,3 +276,16 @@ def test_builtin_names_are_listed() -> None:
         "torch-flex",
         "naive",
     } <= set(BUILTIN_BACKENDS)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"empty_row": "zeros"}, "empty_row must be one of zero, nan, uniform, got 'zeros'"),
+        ({"masked_nan": "maybe"}, "masked_nan must be one of contained, propagates"),
+        ({"causal_alignments": ("diagonal",)}, "unknown alignment 'diagonal'"),
+    ],
+)
+def test_a_bad_declaration_is_a_clear_error(kwargs: dict[str, object], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        Capabilities(**kwargs)  # type: ignore[arg-type]

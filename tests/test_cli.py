@@ -108,3 +108,29 @@ def test_python_dash_m() -> None:
     )
     assert proc.returncode == 0
     assert "--backend" in proc.stdout
+
+
+def test_gpu_audit_script_runs_on_the_cpu(tmp_path: Path) -> None:
+    """tools/gpu_audit.py is what a lent GPU runs; here it must work at the same sizes."""
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "tools/gpu_audit.py",
+            "--out",
+            str(tmp_path),
+            "--backend",
+            "torch-sdpa-flash",
+            "--backend",
+            "torch-sdpa-efficient",
+            "--property",
+            "forward",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).resolve().parents[1],
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    summary = (tmp_path / "README.md").read_text()
+    assert "| `torch-sdpa-flash` | 2 | 0 | 0 |" in summary
+    assert "| `torch-sdpa-efficient` | 0 | 0 | 2 |" in summary  # no such kernel on a CPU
+    assert (tmp_path / "torch-sdpa-flash.json").exists()

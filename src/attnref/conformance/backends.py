@@ -6,6 +6,7 @@ visible key, every float dtype, boolean and float masks, GQA through ``enable_gq
 """
 
 import contextlib
+import functools
 import importlib
 import inspect
 import math
@@ -58,6 +59,24 @@ class Capabilities:
     zero_head_dim: bool = True  # Dqk = 0 (scores all zero: the mean of V)
     # substrings of an error message that mean "refused this input" (a skip, not a failure)
     refuses: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        choices = {
+            "empty_row": ("zero", "nan", "uniform"),
+            "masked_nan": ("contained", "propagates"),
+        }
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(
+                    f"Capabilities.{name} must be one of {', '.join(allowed)}, "
+                    f"got {getattr(self, name)!r}"
+                )
+        for alignment in self.causal_alignments:
+            if alignment not in ("top_left", "bottom_right"):
+                raise ValueError(
+                    f"Capabilities.causal_alignments: unknown alignment {alignment!r} "
+                    "(use top_left, bottom_right)"
+                )
 
 
 @dataclass(frozen=True)
@@ -143,6 +162,15 @@ def _naive(
     return p.to(query.dtype) @ value
 
 
+@functools.cache
+def _compiled_flex() -> Callable[..., Tensor]:
+    """FlexAttention compiled once, for every shape (FlexAttention's fused path on CUDA)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    compiled: Callable[..., Tensor] = torch.compile(flex_attention, dynamic=True)
+    return compiled
+
+
 def _flex(
     query: Tensor,
     key: Tensor,
@@ -182,7 +210,7 @@ def _flex(
 
     fn: Callable[..., Tensor] = flex_attention
     if query.device.type == "cuda":
-        fn = torch.compile(flex_attention)
+        fn = _compiled_flex()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # eager FlexAttention warns that it is unfused
         out = fn(q, k, v, score_mod=score_mod, scale=scale, enable_gqa=h != k.shape[-3])

@@ -21,7 +21,7 @@ from jaxtyping import Bool, Float
 from torch import Tensor
 
 from attnref import functional as F
-from attnref._checking import checked
+from attnref._checking import checked, checked_internal
 from attnref.conformance.backends import Backend, Capabilities
 from attnref.masks import Alignment, causal_mask
 
@@ -41,7 +41,13 @@ REFERENCE_LIKE = Capabilities(
 )
 
 
-def _kv_heads(k: Tensor, v: Tensor, h: int, tiled: bool = False) -> tuple[Tensor, Tensor]:
+@checked_internal
+def _kv_heads(
+    k: Float[Tensor, "*batch g Tk Dh"],
+    v: Float[Tensor, "*batch g Tk Dv"],
+    h: int,
+    tiled: bool = False,
+) -> tuple[Float[Tensor, "*batch {h} Tk Dh"], Float[Tensor, "*batch {h} Tk Dv"]]:
     g = k.shape[-3]
     if g == h:
         return k, v
@@ -51,11 +57,12 @@ def _kv_heads(k: Tensor, v: Tensor, h: int, tiled: bool = False) -> tuple[Tensor
     return F.expand_kv_heads(k, h), F.expand_kv_heads(v, h)
 
 
+@checked_internal
 def _kernel(
-    query: Tensor,
-    key: Tensor,
-    value: Tensor,
-    attn_mask: Tensor | None = None,
+    query: Query,
+    key: Key,
+    value: Value,
+    attn_mask: Mask = None,
     dropout_p: float = 0.0,
     is_causal: bool = False,
     scale: float | None = None,
@@ -72,7 +79,7 @@ def _kernel(
     softmax_dim: int = -1,
     subtract_max: bool = True,
     dropout_floor: float = 0.0,
-) -> Tensor:
+) -> Out:
     """Materialised attention with switches for planted bugs (all off: a correct kernel)."""
     h = query.shape[-3]
     key, value = _kv_heads(key, value, h, tiled_gqa)
@@ -95,6 +102,8 @@ def _kernel(
         else:
             s = s + attn_mask.to(acc)
     empty = (s == -math.inf).all(dim=softmax_dim, keepdim=True)
+    if zero_empty_rows:  # finite scores in empty rows, so that no NaN reaches the backward
+        s = s.masked_fill(empty, 0.0)
     if subtract_max:
         p = torch.softmax(s, dim=softmax_dim)
     else:  # exp in the input dtype, no max subtracted: overflows on large scores
@@ -108,11 +117,12 @@ def _kernel(
     return p @ value
 
 
+@checked_internal
 def _blocked(
-    query: Tensor,
-    key: Tensor,
-    value: Tensor,
-    attn_mask: Tensor | None = None,
+    query: Query,
+    key: Key,
+    value: Value,
+    attn_mask: Mask = None,
     dropout_p: float = 0.0,
     is_causal: bool = False,
     scale: float | None = None,
@@ -121,7 +131,7 @@ def _blocked(
     block: int = 16,
     drop_tail: bool = False,
     rescale: bool = True,
-) -> Tensor:
+) -> Out:
     """Online-softmax attention over key blocks of ``block``, with switches for tile bugs."""
     h = query.shape[-3]
     key, value = _kv_heads(key, value, h)
@@ -161,7 +171,8 @@ def _blocked(
     return (out / denom.masked_fill(denom == 0, 1.0)).to(query.dtype)
 
 
-def _raw(t: Tensor) -> Tensor:
+@checked_internal
+def _raw(t: Float[Tensor, "*shape"]) -> Float[Tensor, "*shape"]:
     """``t`` read the way a kernel that ignores strides and offsets reads it: its storage
     from the start, as if contiguous; memory past the end of the storage reads as zeros."""
     available = t.untyped_storage().nbytes() // t.element_size()
@@ -423,7 +434,10 @@ def gqa_mask_per_kv_head(
     return _kernel(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
 
 
-def _with_grad_hook(t: Tensor, hook: Callable[[Tensor], Tensor]) -> Tensor:
+@checked_internal
+def _with_grad_hook(
+    t: Float[Tensor, "*shape"], hook: Callable[[Tensor], Tensor]
+) -> Float[Tensor, "*shape"]:
     if not t.requires_grad:
         return t
     t = t.view_as(t)

@@ -6,10 +6,10 @@ to the case's dtype, then upcast). A backend's output passes when
     max|out - oracle|  <= max(floor, FUDGE * max|reference_same_dtype - oracle|)
     mean|out - oracle| <= max(floor, FUDGE * mean|reference_same_dtype - oracle|)
 
-with ``floor = max(atol[dtype], eps * kappa * max|V|)`` (`error_floor`), and it has
-no NaN or inf where the oracle is finite. Gradients follow the same rule with
-``GRAD_FUDGE`` and a floor set by the size of the terms each gradient entry sums. Constants and the
-reasoning behind the floors: `attnref.tolerances`.
+with ``floor = max(atol[dtype], (eps * kappa + u) * max|V|)`` (`error_floor`), and it
+has no NaN or inf where the oracle is finite. Gradients follow the same rule with
+``GRAD_FUDGE`` and a floor set by the size of the terms each gradient entry sums
+(`expect_grads`). Constants and the reasoning behind the floors: `attnref.tolerances`.
 
 Rows of a query with no visible key hold what the backend's declared policy says:
 zeros, NaN, or the mean of V.
@@ -23,7 +23,7 @@ from jaxtyping import Bool, Float, Float64
 from torch import Tensor
 
 from attnref import functional as F
-from attnref._checking import checked
+from attnref._checking import checked, checked_internal
 from attnref.conformance.calls import Failure
 from attnref.conformance.cases import Inputs
 from attnref.tolerances import (
@@ -54,8 +54,8 @@ def reference(inputs: Inputs) -> Float[Tensor, "*batch h Tq Dv"]:
 
 
 def error_floor(inputs: Inputs) -> float:
-    """``max(atol[dtype], eps * kappa * max|V|)`` over the visible query-key pairs: the
-    error no correct backend can avoid. See `attnref.tolerances.attention_atol`."""
+    """``max(atol[dtype], (eps * kappa + u) * max|V|)`` over the visible query-key pairs:
+    the error no correct backend can avoid. See `attnref.tolerances.attention_atol`."""
     return attention_atol(
         inputs.query, inputs.key, inputs.value, inputs.scale, visible=inputs.visible()
     )
@@ -93,7 +93,11 @@ def empty_rows(inputs: Inputs) -> Bool[Tensor, "*batch h Tq 1"]:
 
 
 def expect(inputs: Inputs, empty_row: str = "zero") -> Expected:
-    """The oracle for ``inputs`` under the empty-row policy ``empty_row``."""
+    """The oracle for ``inputs`` under the empty-row policy ``empty_row``, with its bounds.
+
+    Raises:
+        ValueError: an unknown policy.
+    """
     oracle = reference(inputs.to(torch.float64))
     ref_err = (reference(inputs).to(torch.float64) - oracle).abs()
     empty = empty_rows(inputs)
@@ -110,14 +114,24 @@ def expect(inputs: Inputs, empty_row: str = "zero") -> Expected:
     return Expected(oracle, torch.nan_to_num(ref_err, nan=0.0), error_floor(inputs))
 
 
-def _grads(inputs: Inputs, d_out: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+@checked_internal
+def _grads(
+    inputs: Inputs, d_out: Float[Tensor, "*batch h Tq Dv"]
+) -> tuple[
+    Float[Tensor, "*batch h Tq Dh"],
+    Float[Tensor, "*batch g Tk Dh"],
+    Float[Tensor, "*batch g Tk Dv"],
+]:
     q, k, v = (t.detach().requires_grad_(True) for t in (inputs.query, inputs.key, inputs.value))
     leaves = Inputs(q, k, v, inputs.attn_mask, inputs.causal, inputs.scale)
     dq, dk, dv = torch.autograd.grad(reference(leaves), (q, k, v), d_out)
     return dq, dk, dv
 
 
-def _gradient_terms(inputs: Inputs, d_out: Tensor) -> tuple[float, float, float]:
+@checked_internal
+def _gradient_terms(
+    inputs: Inputs, d_out: Float64[Tensor, "*batch h Tq Dv"]
+) -> tuple[float, float, float]:
     """The largest sum of absolute terms in each of dQ, dK, dV (float64 inputs).
 
     ``dV = P^T dO``, ``dQ = scale * dS K``, ``dK = scale * dS^T Q`` with ``dS = P * (dP -
@@ -226,11 +240,11 @@ def close(
             expected=math.nan,
             where=where,
         )
-    checked_ = sel & ~want_nan
-    n = int(checked_.sum())
+    judged = sel & ~want_nan
+    n = int(judged.sum())
     if n == 0:
         return
-    err = torch.where(checked_, (got - want).abs(), 0.0)
+    err = torch.where(judged, (got - want).abs(), 0.0)
     max_err, mean_err = float(err.max()), float(err.sum()) / n
     if max_err <= max_bound and mean_err <= mean_bound:
         return

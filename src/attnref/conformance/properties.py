@@ -20,9 +20,11 @@ from dataclasses import dataclass, field, replace
 
 import torch
 from hypothesis import strategies as st
+from jaxtyping import Bool, Float
 from torch import Tensor
 
 from attnref import functional as F
+from attnref._checking import checked_internal
 from attnref.conformance.backends import Backend, Capabilities
 from attnref.conformance.calls import (
     Failure,
@@ -108,17 +110,18 @@ def _with(inputs: Inputs, **tensors: Tensor | None) -> Inputs:
     return replace(inputs, **tensors)  # type: ignore[arg-type]
 
 
+@checked_internal
 def _law(
     ctx: Context,
-    got: Tensor,
+    got: Float[Tensor, "*shape"],
     got_inputs: Inputs,
-    base: Tensor,
+    base: Float[Tensor, "*base"],
     base_inputs: Inputs,
     what: str,
     *,
     transform: Callable[[Tensor], Tensor] = lambda x: x,
     factor: float = 1.0,
-    sel: Tensor | None = None,
+    sel: Bool[Tensor, "*#shape"] | None = None,
 ) -> None:
     """Fail unless ``got ~ transform(base)`` within both calls' bounds on ``sel``.
 
@@ -143,7 +146,8 @@ def _law(
     )
 
 
-def _rows(sel: Tensor) -> Tensor:
+@checked_internal
+def _rows(sel: Bool[Tensor, "*rows"]) -> Bool[Tensor, "*rows 1"]:
     """``(..., Tq)`` row selection as a ``(..., Tq, 1)`` mask over an output."""
     return sel.unsqueeze(-1)
 
@@ -393,12 +397,15 @@ def _poisons(caps: Capabilities) -> st.SearchStrategy[str]:
 
 def _degenerate(p: Profile, c: Capabilities) -> st.SearchStrategy[Case]:
     dims = st.sampled_from((0, 1, 2, 8)) if c.zero_head_dim else st.sampled_from((1, 2, 8))
-    return st.one_of(
+    families = [
         case_strategy("degenerate", p, c, Tq=1),
         case_strategy("degenerate", p, c, Tk=1),
         case_strategy("degenerate", p, c, Dh=dims, Dv=st.sampled_from((1, 3, 16))),
         case_strategy("degenerate", p, c, Dh=dims, Dv=dims, Tq=st.sampled_from((1, 2, 5))),
-    )
+    ]
+    if c.zero_head_dim:
+        families.append(case_strategy("degenerate", p, c, Dh=0, Dv=st.sampled_from((8, 1, 3))))
+    return st.one_of(*families)
 
 
 def _large_index(p: Profile, c: Capabilities) -> st.SearchStrategy[Case]:
@@ -573,6 +580,12 @@ PROPERTIES: dict[str, Property] = {
             (10, 18, 20),
             _degenerate,
             _forward,
+            examples=lambda p, c: [
+                *([Case("degenerate_dqk0", Dh=0, Dv=8)] if c.zero_head_dim else []),
+                Case("degenerate_tk1_masked", Tk=1, mask="bool", seed=1),
+                Case("degenerate_tq1_gqa", h=4, g=2, Tq=1, Tk=9, seed=2),
+                Case("degenerate_dv_ne_dqk", Dh=16, Dv=3, seed=3),
+            ],
         ),
         Property(
             "tails",

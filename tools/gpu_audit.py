@@ -1,0 +1,84 @@
+"""Audit every torch SDPA kernel, forced, in float16 and bfloat16, on the best device.
+
+The GPU half of the conformance issue: run on a machine with CUDA (it needs nothing but
+this repository and an environment with torch, so it runs without network), it writes
+one JSON report per backend and a summary table to ``--out`` (default
+``docs/gpu-audit``). On a CPU it runs the same code at the same sizes, with the kernels
+that do not exist there skipped, which is how CI keeps this path working.
+
+    python tools/gpu_audit.py                      # quick profile, best device
+    python tools/gpu_audit.py --profile ci --out docs/gpu-audit
+"""
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from attnref import set_checking
+from attnref.conformance import audit, resolve_backend
+from attnref.conformance.runner import best_device
+
+BACKENDS = (
+    "torch-sdpa",
+    "torch-sdpa-math",
+    "torch-sdpa-flash",
+    "torch-sdpa-efficient",
+    "torch-sdpa-cudnn",
+    "torch-flex",
+    "reference",
+)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--profile", default="quick", choices=["quick", "ci", "thorough"])
+    parser.add_argument("--device", default=None)
+    parser.add_argument("--out", default="docs/gpu-audit")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--backend", action="append", help="default: every torch kernel")
+    parser.add_argument("--property", action="append", help="default: every property")
+    args = parser.parse_args(argv)
+    device = args.device or best_device()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    set_checking(False)  # the reference's shape checks are not what is audited here
+    name = torch.cuda.get_device_name() if device == "cuda" else "CPU"
+    lines = [
+        f"# torch SDPA kernels audited on {name}",
+        "",
+        f"`python tools/gpu_audit.py --profile {args.profile} --seed {args.seed}`, "
+        f"torch {torch.__version__}, float16 and bfloat16. A cell is passed / failed / "
+        "skipped properties; reports and reproducers are the JSON files beside this one.",
+        "",
+        "| backend | passed | failed | skipped | seconds | failing properties |",
+        "|---|---|---|---|---|---|",
+    ]
+    failed_any = False
+    for spec in args.backend or BACKENDS:
+        t0 = time.perf_counter()
+        report = audit(
+            resolve_backend(spec),
+            profile=args.profile,
+            device=device,
+            dtypes=(torch.float16, torch.bfloat16),
+            seed=args.seed,
+            properties=args.property,
+            progress=sys.stderr.isatty(),
+        )
+        report.write_json(out / f"{spec}.json")
+        failing = ", ".join(sorted(report.failed_properties())) or "-"
+        failed_any |= not report.ok
+        lines.append(
+            f"| `{spec}` | {report.count('pass')} | {report.count('fail')} | "
+            f"{report.count('skip')} | {time.perf_counter() - t0:.0f} | {failing} |"
+        )
+        print(lines[-1], flush=True)
+    (out / "README.md").write_text("\n".join(lines) + "\n")
+    return 1 if failed_any else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
