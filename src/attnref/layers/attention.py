@@ -11,6 +11,7 @@ from torch import Tensor, nn
 
 from attnref import functional as F
 from attnref._checking import checked, checked_internal
+from attnref.cache import KVCache, RepresentationCache, StaticKVCache
 from attnref.masks import valid_lens_to_mask
 
 __all__ = ["AdditiveAttention", "DotProductAttention", "MultiHeadAttention", "NadarayaWatson"]
@@ -157,6 +158,9 @@ class MultiHeadAttention(nn.Module):
         values: Float[Tensor, "B Tk {self.num_hiddens}"],
         mask: Bool[Tensor, "#B #Tq #Tk"] | None = None,
         valid_lens: ValidLens = None,
+        *,
+        causal: bool = False,
+        cache: KVCache | StaticKVCache | RepresentationCache | None = None,
     ) -> Float[Tensor, "B Tq {self.num_hiddens}"]:
         """Attend from ``queries`` to ``keys``/``values``, all of width ``H = num_hiddens``.
 
@@ -165,11 +169,28 @@ class MultiHeadAttention(nn.Module):
             mask: ``True`` where query ``i`` may see key ``j``; ``(B, 1, Tk)`` for padding,
                 ``(B, Tq, Tk)`` or ``(1, Tq, Tk)`` for causal; broadcast over heads.
             valid_lens: D2L's lengths, combined with ``mask`` when both are given.
+            causal: hide the keys after each query, queries aligned with the *last* keys
+                (bottom-right): what decoding new tokens against a cache needs.
+            cache: for incremental decoding (`attnref.cache`): a `KVCache` appends the
+                new keys/values and attends over all of them; a `StaticKVCache` projects
+                ``keys``/``values`` on first use and reuses them; a `RepresentationCache`
+                appends ``keys`` (the layer's input) to its history and projects it all.
+                ``mask`` then applies to the keys the attention really sees.
         """
+        if isinstance(cache, RepresentationCache):
+            keys = values = cache.append(keys)
         q = F.split_heads(self.query_proj(queries), self.num_heads)  # (B, h, Tq, Dh)
-        k = F.split_heads(self.key_proj(keys), self.num_kv_heads)  # (B, g, Tk, Dh)
-        v = F.split_heads(self.value_proj(values), self.num_kv_heads)  # (B, g, Tk, Dh)
-        lens_mask = _lens_mask(valid_lens, queries.shape[1], keys.shape[1])
+        if isinstance(cache, StaticKVCache) and cache.keys is not None:
+            k, v = cache.keys, cache.values
+        else:
+            k = F.split_heads(self.key_proj(keys), self.num_kv_heads)  # (B, g, Tk, Dh)
+            v = F.split_heads(self.value_proj(values), self.num_kv_heads)  # (B, g, Tk, Dh)
+            if isinstance(cache, StaticKVCache):
+                cache.keys, cache.values = k, v
+            elif isinstance(cache, KVCache):
+                k, v = cache.append(k, v)
+        assert v is not None
+        lens_mask = _lens_mask(valid_lens, queries.shape[1], k.shape[2])
         if lens_mask is not None:
             mask = lens_mask if mask is None else mask & lens_mask
         attn_mask = None if mask is None else mask.unsqueeze(1)  # (B, 1, Tq, Tk)
@@ -179,7 +200,9 @@ class MultiHeadAttention(nn.Module):
             v,
             attn_mask,
             dropout_p=self.dropout if self.training else 0.0,
+            is_causal=causal,
             enable_gqa=self.num_kv_heads != self.num_heads,
+            causal_alignment="bottom_right",
             return_weights=True,
         )
         merged = F.merge_heads(out)  # (B, Tq, H)

@@ -23,9 +23,9 @@ from jaxtyping import Bool, Float, Int
 from torch import Tensor, nn
 
 from attnref._checking import checked
+from attnref.cache import DecoderCache, KVCache, RepresentationCache, StaticKVCache
 from attnref.layers.attention import MultiHeadAttention
 from attnref.layers.positional import SinusoidalPositionalEncoding
-from attnref.masks import subsequent_mask
 
 __all__ = [
     "AddNorm",
@@ -44,6 +44,7 @@ __all__ = [
 ]
 
 Norm = Literal["post", "pre"]
+SelfCache = KVCache | RepresentationCache
 
 
 def _check_norm(norm: str) -> None:
@@ -166,9 +167,16 @@ class EncoderBlock(nn.Module):
         self,
         X: Float[Tensor, "B T {self.num_hiddens}"],
         mask: Bool[Tensor, "#B #T #T"] | None = None,
+        *,
+        causal: bool = False,
+        cache: SelfCache | None = None,
     ) -> Float[Tensor, "B T {self.num_hiddens}"]:
-        """``mask``: which positions each position may attend to (padding, or causal)."""
-        Y = self.residuals.run(0, X, lambda x: self.attention(x, x, x, mask))
+        """``mask``: which positions each position may attend to (padding, or causal);
+        ``causal``: hide later positions; ``cache``: this layer's self-attention cache
+        (then ``X`` holds only the new positions, and ``causal`` aligns them last)."""
+        Y = self.residuals.run(
+            0, X, lambda x: self.attention(x, x, x, mask, causal=causal, cache=cache)
+        )
         return self.residuals.run(1, Y, self.ffn)
 
 
@@ -245,12 +253,25 @@ class TransformerEncoder(nn.Module):
 
     @checked
     def forward(
-        self, tokens: Int[Tensor, "B Ts"], src_mask: Bool[Tensor, "#B #Ts #Ts"] | None = None
+        self,
+        tokens: Int[Tensor, "B Ts"],
+        src_mask: Bool[Tensor, "#B #Ts #Ts"] | None = None,
+        *,
+        causal: bool = False,
+        cache: DecoderCache | None = None,
     ) -> Float[Tensor, "B Ts {self.num_hiddens}"]:
-        """``src_mask``: ``(B, 1, Ts)`` padding mask (`attnref.masks.padding_mask`)."""
-        X = self.embed(tokens)
-        for block in self.blocks:
-            X = block(X, src_mask)
+        """``src_mask``: ``(B, 1, Ts)`` padding mask (`attnref.masks.padding_mask`).
+
+        ``causal`` and ``cache`` make the stack a decoder-only model's: ``tokens`` are the
+        new tokens, at positions ``cache.position`` onwards.
+        """
+        offset = 0 if cache is None else cache.position
+        X = self.embed(tokens, offset)
+        for i, block in enumerate(self.blocks):
+            layer_cache = None if cache is None else cache.self_attention[i]
+            X = block(X, src_mask, causal=causal, cache=layer_cache)
+        if cache is not None:
+            cache.position += tokens.shape[1]
         out: Tensor = self.final_norm(X)
         return out
 
@@ -303,9 +324,24 @@ class DecoderBlock(nn.Module):
         memory: Float[Tensor, "B Ts {self.num_hiddens}"],
         src_mask: Bool[Tensor, "#B #T #Ts"] | None,
         tgt_mask: Bool[Tensor, "#B #T #T"] | None,
+        *,
+        cache: tuple[SelfCache, StaticKVCache] | None = None,
     ) -> Float[Tensor, "B T {self.num_hiddens}"]:
-        Y = self.residuals.run(0, X, lambda x: self.self_attention(x, x, x, tgt_mask))
-        Z = self.residuals.run(1, Y, lambda y: self.cross_attention(y, memory, memory, src_mask))
+        """With ``cache`` (self, cross), ``X`` holds only the new target positions: the
+        self-attention sees every cached position up to each one (``tgt_mask`` is not
+        used), the cross-attention reuses the memory's projected keys and values."""
+        self_cache, cross_cache = (None, None) if cache is None else cache
+        self_mask = tgt_mask if cache is None else None
+        Y = self.residuals.run(
+            0,
+            X,
+            lambda x: self.self_attention(
+                x, x, x, self_mask, causal=cache is not None, cache=self_cache
+            ),
+        )
+        Z = self.residuals.run(
+            1, Y, lambda y: self.cross_attention(y, memory, memory, src_mask, cache=cross_cache)
+        )
         return self.residuals.run(2, Z, self.ffn)
 
 
@@ -351,10 +387,18 @@ class TransformerDecoder(nn.Module):
         memory: Float[Tensor, "B Ts {self.num_hiddens}"],
         src_mask: Bool[Tensor, "#B #T #Ts"] | None,
         tgt_mask: Bool[Tensor, "#B #T #T"] | None,
+        *,
+        cache: DecoderCache | None = None,
     ) -> Float[Tensor, "B T {self.num_hiddens}"]:
-        X = self.embed(tokens)
-        for block in self.blocks:
-            X = block(X, memory, src_mask, tgt_mask)
+        """With ``cache``, ``tokens`` are the new tokens at positions ``cache.position``
+        onwards, and ``tgt_mask`` is not used (the cache is causal by construction)."""
+        offset = 0 if cache is None else cache.position
+        X = self.embed(tokens, offset)
+        for i, block in enumerate(self.blocks):
+            layer = None if cache is None else (cache.self_attention[i], cache.cross_attention[i])
+            X = block(X, memory, src_mask, tgt_mask, cache=layer)
+        if cache is not None:
+            cache.position += tokens.shape[1]
         out: Tensor = self.final_norm(X)
         return out
 
@@ -403,10 +447,18 @@ class EncoderDecoder(nn.Module):
         src_mask: Bool[Tensor, "#B #T #Ts"] | None,
         tgt: Int[Tensor, "B T"],
         tgt_mask: Bool[Tensor, "#B #T #T"] | None,
+        *,
+        cache: DecoderCache | None = None,
     ) -> Float[Tensor, "B T {self.num_hiddens}"]:
-        """The decoder's hidden states for the target tokens given the memory."""
-        out: Tensor = self.decoder(tgt, memory, src_mask, tgt_mask)
+        """The decoder's hidden states for the target tokens given the memory (with
+        ``cache``: for the new tokens only)."""
+        out: Tensor = self.decoder(tgt, memory, src_mask, tgt_mask, cache=cache)
         return out
+
+    def new_cache(self, batch_size: int, max_len: int, *, mode: str = "kv") -> DecoderCache:
+        """An empty decoder cache for ``batch_size`` sequences of up to ``max_len`` tokens."""
+        like = self.generator.proj.weight
+        return _new_cache(self.decoder.blocks, batch_size, max_len, mode, cross=True, like=like)
 
     @checked
     def forward(
@@ -418,6 +470,25 @@ class EncoderDecoder(nn.Module):
     ) -> Float[Tensor, "B T {self.num_hiddens}"]:
         """Hidden states ``(B, T, H)``; ``self.generator`` turns them into log probabilities."""
         return self.decode(self.encode(src, src_mask), src_mask, tgt, tgt_mask)
+
+
+def _new_cache(
+    blocks: nn.ModuleList, batch_size: int, max_len: int, mode: str, *, cross: bool, like: Tensor
+) -> DecoderCache:
+    first = blocks[0]
+    attention = first.attention if isinstance(first, EncoderBlock) else first.self_attention
+    assert isinstance(attention, MultiHeadAttention)
+    return DecoderCache.for_stack(
+        len(blocks),
+        mode=mode,
+        batch_size=batch_size,
+        num_kv_heads=attention.num_kv_heads,
+        head_dim=attention.head_dim,
+        max_len=max_len,
+        cross=cross,
+        dtype=like.dtype,
+        device=like.device,
+    )
 
 
 def _xavier(model: nn.Module) -> None:
@@ -496,7 +567,15 @@ class DecoderOnlyLM(nn.Module):
         _xavier(self)
 
     @checked
-    def forward(self, tokens: Int[Tensor, "B T"]) -> Float[Tensor, "B T {self.vocab_size}"]:
-        causal = subsequent_mask(tokens.shape[1], device=tokens.device)  # (1, T, T)
-        out: Tensor = self.generator(self.stack(tokens, causal))
+    def forward(
+        self, tokens: Int[Tensor, "B T"], *, cache: DecoderCache | None = None
+    ) -> Float[Tensor, "B T {self.vocab_size}"]:
+        """Log probabilities of the next token after each position; with ``cache``,
+        ``tokens`` are the new tokens and attend to every cached one."""
+        out: Tensor = self.generator(self.stack(tokens, None, causal=True, cache=cache))
         return out
+
+    def new_cache(self, batch_size: int, max_len: int, *, mode: str = "kv") -> DecoderCache:
+        """An empty cache for ``batch_size`` sequences of up to ``max_len`` tokens."""
+        like = self.generator.proj.weight
+        return _new_cache(self.stack.blocks, batch_size, max_len, mode, cross=False, like=like)

@@ -1,0 +1,78 @@
+"""Caches and greedy decoding: the cache changes speed, never results; bad input is named."""
+
+import pytest
+import torch
+
+from attnref.cache import DecoderCache, KVCache, RepresentationCache
+from attnref.decoding import generate, greedy_decode
+from attnref.layers import MultiHeadAttention
+from attnref.layers.transformer import DecoderOnlyLM, make_model
+from attnref.masks import padding_mask
+
+
+def test_kv_cache_appends_and_resets() -> None:
+    cache = KVCache(batch_size=2, num_kv_heads=3, max_len=5, head_dim=4)
+    k, v = torch.randn(2, 3, 2, 4), torch.randn(2, 3, 2, 4)
+    keys, values = cache.append(k, v)
+    assert keys.shape == (2, 3, 2, 4)
+    torch.testing.assert_close(values, v)
+    keys, _ = cache.append(k[:, :, :1], v[:, :, :1])
+    assert keys.shape == (2, 3, 3, 4)
+    assert cache.length == 3
+    cache.reset()
+    assert cache.length == 0
+
+
+def test_kv_cache_errors_name_the_values() -> None:
+    cache = KVCache(batch_size=2, num_kv_heads=1, max_len=3, head_dim=4)
+    with pytest.raises(ValueError, match="holds a batch of 2, got a batch of 3"):
+        cache.append(torch.randn(3, 1, 1, 4), torch.randn(3, 1, 1, 4))
+    cache.append(torch.randn(2, 1, 2, 4), torch.randn(2, 1, 2, 4))
+    with pytest.raises(ValueError, match="max_len=3 positions; 2 are used and 2 more do not fit"):
+        cache.append(torch.randn(2, 1, 2, 4), torch.randn(2, 1, 2, 4))
+    with pytest.raises(ValueError, match="max_len must be >= 1, got 0"):
+        KVCache(batch_size=1, num_kv_heads=1, max_len=0, head_dim=4)
+    history = RepresentationCache()
+    history.append(torch.randn(2, 1, 8))
+    with pytest.raises(ValueError, match="holds a batch of 2, got a batch of 1"):
+        history.append(torch.randn(1, 1, 8))
+    with pytest.raises(ValueError, match="mode must be 'kv' or 'representation'"):
+        DecoderCache.for_stack(1, mode="both", batch_size=1, num_kv_heads=1, head_dim=2, max_len=2)
+
+
+def test_cache_memory_is_two_buffers_of_b_g_t_dh_per_layer() -> None:
+    lm = DecoderOnlyLM(vocab_size=7, num_hiddens=32, ffn_hiddens=32, num_heads=4,
+                       num_kv_heads=2, num_layers=3)  # fmt: skip
+    cache = lm.new_cache(5, 40)
+    assert cache.nbytes() == 2 * 3 * 5 * 2 * 40 * 8 * 4
+
+
+def test_mha_step_by_step_with_a_cache_equals_the_causal_pass() -> None:
+    torch.manual_seed(0)
+    mha = MultiHeadAttention(num_hiddens=16, num_heads=4, num_kv_heads=2).double().eval()
+    X = torch.randn(2, 6, 16, dtype=torch.float64)
+    full = mha(X, X, X, causal=True)
+    cache = KVCache(batch_size=2, num_kv_heads=2, max_len=6, head_dim=4, dtype=torch.float64)
+    steps = [mha(X[:, :2], X[:, :2], X[:, :2], causal=True, cache=cache)]  # prefill
+    steps += [mha(X[:, t : t + 1], X[:, t : t + 1], X[:, t : t + 1], cache=cache,
+                  causal=True) for t in range(2, 6)]  # fmt: skip
+    torch.testing.assert_close(torch.cat(steps, dim=1), full)
+
+
+def test_a_cache_too_short_or_a_wrong_batch_is_a_clear_error() -> None:
+    lm = DecoderOnlyLM(vocab_size=7, num_hiddens=8, ffn_hiddens=8, num_heads=2, num_layers=1)
+    cache = lm.new_cache(2, 3)
+    with pytest.raises(ValueError, match="max_len=3 positions; 0 are used and 4 more"):
+        lm(torch.zeros(2, 4, dtype=torch.long), cache=cache)
+    with pytest.raises(ValueError, match="holds a batch of 2, got a batch of 1"):
+        lm(torch.zeros(1, 1, dtype=torch.long), cache=lm.new_cache(2, 3))
+
+
+def test_max_len_below_one_is_an_error() -> None:
+    model = make_model(5, 5, num_layers=1, num_hiddens=8, ffn_hiddens=8, num_heads=2)
+    src = torch.ones(1, 3, dtype=torch.long)
+    with pytest.raises(ValueError, match="max_len must be >= 1, got 0"):
+        greedy_decode(model, src, padding_mask(src, 0), 0, 1)
+    lm = DecoderOnlyLM(vocab_size=5, num_hiddens=8, ffn_hiddens=8, num_heads=2, num_layers=1)
+    with pytest.raises(ValueError, match="max_len must be >= 1, got 0"):
+        generate(lm, src, 0)
