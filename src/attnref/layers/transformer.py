@@ -213,11 +213,10 @@ class TokenEmbedding(nn.Module):
         return out
 
 
-class TransformerEncoder(nn.Module):
-    """Embedding (scaled, positions added) and a stack of `EncoderBlock`s.
+class _Stack(nn.Module):
+    """Token embedding, ``num_layers`` blocks of one kind, and a final norm for pre-LN."""
 
-    With ``norm="pre"`` a final `LayerNorm` follows the stack.
-    """
+    block_type: type["EncoderBlock | DecoderBlock"]
 
     def __init__(
         self,
@@ -239,7 +238,7 @@ class TransformerEncoder(nn.Module):
             vocab_size=vocab_size, num_hiddens=num_hiddens, dropout=dropout, max_len=max_len
         )
         self.blocks = nn.ModuleList(
-            EncoderBlock(
+            self.block_type(
                 num_hiddens=num_hiddens,
                 ffn_hiddens=ffn_hiddens,
                 num_heads=num_heads,
@@ -250,6 +249,15 @@ class TransformerEncoder(nn.Module):
             for _ in range(num_layers)
         )
         self.final_norm = nn.LayerNorm(num_hiddens) if norm == "pre" else nn.Identity()
+
+
+class TransformerEncoder(_Stack):
+    """Embedding (scaled, positions added) and a stack of `EncoderBlock`s.
+
+    With ``norm="pre"`` a final `LayerNorm` follows the stack.
+    """
+
+    block_type = EncoderBlock
 
     @checked
     def forward(
@@ -345,40 +353,10 @@ class DecoderBlock(nn.Module):
         return self.residuals.run(2, Z, self.ffn)
 
 
-class TransformerDecoder(nn.Module):
+class TransformerDecoder(_Stack):
     """Embedding and a stack of `DecoderBlock`s (final `LayerNorm` with ``norm="pre"``)."""
 
-    def __init__(
-        self,
-        *,
-        vocab_size: int,
-        num_hiddens: int,
-        ffn_hiddens: int,
-        num_heads: int,
-        num_layers: int,
-        num_kv_heads: int | None = None,
-        dropout: float = 0.0,
-        norm: Norm = "post",
-        max_len: int = 1000,
-    ) -> None:
-        super().__init__()
-        _check_norm(norm)
-        self.num_hiddens = num_hiddens
-        self.embed = TokenEmbedding(
-            vocab_size=vocab_size, num_hiddens=num_hiddens, dropout=dropout, max_len=max_len
-        )
-        self.blocks = nn.ModuleList(
-            DecoderBlock(
-                num_hiddens=num_hiddens,
-                ffn_hiddens=ffn_hiddens,
-                num_heads=num_heads,
-                num_kv_heads=num_kv_heads,
-                dropout=dropout,
-                norm=norm,
-            )
-            for _ in range(num_layers)
-        )
-        self.final_norm = nn.LayerNorm(num_hiddens) if norm == "pre" else nn.Identity()
+    block_type = DecoderBlock
 
     @checked
     def forward(
