@@ -1,9 +1,13 @@
-"""Greedy decoding for the encoder-decoder Transformer and the decoder-only LM.
+"""Decoding for the encoder-decoder Transformer and the decoder-only LM: greedy (with or
+without the KV cache), beam search and sampling.
 
 With ``use_cache=True`` each step feeds only the newest token and reuses every earlier
 position's keys and values (`attnref.cache`); without it each step runs the whole
 prefix again. The tokens are the same either way: the cache changes speed, not results.
 """
+
+import math
+from collections.abc import Callable
 
 import torch
 from jaxtyping import Bool, Int
@@ -13,7 +17,7 @@ from attnref._checking import checked
 from attnref.layers.transformer import DecoderOnlyLM, EncoderDecoder
 from attnref.masks import subsequent_mask
 
-__all__ = ["generate", "greedy_decode"]
+__all__ = ["beam_search", "beam_search_lm", "generate", "greedy_decode", "sample", "sample_lm"]
 
 
 def _check_max_len(max_len: int) -> None:
@@ -86,3 +90,211 @@ def generate(
         ys = torch.cat([ys, next_token], dim=1)
         feed = next_token
     return ys
+
+
+# ------------------------------------------------------------------ beam search, sampling
+
+Step = Callable[[Tensor], Tensor]  # tokens (N, t) -> log probabilities of the next (N, V)
+
+
+def _encdec_step(model: EncoderDecoder, src: Tensor, src_mask: Tensor | None, k: int) -> Step:
+    """Next-token log probabilities for ``k`` hypotheses per source sentence."""
+    memory = model.encode(src, src_mask).repeat_interleave(k, dim=0)
+    mask = None if src_mask is None else src_mask.repeat_interleave(k, dim=0)
+
+    def step(ys: Tensor) -> Tensor:
+        hidden = model.decode(memory, mask, ys, subsequent_mask(ys.shape[1], device=ys.device))
+        out: Tensor = model.generator(hidden[:, -1:])[:, 0]
+        return out
+
+    return step
+
+
+def _lm_step(model: DecoderOnlyLM) -> Step:
+    def step(ys: Tensor) -> Tensor:
+        out: Tensor = model(ys)[:, -1]
+        return out
+
+    return step
+
+
+def _check_beam(beam_size: int, length_penalty: float) -> None:
+    if beam_size < 1:
+        raise ValueError(f"beam_size must be >= 1, got {beam_size}")
+    if length_penalty < 0:
+        raise ValueError(f"length_penalty must be >= 0, got {length_penalty}")
+
+
+def _beam(step: Step, prefix: Tensor, steps: int, k: int, eos: int | None, alpha: float) -> Tensor:
+    """Batched beam search: ``prefix`` ``(B, P)`` grown by ``steps`` tokens, best beam kept.
+
+    Hypotheses are ranked by their summed log probability while they grow; finished ones
+    (ending in ``eos``) only extend with ``eos`` at no cost. The final choice divides
+    each score by the GNMT length penalty ``((5 + length) / 6) ** alpha``.
+    """
+    B, P = prefix.shape
+    ys = prefix.repeat_interleave(k, dim=0)  # (B*k, P)
+    scores = torch.full((B, k), -math.inf, dtype=torch.float64, device=prefix.device)
+    scores[:, 0] = 0.0  # one live hypothesis to start with, not k copies of it
+    lengths = torch.zeros(B, k, dtype=torch.long, device=prefix.device)
+    done = torch.zeros(B, k, dtype=torch.bool, device=prefix.device)
+    for _ in range(steps):
+        log_probs = step(ys).to(torch.float64)  # (B*k, V)
+        V = log_probs.shape[-1]
+        log_probs = log_probs.view(B, k, V)
+        if eos is not None:
+            frozen = torch.full((V,), -math.inf, dtype=torch.float64, device=prefix.device)
+            frozen[eos] = 0.0
+            log_probs = torch.where(done.unsqueeze(-1), frozen, log_probs)
+        total = (scores.unsqueeze(-1) + log_probs).view(B, k * V)
+        scores, flat = total.topk(k, dim=-1)  # (B, k)
+        beam, token = flat // V, flat % V
+        rows = (torch.arange(B, device=prefix.device).unsqueeze(-1) * k + beam).view(-1)
+        ys = torch.cat([ys[rows], token.view(-1, 1).to(ys.dtype)], dim=1)
+        lengths = lengths.gather(1, beam) + (~done.gather(1, beam)).long()
+        done = done.gather(1, beam)
+        if eos is not None:
+            done = done | (token == eos)
+            if bool(done.all()):
+                pad = torch.full((B * k, steps - (ys.shape[1] - P)), eos, dtype=ys.dtype,
+                                 device=ys.device)  # fmt: skip
+                ys = torch.cat([ys, pad], dim=1)
+                break
+    penalty = ((5.0 + lengths.to(torch.float64)) / 6.0) ** alpha
+    best = (scores / penalty).argmax(dim=-1)  # (B,)
+    return ys.view(B, k, -1)[torch.arange(B, device=prefix.device), best]
+
+
+def _filter(logits: Tensor, top_k: int | None, top_p: float | None) -> Tensor:
+    """Logits outside the top ``k`` or the nucleus of mass ``p`` set to ``-inf``."""
+    if top_k is not None:
+        kth = logits.topk(min(top_k, logits.shape[-1]), dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, -math.inf)
+    if top_p is not None:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        before = probs.cumsum(dim=-1) - probs  # mass of the tokens ranked above each
+        drop_sorted = before >= top_p  # the most probable token is always kept
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, -math.inf)
+    return logits
+
+
+def _check_sampling(temperature: float, top_k: int | None, top_p: float | None) -> None:
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if top_k is not None and top_k < 1:
+        raise ValueError(f"top_k must be >= 1, got {top_k}")
+    if top_p is not None and not 0 < top_p <= 1:
+        raise ValueError(f"top_p must lie in (0, 1], got {top_p}")
+
+
+def _sample(
+    step: Step,
+    prefix: Tensor,
+    steps: int,
+    temperature: float,
+    top_k: int | None,
+    top_p: float | None,
+    generator: torch.Generator | None,
+) -> Tensor:
+    ys = prefix
+    for _ in range(steps):
+        logits = _filter(step(ys) / temperature, top_k, top_p)
+        probs = torch.softmax(logits.to(torch.float64), dim=-1)
+        token = torch.multinomial(probs, 1, generator=generator).to(ys.dtype)  # (B, 1)
+        ys = torch.cat([ys, token], dim=1)
+    return ys
+
+
+@checked
+@torch.no_grad()
+def beam_search(
+    model: EncoderDecoder,
+    src: Int[Tensor, "B Ts"],
+    src_mask: Bool[Tensor, "#B 1 Ts"] | None,
+    max_len: int,
+    start_symbol: int,
+    *,
+    beam_size: int = 4,
+    eos: int | None = None,
+    length_penalty: float = 0.0,
+) -> Int[Tensor, "B {max_len}"]:
+    """Beam search for the encoder-decoder, batched over sentences: ``max_len`` tokens
+    starting with ``start_symbol``; after ``eos`` a hypothesis is padded with ``eos``.
+
+    ``beam_size=1`` is greedy decoding. ``length_penalty`` is GNMT's ``alpha`` (0: none).
+
+    Raises:
+        ValueError: ``max_len < 1``, ``beam_size < 1`` or a negative ``length_penalty``.
+    """
+    _check_max_len(max_len)
+    _check_beam(beam_size, length_penalty)
+    start = torch.full((src.shape[0], 1), start_symbol, dtype=src.dtype, device=src.device)
+    step = _encdec_step(model, src, src_mask, beam_size)
+    return _beam(step, start, max_len - 1, beam_size, eos, length_penalty)
+
+
+@checked
+@torch.no_grad()
+def sample(
+    model: EncoderDecoder,
+    src: Int[Tensor, "B Ts"],
+    src_mask: Bool[Tensor, "#B 1 Ts"] | None,
+    max_len: int,
+    start_symbol: int,
+    *,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    generator: torch.Generator | None = None,
+) -> Int[Tensor, "B {max_len}"]:
+    """Ancestral sampling for the encoder-decoder, with temperature, top-k and top-p
+    (nucleus) filtering, from ``generator`` (so a run can be replayed).
+
+    ``top_k=1`` is greedy decoding.
+
+    Raises:
+        ValueError: ``max_len < 1``, ``temperature <= 0``, ``top_k < 1`` or ``top_p``
+            outside ``(0, 1]``.
+    """
+    _check_max_len(max_len)
+    _check_sampling(temperature, top_k, top_p)
+    start = torch.full((src.shape[0], 1), start_symbol, dtype=src.dtype, device=src.device)
+    step = _encdec_step(model, src, src_mask, 1)
+    return _sample(step, start, max_len - 1, temperature, top_k, top_p, generator)
+
+
+@checked
+@torch.no_grad()
+def beam_search_lm(
+    model: DecoderOnlyLM,
+    prompt: Int[Tensor, "B P"],
+    max_new_tokens: int,
+    *,
+    beam_size: int = 4,
+    eos: int | None = None,
+    length_penalty: float = 0.0,
+) -> Int[Tensor, "B T"]:
+    """`beam_search` for the decoder-only model: ``prompt`` grown by ``max_new_tokens``."""
+    _check_max_len(max_new_tokens)
+    _check_beam(beam_size, length_penalty)
+    return _beam(_lm_step(model), prompt, max_new_tokens, beam_size, eos, length_penalty)
+
+
+@checked
+@torch.no_grad()
+def sample_lm(
+    model: DecoderOnlyLM,
+    prompt: Int[Tensor, "B P"],
+    max_new_tokens: int,
+    *,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    generator: torch.Generator | None = None,
+) -> Int[Tensor, "B T"]:
+    """`sample` for the decoder-only model: ``prompt`` grown by ``max_new_tokens``."""
+    _check_max_len(max_new_tokens)
+    _check_sampling(temperature, top_k, top_p)
+    return _sample(_lm_step(model), prompt, max_new_tokens, temperature, top_k, top_p, generator)

@@ -387,7 +387,9 @@ def _masked_scores(
     if p.bool_mask is not None:
         bm = ~_key_block(p.bool_mask, start, stop, Tk)
         hidden = bm if hidden is None else hidden | bm
-    if p.causal_offset is not None:
+    if p.causal_offset is not None and stop - 1 > p.causal_offset:
+        # (when even the first query sees the block's last key, the diagonal hides
+        # nothing here: one query decoded against a cache, bottom-right)
         cm = ~causal_block(Tq, start, stop, p.causal_offset, device=scores.device)
         hidden = cm if hidden is None else hidden | cm
     if hidden is not None:
