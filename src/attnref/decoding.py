@@ -10,10 +10,10 @@ import math
 from collections.abc import Callable
 
 import torch
-from jaxtyping import Bool, Int
+from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
-from attnref._checking import checked
+from attnref._checking import checked, checked_internal
 from attnref.layers.transformer import DecoderOnlyLM, EncoderDecoder
 from attnref.masks import subsequent_mask
 
@@ -97,7 +97,13 @@ def generate(
 Step = Callable[[Tensor], Tensor]  # tokens (N, t) -> log probabilities of the next (N, V)
 
 
-def _encdec_step(model: EncoderDecoder, src: Tensor, src_mask: Tensor | None, k: int) -> Step:
+@checked_internal
+def _encdec_step(
+    model: EncoderDecoder,
+    src: Int[Tensor, "B Ts"],
+    src_mask: Bool[Tensor, "#B 1 Ts"] | None,
+    k: int,
+) -> Step:
     """Next-token log probabilities for ``k`` hypotheses per source sentence."""
     memory = model.encode(src, src_mask).repeat_interleave(k, dim=0)
     mask = None if src_mask is None else src_mask.repeat_interleave(k, dim=0)
@@ -125,7 +131,10 @@ def _check_beam(beam_size: int, length_penalty: float) -> None:
         raise ValueError(f"length_penalty must be >= 0, got {length_penalty}")
 
 
-def _beam(step: Step, prefix: Tensor, steps: int, k: int, eos: int | None, alpha: float) -> Tensor:
+@checked_internal
+def _beam(
+    step: Step, prefix: Int[Tensor, "B P"], steps: int, k: int, eos: int | None, alpha: float
+) -> Int[Tensor, "B T"]:
     """Batched beam search: ``prefix`` ``(B, P)`` grown by ``steps`` tokens, best beam kept.
 
     Hypotheses are ranked by their summed log probability while they grow; finished ones
@@ -165,7 +174,10 @@ def _beam(step: Step, prefix: Tensor, steps: int, k: int, eos: int | None, alpha
     return ys.view(B, k, -1)[torch.arange(B, device=prefix.device), best]
 
 
-def _filter(logits: Tensor, top_k: int | None, top_p: float | None) -> Tensor:
+@checked_internal
+def _filter(
+    logits: Float[Tensor, "N V"], top_k: int | None, top_p: float | None
+) -> Float[Tensor, "N V"]:
     """Logits outside the top ``k`` or the nucleus of mass ``p`` set to ``-inf``."""
     if top_k is not None:
         kth = logits.topk(min(top_k, logits.shape[-1]), dim=-1).values[..., -1:]
@@ -189,15 +201,16 @@ def _check_sampling(temperature: float, top_k: int | None, top_p: float | None) 
         raise ValueError(f"top_p must lie in (0, 1], got {top_p}")
 
 
+@checked_internal
 def _sample(
     step: Step,
-    prefix: Tensor,
+    prefix: Int[Tensor, "B P"],
     steps: int,
     temperature: float,
     top_k: int | None,
     top_p: float | None,
     generator: torch.Generator | None,
-) -> Tensor:
+) -> Int[Tensor, "B T"]:
     ys = prefix
     for _ in range(steps):
         logits = _filter(step(ys) / temperature, top_k, top_p)
