@@ -29,7 +29,8 @@ class KVCache:
         num_kv_heads: ``g``.
         max_len: ``T_max``, the most positions it can hold.
         head_dim: ``Dh``.
-        dtype, device: of the buffers.
+        dtype: of the buffers.
+        device: of the buffers.
 
     Raises:
         ValueError: a non-positive size.
