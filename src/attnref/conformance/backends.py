@@ -133,33 +133,16 @@ def _naive(
 ) -> Tensor:
     """Textbook attention materialised with plain torch ops, in the inputs' dtype.
 
-    ``softmax(Q K^T * scale + mask) V``. Scores and the softmax are computed in float32
-    (float64 for float64 inputs), as kernels accumulate them; the probabilities are
-    rounded to the inputs' dtype before ``P @ V``, as kernels round them. A query with
-    no visible key gets zeros.
+    ``softmax(Q K^T * scale + mask) V``: `attnref.conformance.kernels.materialised` with
+    every switch off (scores and softmax in float32, probabilities rounded to the inputs'
+    dtype before ``P @ V``, zeros for a query with no visible key).
     """
     if dropout_p != 0.0:
         raise ValueError("the naive backend has no dropout")
-    h, g = query.shape[-3], key.shape[-3]
-    if h != g:
-        key = key.repeat_interleave(h // g, dim=-3)
-        value = value.repeat_interleave(h // g, dim=-3)
-    d = query.shape[-1]
-    if scale is None:
-        scale = 1 / math.sqrt(d) if d else 1.0  # Dqk = 0: every score is an empty sum
-    acc = torch.promote_types(query.dtype, torch.float32)
-    s = (query.to(acc) @ key.to(acc).transpose(-2, -1)) * scale
-    Tq, Tk = s.shape[-2], s.shape[-1]
-    if is_causal:
-        s = s.masked_fill(~torch.ones(Tq, Tk, dtype=torch.bool, device=s.device).tril(), -math.inf)
-    if attn_mask is not None:
-        if attn_mask.dtype == torch.bool:
-            s = s.masked_fill(~attn_mask, -math.inf)
-        else:
-            s = s + attn_mask.to(acc)
-    empty = (s == -math.inf).all(dim=-1, keepdim=True)
-    p = torch.softmax(s.masked_fill(empty, 0.0), dim=-1).masked_fill(empty, 0.0)
-    return p.to(query.dtype) @ value
+    from attnref.conformance.kernels import materialised
+
+    out: Tensor = materialised(query, key, value, attn_mask, 0.0, is_causal, scale, enable_gqa)
+    return out
 
 
 @functools.cache

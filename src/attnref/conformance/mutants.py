@@ -6,7 +6,8 @@ suite's proof of power: its tests audit every mutant with the ``quick`` profile 
 assert that it FAILS, and which property catches it; docs/kill-matrix.md shows every
 mutant against every property.
 
-Most mutants are a plain materialised kernel (`_kernel`: scores and softmax in float32,
+Most mutants are the ``naive`` backend's kernel
+(`attnref.conformance.kernels.materialised`: scores and softmax in float32,
 probabilities rounded to the input dtype before ``P @ V``, like real kernels) with one
 thing done wrong; a few wrap the reference (gradient bugs) or a blocked online-softmax
 kernel (`_blocked`: tile bugs). Use one as a backend with ``--backend mutant.NAME``.
@@ -17,21 +18,16 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from jaxtyping import Bool, Float
+from jaxtyping import Float
 from torch import Tensor
 
 from attnref import functional as F
 from attnref._checking import checked, checked_internal
 from attnref.conformance.backends import Backend, Capabilities
+from attnref.conformance.kernels import Key, Mask, Out, Query, Value, kv_heads, materialised
 from attnref.masks import Alignment, causal_mask
 
 __all__ = ["MUTANTS", "Mutant"]
-
-Query = Float[Tensor, "*batch h Tq Dh"]
-Key = Float[Tensor, "*batch g Tk Dh"]
-Value = Float[Tensor, "*batch g Tk Dv"]
-Mask = Bool[Tensor, "*#mbatch #Tq #Tk"] | Float[Tensor, "*#mbatch #Tq #Tk"] | None
-Out = Float[Tensor, "*batch h Tq Dv"]
 
 #: what the materialised kernel honestly declares: torch's semantics
 TORCH_LIKE = Capabilities()
@@ -39,82 +35,6 @@ TORCH_LIKE = Capabilities()
 REFERENCE_LIKE = Capabilities(
     causal_alignments=("top_left", "bottom_right"), causal_with_mask=True, masked_nan="contained"
 )
-
-
-@checked_internal
-def _kv_heads(
-    k: Float[Tensor, "*batch g Tk Dh"],
-    v: Float[Tensor, "*batch g Tk Dv"],
-    h: int,
-    tiled: bool = False,
-) -> tuple[Float[Tensor, "*batch {h} Tk Dh"], Float[Tensor, "*batch {h} Tk Dv"]]:
-    g = k.shape[-3]
-    if g == h:
-        return k, v
-    if tiled:  # head i reads KV head i % g: the tiled mapping
-        reps = [1] * (k.dim() - 3) + [h // g, 1, 1]
-        return k.repeat(*reps), v.repeat(*reps)
-    return F.expand_kv_heads(k, h), F.expand_kv_heads(v, h)
-
-
-@checked_internal
-def _kernel(
-    query: Query,
-    key: Key,
-    value: Value,
-    attn_mask: Mask = None,
-    dropout_p: float = 0.0,
-    is_causal: bool = False,
-    scale: float | None = None,
-    enable_gqa: bool = False,
-    *,
-    causal_alignment: Alignment = "top_left",
-    tiled_gqa: bool = False,
-    fill: float = -math.inf,
-    diagonal: int = 0,
-    scale_rule: Callable[[int], float] = lambda d: 1 / math.sqrt(d) if d else 1.0,
-    invert_mask: bool = False,
-    float_mask_as_bool: bool = False,
-    zero_empty_rows: bool = True,
-    softmax_dim: int = -1,
-    subtract_max: bool = True,
-    dropout_floor: float = 0.0,
-) -> Out:
-    """Materialised attention with switches for planted bugs (all off: a correct kernel)."""
-    h = query.shape[-3]
-    key, value = _kv_heads(key, value, h, tiled_gqa)
-    d = query.shape[-1]
-    scale = scale_rule(d) if scale is None else scale
-    acc = torch.promote_types(query.dtype, torch.float32)
-    s = (query.to(acc) @ key.to(acc).transpose(-2, -1)) * scale
-    Tq, Tk = s.shape[-2], s.shape[-1]
-    if is_causal:
-        visible = causal_mask(Tq, Tk, causal_alignment, device=s.device)
-        if diagonal:
-            offset = 0 if causal_alignment == "top_left" else Tk - Tq
-            visible = torch.ones(Tq, Tk, dtype=torch.bool, device=s.device).tril(offset + diagonal)
-        s = s.masked_fill(~visible, fill)
-    if attn_mask is not None:
-        if float_mask_as_bool and attn_mask.is_floating_point():
-            attn_mask = attn_mask.bool()
-        if attn_mask.dtype == torch.bool:
-            s = s.masked_fill(attn_mask if invert_mask else ~attn_mask, fill)
-        else:
-            s = s + attn_mask.to(acc)
-    empty = (s == -math.inf).all(dim=softmax_dim, keepdim=True)
-    if zero_empty_rows:  # finite scores in empty rows, so that no NaN reaches the backward
-        s = s.masked_fill(empty, 0.0)
-    if subtract_max:
-        p = torch.softmax(s, dim=softmax_dim)
-    else:  # exp in the input dtype, no max subtracted: overflows on large scores
-        e = torch.exp(s.to(query.dtype)).to(acc)
-        p = e / e.sum(dim=softmax_dim, keepdim=True)
-    if zero_empty_rows:
-        p = p.masked_fill(empty, 0.0)
-    p = p.to(query.dtype)
-    if dropout_p > 0 or dropout_floor > 0:
-        p = torch.nn.functional.dropout(p, max(dropout_p, dropout_floor))
-    return p @ value
 
 
 @checked_internal
@@ -134,7 +54,7 @@ def _blocked(
 ) -> Out:
     """Online-softmax attention over key blocks of ``block``, with switches for tile bugs."""
     h = query.shape[-3]
-    key, value = _kv_heads(key, value, h)
+    key, value = kv_heads(key, value, h)
     Tq, Tk = query.shape[-2], key.shape[-2]
     acc = torch.promote_types(query.dtype, torch.float32)
     q = query.to(acc) * (1 / math.sqrt(query.shape[-1]) if scale is None else scale)
@@ -197,7 +117,7 @@ def empty_row_nan(
     enable_gqa: bool = False,
 ) -> Out:
     """Class 1: a query with no visible key returns NaN (softmax of a row of -inf)."""
-    return _kernel(
+    return materialised(
         query,
         key,
         value,
@@ -222,7 +142,9 @@ def empty_row_uniform(
     enable_gqa: bool = False,
 ) -> Out:
     """Class 2: masks filled with a finite -1e9: a query with no visible key averages V."""
-    return _kernel(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, fill=-1e9)
+    return materialised(
+        query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, fill=-1e9
+    )
 
 
 @checked
@@ -237,7 +159,7 @@ def masked_nan_leaks(
     enable_gqa: bool = False,
 ) -> Out:
     """Class 3: claims NaN in masked-out K/V is contained, but ``P @ V`` gives 0 * NaN."""
-    return _kernel(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    return materialised(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
 
 
 @checked
@@ -252,7 +174,7 @@ def causal_bottom_right(
     enable_gqa: bool = False,
 ) -> Out:
     """Class 4: ``is_causal`` aligned bottom-right while claiming torch's top-left."""
-    return _kernel(
+    return materialised(
         query,
         key,
         value,
@@ -295,7 +217,7 @@ def causal_excludes_self(
     enable_gqa: bool = False,
 ) -> Out:
     """Class 5: the causal diagonal is off by one: a query does not see its own key."""
-    return _kernel(
+    return materialised(
         query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, diagonal=-1
     )
 
@@ -312,7 +234,7 @@ def causal_leaks_next(
     enable_gqa: bool = False,
 ) -> Out:
     """Class 5: the causal diagonal is off by one: a query sees the next token."""
-    return _kernel(
+    return materialised(
         query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, diagonal=1
     )
 
@@ -330,7 +252,7 @@ def strides_ignored(
 ) -> Out:
     """Class 6: transposed, sliced or offset inputs read as if contiguous from offset 0."""
     q, k, v = (t if t.is_contiguous() or 0 in t.stride() else _raw(t) for t in (query, key, value))
-    return _kernel(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    return materialised(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
 
 
 @checked
@@ -346,7 +268,7 @@ def broadcast_misread(
 ) -> Out:
     """Class 7: stride-0 (broadcast) K/V read as if every sample had its own storage."""
     k, v = (_raw(t) if 0 in t.stride() and t.numel() else t for t in (key, value))
-    return _kernel(query, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    return materialised(query, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
 
 
 @checked
@@ -361,7 +283,7 @@ def no_max_subtraction(
     enable_gqa: bool = False,
 ) -> Out:
     """Class 8: ``exp`` of raw scores in the input dtype, no max subtracted: overflow."""
-    return _kernel(
+    return materialised(
         query,
         key,
         value,
@@ -386,7 +308,7 @@ def gqa_tiled(
     enable_gqa: bool = False,
 ) -> Out:
     """Class 9: GQA heads tiled (head i reads KV head i % g) instead of interleaved."""
-    return _kernel(
+    return materialised(
         query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, tiled_gqa=True
     )
 
@@ -403,7 +325,7 @@ def gqa_decode_tiled(
     enable_gqa: bool = False,
 ) -> Out:
     """Class 10: GQA with a single query (the decode path) maps heads tiled."""
-    return _kernel(
+    return materialised(
         query,
         key,
         value,
@@ -431,7 +353,7 @@ def gqa_mask_per_kv_head(
     h, g = query.shape[-3], key.shape[-3]
     if attn_mask is not None and h != g and attn_mask.dim() >= 3 and attn_mask.shape[-3] == h:
         attn_mask = attn_mask[..., [i // (h // g) for i in range(h)], :, :]
-    return _kernel(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    return materialised(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
 
 
 @checked_internal
@@ -561,7 +483,7 @@ def scale_by_d(
     enable_gqa: bool = False,
 ) -> Out:
     """Class 14: the default scale is 1/d instead of 1/sqrt(d)."""
-    return _kernel(
+    return materialised(
         query,
         key,
         value,
@@ -586,7 +508,7 @@ def scale_ignored(
     enable_gqa: bool = False,
 ) -> Out:
     """Class 14: an explicit ``scale`` is ignored; 1/sqrt(d) is always used."""
-    return _kernel(query, key, value, attn_mask, dropout_p, is_causal, None, enable_gqa)
+    return materialised(query, key, value, attn_mask, dropout_p, is_causal, None, enable_gqa)
 
 
 @checked
@@ -601,7 +523,7 @@ def softmax_over_queries(
     enable_gqa: bool = False,
 ) -> Out:
     """Class 15: the softmax normalises over queries (dim -2) instead of keys."""
-    return _kernel(
+    return materialised(
         query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, softmax_dim=-2
     )
 
@@ -618,7 +540,7 @@ def mask_inverted(
     enable_gqa: bool = False,
 ) -> Out:
     """Class 16: boolean mask polarity inverted (True read as "hide")."""
-    return _kernel(
+    return materialised(
         query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, invert_mask=True
     )
 
@@ -635,7 +557,7 @@ def float_mask_as_bool(
     enable_gqa: bool = False,
 ) -> Out:
     """Class 16: a float (additive) mask is read as a boolean one (nonzero = visible)."""
-    return _kernel(
+    return materialised(
         query,
         key,
         value,
@@ -667,7 +589,7 @@ def heads_folded_by_reshape(
         key, value = (
             t.reshape(g, n, Tk, t.shape[-1]).transpose(0, 1).reshape(t.shape) for t in (key, value)
         )
-    return _kernel(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    return materialised(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
 
 
 @checked
@@ -686,7 +608,7 @@ def decode_drops_last_key(
         key, value = key[..., :-1, :], value[..., :-1, :]
         if attn_mask is not None and attn_mask.shape[-1] > 1:
             attn_mask = attn_mask[..., :-1]
-    return _kernel(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    return materialised(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
 
 
 @checked
@@ -701,7 +623,7 @@ def dropout_at_zero(
     enable_gqa: bool = False,
 ) -> Out:
     """Class 19: dropout is applied (p = 0.05) even when ``dropout_p == 0``."""
-    return _kernel(
+    return materialised(
         query,
         key,
         value,
@@ -727,9 +649,9 @@ def single_key_shortcut(
 ) -> Out:
     """Class 20: with one key, returns V for every query, ignoring the mask."""
     if key.shape[-2] == 1:
-        _, v = _kv_heads(key, value, query.shape[-3])
+        _, v = kv_heads(key, value, query.shape[-3])
         return v.expand(*query.shape[:-1], value.shape[-1]).clone()
-    return _kernel(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    return materialised(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
 
 
 @checked
@@ -744,7 +666,7 @@ def zero_head_dim_nan(
     enable_gqa: bool = False,
 ) -> Out:
     """Class 20: Dqk = 0 gives scale 1/sqrt(0) = inf, and 0 * inf = NaN scores."""
-    return _kernel(
+    return materialised(
         query,
         key,
         value,
@@ -782,7 +704,7 @@ def index_wraps_16bit(
         index = torch.arange(rows, device=t.device).to(torch.int16).to(torch.int64) % rows
         return flat[index].reshape(t.shape)
 
-    return _kernel(
+    return materialised(
         query, gather(key), gather(value), attn_mask, dropout_p, is_causal, scale, enable_gqa
     )
 
