@@ -101,3 +101,33 @@ def test_token_ids_outside_the_vocabulary_are_named() -> None:
         lm(torch.tensor([[1, 7, 2]]))
     with pytest.raises(ValueError, match="token id -1"):
         lm(torch.tensor([[-1]]))
+
+
+def test_a_mask_that_does_not_fit_the_sequence_names_the_argument() -> None:
+    model = make_model(7, 7, num_layers=1, num_hiddens=8, ffn_hiddens=8, num_heads=2)
+    src = torch.randint(0, 7, (2, 5))
+    with pytest.raises(TypeError, match="src_mask") as info:
+        model.encode(src, torch.ones(2, 1, 4, dtype=torch.bool))
+    assert "Ts=5" in str(info.value)
+    memory = model.encode(src, None)
+    with pytest.raises(TypeError, match="tgt_mask"):
+        model.decode(
+            memory, None, torch.randint(0, 7, (2, 3)), torch.ones(1, 4, 4, dtype=torch.bool)
+        )
+
+
+def test_d2l_init_state_decodes_step_by_step_like_the_full_pass() -> None:
+    torch.manual_seed(0)
+    model = make_model(9, 9, num_layers=2, num_hiddens=8, ffn_hiddens=16, num_heads=2).eval()
+    src = torch.randint(1, 9, (2, 5))
+    tgt = torch.randint(1, 9, (2, 4))
+    src_mask = padding_mask(src, 0)
+    memory = model.encode(src, src_mask)
+    full = model.decode(memory, src_mask, tgt, make_std_mask(tgt, 0))
+    for mode in ("kv", "representation"):
+        state = model.decoder.init_state(memory, src_mask, 4, mode=mode)
+        steps = [
+            model.decoder(tgt[:, t : t + 1], state.memory, state.src_mask, None, cache=state.cache)
+            for t in range(4)
+        ]
+        torch.testing.assert_close(torch.cat(steps, dim=1), full)

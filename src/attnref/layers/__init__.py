@@ -11,10 +11,17 @@ from attnref.layers.positional import (
     SinusoidalPositionalEncoding,
     sinusoidal_encoding,
 )
+from attnref.layers.seq2seq import (
+    BahdanauState,
+    Seq2Seq,
+    Seq2SeqAttentionDecoder,
+    Seq2SeqEncoder,
+)
 from attnref.layers.transformer import (
     AddNorm,
     DecoderBlock,
     DecoderOnlyLM,
+    DecoderState,
     EncoderBlock,
     EncoderDecoder,
     Generator,
@@ -29,8 +36,10 @@ from attnref.layers.transformer import (
 __all__ = [
     "AddNorm",
     "AdditiveAttention",
+    "BahdanauState",
     "DecoderBlock",
     "DecoderOnlyLM",
+    "DecoderState",
     "DotProductAttention",
     "EncoderBlock",
     "EncoderDecoder",
@@ -40,6 +49,9 @@ __all__ = [
     "NadarayaWatson",
     "PositionWiseFFN",
     "PreNormResidual",
+    "Seq2Seq",
+    "Seq2SeqAttentionDecoder",
+    "Seq2SeqEncoder",
     "SinusoidalPositionalEncoding",
     "TokenEmbedding",
     "TransformerDecoder",

@@ -25,6 +25,24 @@ def _check_dropout(dropout: float) -> None:
 
 
 @checked_internal
+def _check_token_ids(tokens: Int[Tensor, "*shape"], vocab_size: int) -> None:
+    """Raise ``ValueError`` naming the first token id outside ``[0, vocab_size)``."""
+    if not tokens.numel():
+        return
+    low, high = torch.aminmax(tokens)  # one pass: this runs at every decoding step
+    if int(low) < 0 or int(high) >= vocab_size:
+        bad = tokens[(tokens < 0) | (tokens >= vocab_size)][0]
+        raise ValueError(f"token id {int(bad)} is outside the vocabulary [0, {vocab_size})")
+
+
+def dropout_layer(dropout: float) -> nn.Module:
+    """``nn.Dropout(dropout)``, or ``nn.Identity()`` when ``dropout == 0``: the same
+    function, one call cheaper per use (a decoding step with the cache makes dozens)."""
+    _check_dropout(dropout)
+    return nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+
+
+@checked_internal
 def _lens_mask(
     valid_lens: ValidLens, num_queries: int, num_keys: int
 ) -> Bool[Tensor, "B Tq Tk"] | None:
@@ -52,7 +70,7 @@ class AdditiveAttention(nn.Module):
         self.W_q = nn.Linear(query_size, num_hiddens, bias=False)
         self.W_k = nn.Linear(key_size, num_hiddens, bias=False)
         self.w_v = nn.Linear(num_hiddens, 1, bias=False)
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = dropout_layer(dropout)
         self.attention_weights: Tensor | None = None  # (B, Tq, Tk) after each forward
 
     @checked

@@ -11,6 +11,7 @@ from jaxtyping import Float
 from torch import Tensor, nn
 
 from attnref._checking import checked
+from attnref.layers.attention import dropout_layer
 
 __all__ = ["LearnedPositionalEmbedding", "SinusoidalPositionalEncoding", "sinusoidal_encoding"]
 
@@ -60,7 +61,7 @@ class SinusoidalPositionalEncoding(nn.Module):
 
     def __init__(self, *, num_hiddens: int, dropout: float = 0.0, max_len: int = 1000) -> None:
         super().__init__()
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = dropout_layer(dropout)
         self.num_hiddens = num_hiddens
         self.max_len = max_len
         self.register_buffer("P", sinusoidal_encoding(max_len, num_hiddens).unsqueeze(0))
@@ -89,7 +90,7 @@ class LearnedPositionalEmbedding(nn.Module):
         self.num_hiddens = num_hiddens
         self.max_len = max_len
         self.embedding = nn.Embedding(max_len, num_hiddens)
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = dropout_layer(dropout)
 
     @checked
     def forward(

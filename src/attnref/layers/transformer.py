@@ -16,7 +16,7 @@ Two placements of the layer norm:
 
 import math
 from collections.abc import Callable
-from typing import Literal, cast
+from typing import Literal, NamedTuple, cast
 
 import torch
 from jaxtyping import Bool, Float, Int
@@ -24,13 +24,14 @@ from torch import Tensor, nn
 
 from attnref._checking import checked
 from attnref.cache import DecoderCache, KVCache, RepresentationCache, StaticKVCache
-from attnref.layers.attention import MultiHeadAttention
+from attnref.layers.attention import MultiHeadAttention, _check_token_ids, dropout_layer
 from attnref.layers.positional import SinusoidalPositionalEncoding
 
 __all__ = [
     "AddNorm",
     "DecoderBlock",
     "DecoderOnlyLM",
+    "DecoderState",
     "EncoderBlock",
     "EncoderDecoder",
     "Generator",
@@ -60,7 +61,7 @@ class PositionWiseFFN(nn.Module):
         self.num_hiddens = num_hiddens
         self.dense1 = nn.Linear(num_hiddens, ffn_hiddens)
         self.dense2 = nn.Linear(ffn_hiddens, num_hiddens)
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = dropout_layer(dropout)
 
     @checked
     def forward(
@@ -76,7 +77,7 @@ class AddNorm(nn.Module):
     def __init__(self, *, num_hiddens: int, dropout: float = 0.0) -> None:
         super().__init__()
         self.num_hiddens = num_hiddens
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = dropout_layer(dropout)
         self.ln = nn.LayerNorm(num_hiddens)
 
     @checked
@@ -93,7 +94,7 @@ class PreNormResidual(nn.Module):
     def __init__(self, *, num_hiddens: int, dropout: float = 0.0) -> None:
         super().__init__()
         self.num_hiddens = num_hiddens
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = dropout_layer(dropout)
         self.ln = nn.LayerNorm(num_hiddens)
 
     @checked
@@ -203,11 +204,7 @@ class TokenEmbedding(nn.Module):
         self, tokens: Int[Tensor, "B T"], offset: int = 0
     ) -> Float[Tensor, "B T {self.num_hiddens}"]:
         """``offset``: the position of the first token (for one step of decoding)."""
-        if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= self.vocab_size):
-            bad = tokens[(tokens < 0) | (tokens >= self.vocab_size)][0]
-            raise ValueError(
-                f"token id {int(bad)} is outside the vocabulary [0, {self.vocab_size})"
-            )
+        _check_token_ids(tokens, self.vocab_size)
         scaled = self.embedding(tokens) * math.sqrt(self.num_hiddens)
         out: Tensor = self.positions(scaled, offset)
         return out
@@ -353,10 +350,37 @@ class DecoderBlock(nn.Module):
         return self.residuals.run(2, Z, self.ffn)
 
 
+class DecoderState(NamedTuple):
+    """D2L's decoder state ``[enc_outputs, enc_valid_lens, per-layer history]``."""
+
+    memory: Tensor  # (B, Ts, H): the encoder's output
+    src_mask: Tensor | None  # (B, 1, Ts): source padding
+    cache: DecoderCache  # per layer: self-attention history, cross-attention K/V
+
+
 class TransformerDecoder(_Stack):
     """Embedding and a stack of `DecoderBlock`s (final `LayerNorm` with ``norm="pre"``)."""
 
     block_type = DecoderBlock
+
+    @checked
+    def init_state(
+        self,
+        memory: Float[Tensor, "B Ts {self.num_hiddens}"],
+        src_mask: Bool[Tensor, "#B 1 Ts"] | None,
+        max_len: int,
+        *,
+        mode: str = "kv",
+    ) -> DecoderState:
+        """D2L's ``init_state``: the memory, its mask and an empty per-layer cache for up to
+        ``max_len`` target tokens; then ``decoder(new_tokens, state.memory,
+        state.src_mask, None, cache=state.cache)`` decodes one step at a time.
+
+        ``mode="representation"`` is D2L's own state (each layer's input history).
+        """
+        like = self.embed.embedding.weight
+        cache = _new_cache(self.blocks, memory.shape[0], max_len, mode, cross=True, like=like)
+        return DecoderState(memory, src_mask, cache)
 
     @checked
     def forward(
