@@ -134,3 +134,37 @@ def test_gpu_audit_script_runs_on_the_cpu(tmp_path: Path) -> None:
     assert "| `torch-sdpa-flash` | 2 | 0 | 0 |" in summary
     assert "| `torch-sdpa-efficient` | 0 | 0 | 2 |" in summary  # no such kernel on a CPU
     assert (tmp_path / "torch-sdpa-flash.json").exists()
+
+
+def test_demo_copy_trains_prints_examples_and_saves_heatmaps(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Two epochs are too few to copy everything: the demo says so and exits 1."""
+    code = main(["demo", "copy", "--epochs", "2", "--out", str(tmp_path), "--no-progress"])
+    out = capsys.readouterr().out
+    assert code == 1
+    assert "epoch 2: loss" in out
+    assert "2 epochs, 40 batches" in out
+    assert out.count("  source  [1,") == 3
+    assert out.count("  decoded [1,") == 3
+    assert "6 heatmaps saved" in out
+    assert len(list(tmp_path.glob("*.png"))) == 6
+
+
+def test_demo_rejects_a_bad_epoch_count(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["demo", "copy", "--epochs", "0"]) == 2
+    assert "--epochs must be >= 1, got 0" in capsys.readouterr().err
+
+
+def test_demo_reverse_trains_bahdanau_and_saves_its_alignment(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """One hundred steps: the loss falls, the examples print, the alignment is saved."""
+    code = main(["demo", "reverse", "--epochs", "1", "--out", str(tmp_path), "--no-progress"])
+    out = capsys.readouterr().out
+    assert code in (0, 1)
+    assert "100 steps" in out
+    first, last = (float(x) for x in out.split("loss ")[1].split(":")[0].split(" -> "))
+    assert last < 0.5 * first
+    assert out.count("  decoded [") == 3
+    assert (tmp_path / "bahdanau-alignment.png").read_bytes()[:4] == b"\x89PNG"
