@@ -93,8 +93,18 @@ def plot_alignment(
     xlabels: Sequence[str] | None = None,
     ylabels: Sequence[str] | None = None,
 ) -> Path:
-    """Save a Bahdanau alignment (target steps x source positions) to ``path``."""
-    return plot_heads(weights.unsqueeze(0), path, title=title, xlabels=xlabels, ylabels=ylabels)
+    """Save a Bahdanau alignment (target steps x source positions) to ``path``.
+
+    ``ylabels``: the token each step emitted; ``xlabels``: the source tokens."""
+    return plot_heads(
+        weights.unsqueeze(0),
+        path,
+        title=title,
+        xlabels=xlabels,
+        ylabels=ylabels,
+        xlabel="source token",
+        ylabel="token emitted",
+    )
 
 
 @checked
