@@ -1,5 +1,5 @@
 """Developer sessions: ``nox -s tests``, ``typecheck``, ``lint``, ``docs``, ``bench``,
-``audit_gpu``.
+``bench_gpu``, ``audit_gpu``.
 
 Every session forwards ``session.posargs`` (``nox -s tests -- -k masks``). torch is
 pinned to the CPU build that lies on this project's machines; an unpinned ``torch`` would
@@ -8,7 +8,8 @@ pull a multi-GB CUDA build.
 
 import nox
 
-nox.options.sessions = ["tests", "typecheck", "lint", "docs"]  # bench, audit_gpu on request
+# bench, bench_gpu and audit_gpu on request
+nox.options.sessions = ["tests", "typecheck", "lint", "docs"]
 nox.options.reuse_existing_virtualenvs = True
 
 TORCH = "torch==2.13.0"
@@ -53,6 +54,16 @@ def bench(session: nox.Session) -> None:
     """CPU benchmarks (pytest-benchmark) with median ratios side by side."""
     _install(session, "test")
     session.run("pytest", "benchmarks", *session.posargs)
+
+
+@nox.session(venv_backend="none")
+def bench_gpu(session: nox.Session) -> None:
+    """The GPU sweep (tools/gpu_bench.py) into docs/gpu-bench, in the current environment.
+
+    ``venv_backend="none"``: the GPU machine has no network, so it uses the torch already
+    installed there. ``nox -s bench_gpu -- --budget-s 300`` forwards options.
+    """
+    session.run("python", "tools/gpu_bench.py", *session.posargs)
 
 
 @nox.session(venv_backend="none")

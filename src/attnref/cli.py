@@ -1,5 +1,5 @@
-"""Command line: ``attnref audit`` and ``attnref demo copy`` (``python -m attnref ...``
-works too)."""
+"""Command line: ``attnref audit``, ``attnref bench`` and ``attnref demo copy|reverse``
+(``python -m attnref ...`` works too)."""
 
 import argparse
 import os
@@ -80,6 +80,19 @@ def _parser() -> argparse.ArgumentParser:
     a.add_argument(
         "--verbose", "-v", action="store_true", help="tracebacks, skip reasons, all reproducers"
     )
+    b = sub.add_parser(
+        "bench",
+        help="benchmark attention backends at the same shapes (time, TFLOP/s, memory)",
+        description=(
+            "Time every backend on the same shapes: median of timed calls after warm-up, "
+            "inputs rotated, CUDA events on a GPU; FLOPs counted for the mask applied; "
+            "peak memory; a CSV, a JSON and a plot of TFLOP/s against sequence length. "
+            "Also runnable as python -m attnref.bench."
+        ),
+    )
+    from attnref.bench import add_arguments
+
+    add_arguments(b)
     d = sub.add_parser(
         "demo",
         help="train a small model on the CPU and show what it learned",
@@ -114,6 +127,15 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _have_matplotlib() -> bool:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        print("no heatmaps: they need matplotlib (pip install 'attnref[viz]')", file=sys.stderr)
+        return False
+    return True
+
+
 def _demo(args: argparse.Namespace) -> int:
     if args.epochs is not None and args.epochs < 1:
         print(f"attnref demo: --epochs must be >= 1, got {args.epochs}", file=sys.stderr)
@@ -140,7 +162,7 @@ def _demo_reverse(args: argparse.Namespace) -> int:
     for b in range(3):
         n = int(lens[b])
         print(f"  source  {src[b, :n].tolist()}\n  decoded {out[b, 1 : n + 1].tolist()}")
-    if not args.no_plots:
+    if not args.no_plots and _have_matplotlib():
         from attnref.viz import plot_alignment
 
         n = int(lens[0])
@@ -174,7 +196,7 @@ def _demo_copy(args: argparse.Namespace) -> int:
     for src, out in zip(fresh.src.tolist(), decoded.tolist(), strict=True):
         mark = "ok" if src == out else "WRONG"
         print(f"  source  {src}\n  decoded {out}  {mark}")
-    if not args.no_plots:
+    if not args.no_plots and _have_matplotlib():
         from attnref.viz import save_transformer_heatmaps
 
         paths = save_transformer_heatmaps(result.model, fresh.src, fresh.tgt, args.out)
@@ -262,6 +284,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _audit(args)
         if args.command == "demo":
             return _demo(args)
+        if args.command == "bench":
+            from attnref.bench import run_cli
+
+            return run_cli(args)
     except Exception as e:  # an internal error: one line unless --verbose
         if getattr(args, "verbose", False):
             traceback.print_exc()

@@ -389,13 +389,14 @@ class ReverseTaskResult:
     losses: list[float]  # cross-entropy per token of each batch
 
 
+@checked
 def reverse_batch(
     batch_size: int,
     *,
     vocab_size: int = 12,
     max_len: int = 8,
     generator: torch.Generator | None = None,
-) -> tuple[Tensor, Tensor, Tensor]:
+) -> tuple[Int[Tensor, "B {max_len}"], Int[Tensor, " B"], Int[Tensor, "B {max_len}+2"]]:
     """Sources of random length ``2..max_len`` (tokens ``3..V-1``, padding 0) and their
     reversals framed by ``<bos>`` = 1 and ``<eos>`` = 2: ``(src, valid_lens, tgt)``.
 

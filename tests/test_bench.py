@@ -1,0 +1,307 @@
+"""The benchmark harness: FLOPs for the mask applied, timing rows, files, the CLI."""
+
+import csv
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from attnref.bench import (
+    BenchCase,
+    _inputs,
+    _peak_bytes,
+    case_flops,
+    main,
+    measure_matmul_peak,
+    padding_lengths,
+    run_case,
+    visible_pairs,
+)
+from attnref.cli import main as cli_main
+from attnref.conformance import resolve_backend
+
+
+def test_flops_without_a_mask_are_4_b_h_tq_tk_dh() -> None:
+    assert case_flops(BenchCase(B=2, h=3, Tq=4, Tk=5, Dh=8)) == 4 * 2 * 3 * 4 * 5 * 8
+
+
+@pytest.mark.parametrize(
+    ("Tq", "Tk", "causal", "pairs"),
+    [
+        (4, 4, "top_left", 1 + 2 + 3 + 4),
+        (4, 4, "bottom_right", 1 + 2 + 3 + 4),  # the same when Tq = Tk
+        (2, 4, "top_left", 1 + 2),
+        (2, 4, "bottom_right", 3 + 4),  # the queries are the last two positions
+        (4, 2, "top_left", 1 + 2 + 2 + 2),
+        (4, 2, "bottom_right", 0 + 0 + 1 + 2),  # the first two queries see nothing
+    ],
+)
+def test_causal_pairs_by_hand(Tq: int, Tk: int, causal: str, pairs: int) -> None:
+    assert visible_pairs(Tq, Tk, causal) == pairs
+    case = BenchCase(B=1, h=2, Tq=Tq, Tk=Tk, Dh=3, causal=causal)
+    assert case_flops(case) == 4 * 2 * 3 * pairs
+
+
+def test_padded_flops_by_hand() -> None:
+    assert padding_lengths(3, 4) == [4, 3, 2]
+    assert padding_lengths(1, 7) == [7]
+    assert case_flops(BenchCase(B=3, h=1, Tq=3, Tk=4, Dh=1, mask="padding")) == 4 * 3 * (4 + 3 + 2)
+    # padding and causal together: lengths 4 and 2, rows see 1, 2, 3, 4 keys before padding
+    both = BenchCase(B=2, h=1, Tq=4, Tk=4, Dh=1, mask="padding", causal="top_left")
+    assert case_flops(both) == 4 * ((1 + 2 + 3 + 4) + (1 + 2 + 2 + 2))
+
+
+@given(
+    st.integers(1, 4),
+    st.integers(1, 12),
+    st.integers(1, 12),
+    st.sampled_from([None, "top_left", "bottom_right"]),
+    st.sampled_from(["none", "padding"]),
+)
+def test_flops_count_exactly_the_pairs_the_applied_mask_leaves(
+    B: int, Tq: int, Tk: int, causal: str | None, mask: str
+) -> None:
+    """The closed form equals a count of the mask the backends are really given."""
+    case = BenchCase(B=B, h=2, Tq=Tq, Tk=Tk, Dh=4, causal=causal, mask=mask)
+    seen = int(_inputs(case, 0).visible().sum())  # (B, h, Tq, Tk) booleans
+    assert case_flops(case) == 4 * case.Dh * seen
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"B": 0}, "B must be >= 1, got 0"),
+        ({"g": 3}, r"h \(4\) must be divisible by g \(3\)"),
+        ({"dtype": "int8"}, "dtype must be one of"),
+        ({"mask": "random"}, "mask must be one of"),
+        ({"causal": "diagonal"}, "causal_alignment must be one of"),
+    ],
+)
+def test_bad_cases_are_clear_errors(kwargs: dict[str, object], message: str) -> None:
+    base: dict[str, object] = {"B": 1, "h": 4, "Tq": 2, "Tk": 2, "Dh": 2}
+    with pytest.raises(ValueError, match=message):
+        BenchCase(**{**base, **kwargs})  # type: ignore[arg-type]
+
+
+def test_a_row_has_time_rate_fraction_and_memory() -> None:
+    case = BenchCase(B=1, h=2, Tq=64, Tk=64, Dh=16)
+    r = run_case(resolve_backend("reference"), case, warmup=1, runs=3, peak_tflops=1.0)
+    assert r.status == "ok", r.note
+    assert r.median_s is not None
+    assert r.median_s > 0
+    assert r.tflops == pytest.approx(case_flops(case) / r.median_s / 1e12)
+    assert r.peak_fraction == pytest.approx(r.tflops)
+    assert r.peak_mem_bytes is not None
+    assert r.runs == 3
+
+
+def test_cpu_peak_memory_sees_a_large_temporary() -> None:
+    """The process's peak during one call, above what it held before: a 64 MiB
+    temporary that is freed before the call returns is still seen."""
+
+    def call() -> None:
+        x = torch.ones(16 * 2**20)  # 64 MiB of float32
+        del x
+
+    peak = _peak_bytes(call, "cpu")
+    assert peak is not None
+    assert peak >= 60 * 2**20
+
+
+def test_matmul_peak_is_a_positive_rate() -> None:
+    assert measure_matmul_peak("float32", "cpu", n=64, runs=3) > 0
+
+
+def _raise(*args: object, **kwargs: object) -> torch.Tensor:
+    raise RuntimeError("kernel exploded")
+
+
+def test_cli_writes_table_csv_json_and_plot(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code = cli_main(
+        [
+            "bench",
+            "--backends",
+            "reference",
+            "torch-sdpa-math",
+            "--seq",
+            "16",
+            "32",
+            "--tokens",
+            "64",
+            "--heads",
+            "2",
+            "--head-dim",
+            "8",
+            "--runs",
+            "2",
+            "--both",
+            "--peak-tflops",
+            "0.5",
+            "--out",
+            str(tmp_path),
+            "--no-progress",
+        ]
+    )
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "B=4 h=2 Tq=16 Tk=16 Dh=8 float32 causal=top_left" in out
+    rows = list(csv.DictReader((tmp_path / "bench.csv").read_text().splitlines()))
+    assert len(rows) == 2 * 2 * 2  # backends x seqs x causal
+    assert {r["status"] for r in rows} == {"ok"}
+    assert {r["backend"] for r in rows} == {"reference", "torch-sdpa-math"}
+    data = json.loads((tmp_path / "bench.json").read_text())
+    assert data["meta"]["peak_tflops"] == 0.5
+    assert data["meta"]["device"] == "cpu"
+    assert data["results"][0]["flops"] == int(rows[0]["flops"])
+    assert (tmp_path / "bench.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_backend_that_raises_is_a_row_not_a_crash(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code = cli_main(
+        [
+            "bench",
+            "--backends",
+            "tests.test_bench:_raise",
+            "reference",
+            "--seq",
+            "8",
+            "--batch",
+            "1",
+            "--heads",
+            "1",
+            "--runs",
+            "1",
+            "--dtype",
+            "float64",
+            "--out",
+            str(tmp_path),
+            "--no-plot",
+            "--no-progress",
+        ]
+    )
+    out = capsys.readouterr().out
+    assert code == 1
+    assert "error: RuntimeError: kernel exploded" in out
+    rows = list(csv.DictReader((tmp_path / "bench.csv").read_text().splitlines()))
+    assert [r["status"] for r in rows] == ["error", "ok"]
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--backends", "no-such-backend"], "no-such-backend"),
+        (["--seq", "0"], "--seq values must be >= 1, got [0]"),
+        (["--runs", "0"], "--runs must be >= 1, got 0"),
+        (["--kv-heads", "3", "--heads", "4"], "h (4) must be divisible by g (3)"),
+    ],
+)
+def test_bad_usage_exits_2_with_a_message(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main([*argv, "--no-plot", "--no-progress"]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_python_m_attnref_bench_runs(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "attnref.bench",
+            "--backends",
+            "reference",
+            "--seq",
+            "8",
+            "--batch",
+            "1",
+            "--heads",
+            "1",
+            "--runs",
+            "1",
+            "--out",
+            str(tmp_path),
+            "--no-plot",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "bench.json").exists()
+
+
+def _gpu_bench(tmp_path: Path, *extra: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [
+            sys.executable,
+            "tools/gpu_bench.py",
+            "--device",
+            "cpu",
+            "--tiny",
+            "--runs",
+            "1",
+            "--out",
+            str(tmp_path),
+            "--backend",
+            "reference",
+            "--backend",
+            "torch-sdpa-efficient",
+            *extra,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+        cwd=Path(__file__).resolve().parents[1],
+    )
+
+
+def test_gpu_sweep_script_runs_on_the_cpu(tmp_path: Path) -> None:
+    """tools/gpu_bench.py is what a lent GPU runs: the same code at toy sizes here, with
+    published figures drawn beside the measurements."""
+    refs = tmp_path / "refs.json"
+    refs.write_text(
+        json.dumps(
+            [
+                {
+                    "label": "published",
+                    "dtype": "bfloat16",
+                    "causal": False,
+                    "Dh": 8,
+                    "seq": [16, 32],
+                    "tflops": [0.001, 0.002],
+                    "source": "a test",
+                }
+            ]
+        )
+    )
+    done = _gpu_bench(tmp_path, "--references", str(refs))
+    assert done.returncode == 0, done.stdout + done.stderr
+    rows = list(csv.DictReader((tmp_path / "bench.csv").read_text().splitlines()))
+    # 2 seqs x 2 dtypes x 2 head dims x 2 causal, two backends
+    assert len(rows) == 32
+    statuses = {(r["backend"], r["status"]) for r in rows}
+    assert statuses == {("reference", "ok"), ("torch-sdpa-efficient", "skipped")}
+    meta = json.loads((tmp_path / "bench.json").read_text())["meta"]
+    assert meta["peak_source"] == "measured bf16 matmul"
+    assert meta["references"][0]["source"] == "a test"
+    assert "| reference | bfloat16 |" in (tmp_path / "README.md").read_text()
+    assert (tmp_path / "bench.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_gpu_sweep_stops_starting_rows_when_its_budget_is_spent(tmp_path: Path) -> None:
+    done = _gpu_bench(tmp_path, "--budget-s", "0")
+    assert done.returncode == 0, done.stdout + done.stderr
+    rows = list(csv.DictReader((tmp_path / "bench.csv").read_text().splitlines()))
+    assert len(rows) == 32
+    assert all("time budget spent" in r["note"] for r in rows)
