@@ -1,6 +1,7 @@
 """The benchmark harness: FLOPs for the mask applied, timing rows, files, the CLI."""
 
 import csv
+import os
 import json
 import subprocess
 import sys
@@ -305,3 +306,38 @@ def test_gpu_sweep_stops_starting_rows_when_its_budget_is_spent(tmp_path: Path) 
     rows = list(csv.DictReader((tmp_path / "bench.csv").read_text().splitlines()))
     assert len(rows) == 32
     assert all("time budget spent" in r["note"] for r in rows)
+
+
+def test_the_prepared_gpu_session_runs_dry_on_the_cpu(tmp_path: Path) -> None:
+    """tools/gpu_session.sh is the one command a lent GPU runs; here, at toy sizes."""
+    env = {
+        **os.environ,
+        "DEVICE": "cpu",
+        "AUDIT_ARGS": "--backend torch-sdpa-math --property forward",
+        "BENCH_ARGS": "--tiny --runs 1 --backend reference",
+        "OUT": str(tmp_path),
+        "PYTHON": sys.executable,
+    }
+    done = subprocess.run(
+        ["bash", "tools/gpu_session.sh"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+        env=env,
+        cwd=Path(__file__).resolve().parents[1],
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    log = (tmp_path / "session.log").read_text()
+    assert "gpu_audit exit: 0" in log
+    assert "gpu_bench exit: 0" in log
+    assert "| `torch-sdpa-math` | 2 | 0 | 0 |" in (tmp_path / "gpu-audit.md").read_text()
+    assert "| reference | bfloat16 |" in (tmp_path / "gpu-bench.md").read_text()
+    names = subprocess.run(
+        ["tar", "-tzf", str(tmp_path / "gpu-results.tgz")],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert "gpu-audit/torch-sdpa-math.json" in names
+    assert "gpu-bench/bench.csv" in names
