@@ -1,8 +1,8 @@
 """The benchmark harness: FLOPs for the mask applied, timing rows, files, the CLI."""
 
 import csv
-import os
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
