@@ -30,13 +30,48 @@ from attnref.masks import check_valid_lens
 __all__ = ["BahdanauState", "Seq2Seq", "Seq2SeqAttentionDecoder", "Seq2SeqEncoder"]
 
 
-def _check_sizes(**sizes: int) -> None:
-    for name, value in sizes.items():
-        if value < 1:
-            raise ValueError(f"{name} must be >= 1, got {value}")
+class _EmbeddedGRU(nn.Module):
+    """What the encoder and decoder share: the sizes, an ``embedding`` and a batch-first
+    ``rnn`` (GRU) reading ``input_size`` features per step.
+
+    Raises:
+        ValueError: a size below 1, or ``dropout`` outside ``[0, 1)``.
+    """
+
+    def __init__(
+        self,
+        vocab_size: int,
+        embed_size: int,
+        num_hiddens: int,
+        num_layers: int,
+        dropout: float,
+        input_size: int,
+    ) -> None:
+        super().__init__()
+        sizes = {
+            "vocab_size": vocab_size,
+            "embed_size": embed_size,
+            "num_hiddens": num_hiddens,
+            "num_layers": num_layers,
+        }
+        for name, value in sizes.items():
+            if value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        _check_dropout(dropout)
+        self.vocab_size = vocab_size
+        self.num_hiddens = num_hiddens
+        self.num_layers = num_layers
+        self.embedding = nn.Embedding(vocab_size, embed_size)
+        self.rnn = nn.GRU(
+            input_size,
+            num_hiddens,
+            num_layers,
+            dropout=dropout if num_layers > 1 else 0.0,  # GRU dropout acts between layers
+            batch_first=True,
+        )
 
 
-class Seq2SeqEncoder(nn.Module):
+class Seq2SeqEncoder(_EmbeddedGRU):
     """Embedding and a multi-layer GRU over the source.
 
     Args:
@@ -56,25 +91,7 @@ class Seq2SeqEncoder(nn.Module):
         num_layers: int,
         dropout: float = 0.0,
     ) -> None:
-        super().__init__()
-        _check_sizes(
-            vocab_size=vocab_size,
-            embed_size=embed_size,
-            num_hiddens=num_hiddens,
-            num_layers=num_layers,
-        )
-        _check_dropout(dropout)
-        self.vocab_size = vocab_size
-        self.num_hiddens = num_hiddens
-        self.num_layers = num_layers
-        self.embedding = nn.Embedding(vocab_size, embed_size)
-        self.rnn = nn.GRU(
-            embed_size,
-            num_hiddens,
-            num_layers,
-            dropout=dropout if num_layers > 1 else 0.0,
-            batch_first=True,
-        )
+        super().__init__(vocab_size, embed_size, num_hiddens, num_layers, dropout, embed_size)
 
     @checked
     def forward(
@@ -116,7 +133,7 @@ class BahdanauState(NamedTuple):
     valid_lens: Tensor | None  # (B,): how many source positions each query may see
 
 
-class Seq2SeqAttentionDecoder(nn.Module):
+class Seq2SeqAttentionDecoder(_EmbeddedGRU):
     """D2L's Bahdanau decoder: additive attention from the GRU's top state to the source.
 
     Args:
@@ -136,27 +153,11 @@ class Seq2SeqAttentionDecoder(nn.Module):
         num_layers: int,
         dropout: float = 0.0,
     ) -> None:
-        super().__init__()
-        _check_sizes(
-            vocab_size=vocab_size,
-            embed_size=embed_size,
-            num_hiddens=num_hiddens,
-            num_layers=num_layers,
-        )
-        _check_dropout(dropout)
-        self.vocab_size = vocab_size
-        self.num_hiddens = num_hiddens
-        self.num_layers = num_layers
+        # the GRU reads the token's embedding and the context: E + H wide
+        gru_input = embed_size + num_hiddens
+        super().__init__(vocab_size, embed_size, num_hiddens, num_layers, dropout, gru_input)
         self.attention = AdditiveAttention(
             query_size=num_hiddens, key_size=num_hiddens, num_hiddens=num_hiddens, dropout=dropout
-        )
-        self.embedding = nn.Embedding(vocab_size, embed_size)
-        self.rnn = nn.GRU(
-            embed_size + num_hiddens,
-            num_hiddens,
-            num_layers,
-            dropout=dropout if num_layers > 1 else 0.0,
-            batch_first=True,
         )
         self.dense = nn.Linear(num_hiddens, vocab_size)
         self._step_weights: list[Tensor] = []
