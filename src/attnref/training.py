@@ -56,11 +56,15 @@ class Batch:
     ``tgt[:, :t + 1]``.
 
     Raises:
-        ValueError: a target shorter than two tokens, or a batch size that differs
-            between source and target.
+        ValueError: a target shorter than two tokens, or (with runtime checking off) a
+            batch size that differs between source and target; with checking on that is
+            the checker's ``TypeError`` naming ``tgt`` and ``B``.
     """
 
-    def __init__(self, src: Tensor, tgt: Tensor | None = None, pad: int = 0) -> None:
+    @checked
+    def __init__(
+        self, src: Int[Tensor, "B Ts"], tgt: Int[Tensor, "B T"] | None = None, pad: int = 0
+    ) -> None:
         self.src = src
         self.src_mask: Tensor = padding_mask(src, pad)  # (B, 1, Ts)
         self.pad = pad
