@@ -76,3 +76,15 @@ def test_max_len_below_one_is_an_error() -> None:
     lm = DecoderOnlyLM(vocab_size=5, num_hiddens=8, ffn_hiddens=8, num_heads=2, num_layers=1)
     with pytest.raises(ValueError, match="max_len must be >= 1, got 0"):
         generate(lm, src, 0)
+
+
+def test_decoded_tokens_can_feed_a_training_step() -> None:
+    """Decoding runs under inference_mode; what it returns must still be usable where
+    autograd saves tensors (an embedding lookup saves its indices)."""
+    torch.manual_seed(0)
+    lm = DecoderOnlyLM(vocab_size=9, num_hiddens=8, ffn_hiddens=8, num_heads=2, num_layers=1)
+    tokens = generate(lm, torch.tensor([[1, 2]]), 3)
+    assert not tokens.is_inference()
+    lm.train()
+    lm(tokens).sum().backward()
+    assert lm.generator.proj.weight.grad is not None

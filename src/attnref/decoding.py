@@ -37,7 +37,7 @@ Fn = TypeVar("Fn", bound=Callable[..., Any])
 def _plain(out: Any) -> Any:
     """Ordinary tensors from inference tensors (which autograd refuses to save)."""
     if isinstance(out, Tensor):
-        return out.clone()
+        return out.clone()  # outside inference_mode: an ordinary tensor
     if isinstance(out, tuple):
         return tuple(_plain(x) for x in out)
     return out
@@ -45,7 +45,7 @@ def _plain(out: Any) -> Any:
 
 def _inference(fn: Fn) -> Fn:
     """Run ``fn`` under ``torch.inference_mode``: no autograd bookkeeping at all, about
-    13% less time per cached decoding step than ``no_grad`` on the CPU. The result is
+    10% less time per cached decoding step than ``no_grad`` on the CPU. The result is
     cloned out of inference mode, so the tokens can feed a later training step."""
 
     @functools.wraps(fn)
