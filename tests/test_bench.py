@@ -341,3 +341,19 @@ def test_the_prepared_gpu_session_runs_dry_on_the_cpu(tmp_path: Path) -> None:
     ).stdout
     assert "gpu-audit/torch-sdpa-math.json" in names
     assert "gpu-bench/bench.csv" in names
+
+
+def test_one_query_against_a_cache_counts_every_key_bottom_right(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A decoding step: one query aligned with the last of Tk keys sees all of them
+    (bottom-right), but only the first key top-left."""
+    argv = ["--seq", "64", "--queries", "1", "--batch", "2", "--heads", "2", "--head-dim", "8"]
+    argv += ["--backends", "reference", "--runs", "1", "--no-plot", "--no-progress", "--causal"]
+    for alignment, keys in (("bottom_right", 64), ("top_left", 1)):
+        out = tmp_path / alignment
+        assert main([*argv, "--alignment", alignment, "--out", str(out)]) == 0
+        rows = list(csv.DictReader((out / "bench.csv").read_text().splitlines()))
+        assert (rows[0]["Tq"], rows[0]["Tk"]) == ("1", "64")
+        assert int(rows[0]["flops"]) == 4 * 2 * 2 * 8 * keys
+    capsys.readouterr()

@@ -195,8 +195,10 @@ def sweep_cases(
     heads: int | None = None,
     kv_heads: int | None = None,
     mask: str = "none",
+    queries: int | None = None,
 ) -> list[BenchCase]:
-    """Every combination, self-attention shapes ``Tq = Tk = seq``.
+    """Every combination: ``Tk = seq`` keys, and ``Tq = seq`` queries (self-attention)
+    or ``Tq = queries`` (``queries=1``: one decoding step against a cache of ``seq``).
 
     The batch is ``batch``, or ``tokens // seq`` (at least 1) for a fixed number of
     tokens per batch; the heads are ``heads``, or ``hidden // Dh`` for a fixed model
@@ -218,7 +220,7 @@ def sweep_cases(
                             B=B,
                             h=h,
                             g=kv_heads,
-                            Tq=seq,
+                            Tq=seq if queries is None else queries,
                             Tk=seq,
                             Dh=Dh,
                             dtype=dtype,
@@ -643,7 +645,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--alignment",
         choices=["top_left", "bottom_right"],
         default="top_left",
-        help="causal alignment (the same when Tq = Tk)",
+        help="causal alignment (the same when Tq = Tk; see --queries)",
+    )
+    p.add_argument(
+        "--queries",
+        type=int,
+        metavar="TQ",
+        help="a fixed number of queries against --seq keys (1: a decoding step); "
+        "default: as many as keys",
     )
     p.add_argument("--mask", choices=MASKS, default="none", help="key padding mask or none")
     p.add_argument("--head-dim", nargs="+", type=int, default=[64], metavar="DH")
@@ -692,7 +701,7 @@ def run_cli(args: argparse.Namespace) -> int:
     for name, values in (("--seq", seqs), ("--head-dim", args.head_dim)):
         if any(v < 1 for v in values):
             return _fail(f"{name} values must be >= 1, got {values}")
-    for name in ("runs", "tokens", "batch", "hidden", "heads", "kv_heads"):
+    for name in ("runs", "tokens", "batch", "hidden", "heads", "kv_heads", "queries"):
         value = getattr(args, name)
         if value is not None and value < 1:
             return _fail(f"--{name.replace('_', '-')} must be >= 1, got {value}")
@@ -720,6 +729,7 @@ def run_cli(args: argparse.Namespace) -> int:
             heads=args.heads,
             kv_heads=args.kv_heads,
             mask=args.mask,
+            queries=args.queries,
         )
     except ValueError as e:
         return _fail(str(e))
