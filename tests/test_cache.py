@@ -88,3 +88,27 @@ def test_decoded_tokens_can_feed_a_training_step() -> None:
     lm.train()
     lm(tokens).sum().backward()
     assert lm.generator.proj.weight.grad is not None
+
+
+def test_reorder_moves_each_rows_history_with_its_hypothesis() -> None:
+    kv = KVCache(batch_size=3, num_kv_heads=1, max_len=4, head_dim=2)
+    keys = torch.arange(3.0).view(3, 1, 1, 1).expand(3, 1, 2, 2)
+    kv.append(keys, -keys)
+    rows = torch.tensor([2, 2, 0])
+    kv.reorder(rows)
+    k, v = kv.append(torch.zeros(3, 1, 1, 2), torch.zeros(3, 1, 1, 2))
+    assert k[:, 0, :2, 0].tolist() == [[2.0, 2.0], [2.0, 2.0], [0.0, 0.0]]
+    assert v[:, 0, :2, 0].tolist() == [[-2.0, -2.0], [-2.0, -2.0], [0.0, 0.0]]
+    rep = RepresentationCache()
+    rep.append(torch.arange(3.0).view(3, 1, 1))
+    rep.reorder(rows)
+    assert rep.append(torch.zeros(3, 1, 1))[:, 0, 0].tolist() == [2.0, 2.0, 0.0]
+    cache = DecoderCache.for_stack(
+        1, batch_size=3, num_kv_heads=1, head_dim=2, max_len=4, cross=True
+    )
+    cache.self_attention[0].append(keys, keys)  # type: ignore[call-arg]
+    cross = torch.ones(3, 1, 5, 2)
+    cache.cross_attention[0].keys = cache.cross_attention[0].values = cross
+    cache.reorder(rows)
+    assert cache.self_attention[0].keys[:, 0, 0, 0].tolist() == [2.0, 2.0, 0.0]  # type: ignore[union-attr]
+    assert cache.cross_attention[0].keys is cross  # one source's memory: nothing to move

@@ -13,7 +13,7 @@
 from dataclasses import dataclass, field
 
 import torch
-from jaxtyping import Float
+from jaxtyping import Float, Int
 from torch import Tensor
 
 from attnref._checking import checked
@@ -69,6 +69,13 @@ class KVCache:
     def reset(self) -> None:
         """Forget every position (the buffers are kept)."""
         self.length = 0
+
+    @checked
+    def reorder(self, rows: Int[Tensor, " B"]) -> None:
+        """Keep, as row ``i``, what row ``rows[i]`` held (beam search re-ranks its
+        hypotheses every step; each new row continues the one it was chosen from)."""
+        self.keys = self.keys.index_select(0, rows)
+        self.values = self.values.index_select(0, rows)
 
     @checked
     def append(
@@ -129,6 +136,12 @@ class RepresentationCache:
         self.history = X if self.history is None else torch.cat([self.history, X], dim=1)
         return self.history
 
+    @checked
+    def reorder(self, rows: Int[Tensor, " B"]) -> None:
+        """Keep, as row ``i``, the history of row ``rows[i]`` (see `KVCache.reorder`)."""
+        if self.history is not None:
+            self.history = self.history.index_select(0, rows)
+
 
 SelfCache = KVCache | RepresentationCache
 
@@ -185,6 +198,16 @@ class DecoderCache:
         for c in [*self.self_attention, *self.cross_attention]:
             c.reset()
         self.position = 0
+
+    @checked
+    def reorder(self, rows: Int[Tensor, " B"]) -> None:
+        """Reorder every layer's self-attention cache by ``rows`` (beam search).
+
+        The cross-attention caches are left alone: beam search only ever chooses among
+        the hypotheses of one source sentence, whose encoder memory is the same.
+        """
+        for c in self.self_attention:
+            c.reorder(rows)
 
     def nbytes(self) -> int:
         """Bytes held by the preallocated key/value buffers."""

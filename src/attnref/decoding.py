@@ -1,9 +1,11 @@
-"""Decoding for the encoder-decoder Transformer and the decoder-only LM: greedy (with or
-without the KV cache), beam search and sampling.
+"""Decoding for the encoder-decoder Transformer and the decoder-only LM (greedy, beam
+search, sampling, each with or without the KV cache), and greedy decoding for D2L's
+Bahdanau model.
 
 With ``use_cache=True`` each step feeds only the newest token and reuses every earlier
-position's keys and values (`attnref.cache`); without it each step runs the whole
-prefix again. The tokens are the same either way: the cache changes speed, not results.
+position's keys and values (`attnref.cache`; beam search reorders them with its beams);
+without it each step runs the whole prefix again. The tokens are the same either way:
+the cache changes speed, not results.
 """
 
 import functools
@@ -16,6 +18,7 @@ from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
 from attnref._checking import checked, checked_internal
+from attnref.cache import DecoderCache
 from attnref.layers.seq2seq import Seq2Seq
 from attnref.layers.transformer import DecoderOnlyLM, EncoderDecoder
 from attnref.masks import subsequent_mask
@@ -161,7 +164,36 @@ def greedy_decode_seq2seq(
 
 # ------------------------------------------------------------------ beam search, sampling
 
-Step = Callable[[Tensor], Tensor]  # tokens (N, t) -> log probabilities of the next (N, V)
+# (tokens so far (N, t), which earlier row each row continues or None for the same rows)
+#   -> log probabilities of the next token (N, V)
+Step = Callable[[Tensor, Tensor | None], Tensor]
+
+
+def _cached(
+    forward: Callable[[Tensor, DecoderCache | None], Tensor],
+    new_cache: Callable[[int, int], DecoderCache],
+    extra: int,
+    use_cache: bool,
+) -> Step:
+    """A `Step` from ``forward(tokens, cache)`` (log probabilities at every position fed).
+
+    Without the cache each step feeds every token so far. With it, the first step feeds
+    the prefix and creates a cache for it and ``extra`` more tokens; later steps reorder
+    the cache by ``rows`` (beam search) and feed only the tokens it has not seen.
+    """
+    cache: DecoderCache | None = None
+
+    def step(ys: Tensor, rows: Tensor | None) -> Tensor:
+        nonlocal cache
+        if not use_cache:
+            return forward(ys, None)[:, -1]
+        if cache is None:
+            cache = new_cache(ys.shape[0], ys.shape[1] + extra)
+        elif rows is not None:
+            cache.reorder(rows)
+        return forward(ys[:, cache.position :], cache)[:, -1]
+
+    return step
 
 
 @checked_internal
@@ -170,25 +202,27 @@ def _encdec_step(
     src: Int[Tensor, "B Ts"],
     src_mask: Bool[Tensor, "#B 1 Ts"] | None,
     k: int,
+    steps: int,
+    use_cache: bool,
 ) -> Step:
     """Next-token log probabilities for ``k`` hypotheses per source sentence."""
     memory = model.encode(src, src_mask).repeat_interleave(k, dim=0)
     mask = None if src_mask is None else src_mask.repeat_interleave(k, dim=0)
 
-    def step(ys: Tensor) -> Tensor:
-        hidden = model.decode(memory, mask, ys, subsequent_mask(ys.shape[1], device=ys.device))
-        out: Tensor = model.generator(hidden[:, -1:])[:, 0]
+    def forward(ys: Tensor, cache: DecoderCache | None) -> Tensor:
+        tgt_mask = None if cache is not None else subsequent_mask(ys.shape[1], device=ys.device)
+        out: Tensor = model.generator(model.decode(memory, mask, ys, tgt_mask, cache=cache))
         return out
 
-    return step
+    return _cached(forward, model.new_cache, steps, use_cache)
 
 
-def _lm_step(model: DecoderOnlyLM) -> Step:
-    def step(ys: Tensor) -> Tensor:
-        out: Tensor = model(ys)[:, -1]
+def _lm_step(model: DecoderOnlyLM, steps: int, use_cache: bool) -> Step:
+    def forward(ys: Tensor, cache: DecoderCache | None) -> Tensor:
+        out: Tensor = model(ys, cache=cache)
         return out
 
-    return step
+    return _cached(forward, model.new_cache, steps, use_cache)
 
 
 def _check_beam(beam_size: int, length_penalty: float) -> None:
@@ -214,8 +248,9 @@ def _beam(
     scores[:, 0] = 0.0  # one live hypothesis to start with, not k copies of it
     lengths = torch.zeros(B, k, dtype=torch.long, device=prefix.device)
     done = torch.zeros(B, k, dtype=torch.bool, device=prefix.device)
+    rows: Tensor | None = None  # which hypothesis each row continues
     for _ in range(steps):
-        log_probs = step(ys).to(torch.float64)  # (B*k, V)
+        log_probs = step(ys, rows).to(torch.float64)  # (B*k, V)
         V = log_probs.shape[-1]
         log_probs = log_probs.view(B, k, V)
         if eos is not None:
@@ -280,7 +315,7 @@ def _sample(
 ) -> Int[Tensor, "B T"]:
     ys = prefix
     for _ in range(steps):
-        logits = _filter(step(ys) / temperature, top_k, top_p)
+        logits = _filter(step(ys, None) / temperature, top_k, top_p)
         probs = torch.softmax(logits.to(torch.float64), dim=-1)
         token = torch.multinomial(probs, 1, generator=generator).to(ys.dtype)  # (B, 1)
         ys = torch.cat([ys, token], dim=1)
@@ -299,11 +334,14 @@ def beam_search(
     beam_size: int = 4,
     eos: int | None = None,
     length_penalty: float = 0.0,
+    use_cache: bool = True,
 ) -> Int[Tensor, "B {max_len}"]:
     """Beam search for the encoder-decoder, batched over sentences: ``max_len`` tokens
     starting with ``start_symbol``; after ``eos`` a hypothesis is padded with ``eos``.
 
     ``beam_size=1`` is greedy decoding. ``length_penalty`` is GNMT's ``alpha`` (0: none).
+    ``use_cache``: keep each hypothesis's keys and values, reordered with the beams at
+    every step (`attnref.cache.DecoderCache.reorder`); the tokens are the same without.
 
     Raises:
         ValueError: ``max_len < 1``, ``beam_size < 1`` or a negative ``length_penalty``.
@@ -311,7 +349,7 @@ def beam_search(
     _check_max_len(max_len)
     _check_beam(beam_size, length_penalty)
     start = torch.full((src.shape[0], 1), start_symbol, dtype=src.dtype, device=src.device)
-    step = _encdec_step(model, src, src_mask, beam_size)
+    step = _encdec_step(model, src, src_mask, beam_size, max_len - 1, use_cache)
     return _beam(step, start, max_len - 1, beam_size, eos, length_penalty)
 
 
@@ -328,11 +366,13 @@ def sample(
     top_k: int | None = None,
     top_p: float | None = None,
     generator: torch.Generator | None = None,
+    use_cache: bool = True,
 ) -> Int[Tensor, "B {max_len}"]:
     """Ancestral sampling for the encoder-decoder, with temperature, top-k and top-p
     (nucleus) filtering, from ``generator`` (so a run can be replayed).
 
-    ``top_k=1`` is greedy decoding.
+    ``top_k=1`` is greedy decoding. ``use_cache``: feed one token per step against the
+    KV cache; the same draws without it.
 
     Raises:
         ValueError: ``max_len < 1``, ``temperature <= 0``, ``top_k < 1`` or ``top_p``
@@ -341,7 +381,7 @@ def sample(
     _check_max_len(max_len)
     _check_sampling(temperature, top_k, top_p)
     start = torch.full((src.shape[0], 1), start_symbol, dtype=src.dtype, device=src.device)
-    step = _encdec_step(model, src, src_mask, 1)
+    step = _encdec_step(model, src, src_mask, 1, max_len - 1, use_cache)
     return _sample(step, start, max_len - 1, temperature, top_k, top_p, generator)
 
 
@@ -355,11 +395,13 @@ def beam_search_lm(
     beam_size: int = 4,
     eos: int | None = None,
     length_penalty: float = 0.0,
+    use_cache: bool = True,
 ) -> Int[Tensor, "B T"]:
     """`beam_search` for the decoder-only model: ``prompt`` grown by ``max_new_tokens``."""
     _check_max_len(max_new_tokens)
     _check_beam(beam_size, length_penalty)
-    return _beam(_lm_step(model), prompt, max_new_tokens, beam_size, eos, length_penalty)
+    step = _lm_step(model, max_new_tokens, use_cache)
+    return _beam(step, prompt, max_new_tokens, beam_size, eos, length_penalty)
 
 
 @checked
@@ -373,8 +415,10 @@ def sample_lm(
     top_k: int | None = None,
     top_p: float | None = None,
     generator: torch.Generator | None = None,
+    use_cache: bool = True,
 ) -> Int[Tensor, "B T"]:
     """`sample` for the decoder-only model: ``prompt`` grown by ``max_new_tokens``."""
     _check_max_len(max_new_tokens)
     _check_sampling(temperature, top_k, top_p)
-    return _sample(_lm_step(model), prompt, max_new_tokens, temperature, top_k, top_p, generator)
+    step = _lm_step(model, max_new_tokens, use_cache)
+    return _sample(step, prompt, max_new_tokens, temperature, top_k, top_p, generator)

@@ -69,3 +69,37 @@ def test_bad_beam_arguments() -> None:
         beam_search_lm(lm, torch.ones(1, 1, dtype=torch.long), 3, beam_size=0)
     with pytest.raises(ValueError, match="length_penalty must be >= 0, got -1"):
         beam_search_lm(lm, torch.ones(1, 1, dtype=torch.long), 3, length_penalty=-1.0)
+
+
+@given(configs(), st.integers(2, 6), st.integers(1, 6), st.integers(2, 4))
+def test_beam_search_and_sampling_give_the_same_tokens_with_and_without_the_cache(
+    c: Config, Ts: int, L: int, k: int
+) -> None:
+    """Beam search reorders its hypotheses every step; the cache must follow them."""
+    model = _enc_dec(c)
+    gen = torch.Generator().manual_seed(c.seed)
+    src = _tokens(gen, c, 2, Ts)
+    mask = padding_mask(src, 0)
+    beams = [
+        beam_search(model, src, mask, L, 1, beam_size=k, eos=2, length_penalty=0.6, use_cache=u)
+        for u in (True, False)
+    ]
+    assert torch.equal(*beams)
+    draws = [
+        sample(model, src, mask, L, 1, top_p=0.9, generator=_seeded(1), use_cache=u)
+        for u in (True, False)
+    ]
+    assert torch.equal(*draws)
+    lm = _lm(c)
+    prompt = _tokens(gen, c, 2, 2, low=0)
+    lm_beams = [beam_search_lm(lm, prompt, L, beam_size=k, use_cache=u) for u in (True, False)]
+    assert torch.equal(*lm_beams)
+    lm_draws = [
+        sample_lm(lm, prompt, L, temperature=2.0, generator=_seeded(2), use_cache=u)
+        for u in (True, False)
+    ]
+    assert torch.equal(*lm_draws)
+
+
+def _seeded(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
