@@ -330,7 +330,7 @@ def train_copy_task(
     than 512) with its optimiser, schedule and batch shape, so that it trains in seconds
     on a laptop CPU. The smaller ``H`` raises the Noam peak (``H**-0.5``), so ``factor``
     and ``warmup`` are halved (peak rate 4.4e-3); with the Annotated Transformer's
-    ``factor=1, warmup=400`` this model's loss spikes and it stalls near 90%.
+    ``factor=1, warmup=400`` this model's loss spikes and after 20 epochs it copied 84%.
     """
     torch.manual_seed(seed)
     data_gen = torch.Generator().manual_seed(seed)
