@@ -57,7 +57,7 @@ from attnref._checking import checking_enabled, set_checking
 from attnref.conformance.backends import Backend, BackendError, resolve_backend
 from attnref.conformance.calls import backend_call, skip_reason
 from attnref.conformance.cases import Inputs
-from attnref.masks import check_alignment
+from attnref.masks import causal_offset, check_alignment, valid_lens_to_mask
 
 __all__ = [
     "DTYPES",
@@ -163,14 +163,10 @@ def visible_pairs(
     sample per entry, whose keys from that length on are padding. Without either it is
     ``Tq * Tk`` (one sample).
     """
-    if causal is not None:
-        check_alignment(causal)
-    offset = 0 if causal in (None, "top_left") else Tk - Tq
-    rows = torch.arange(Tq, dtype=torch.int64)
     per_row = (
         torch.full((Tq,), Tk, dtype=torch.int64)
         if causal is None
-        else (rows + offset + 1).clamp(0, Tk)
+        else (torch.arange(Tq) + causal_offset(Tq, Tk, causal) + 1).clamp(0, Tk)
     )  # keys query i may see, before padding
     lengths = [Tk] if key_lengths is None else list(key_lengths)
     return sum(int(per_row.clamp(max=length).sum()) for length in lengths)
@@ -243,8 +239,7 @@ def _inputs(case: BenchCase, seed: int) -> Inputs:
     mask = None
     if case.mask == "padding":
         lengths = torch.tensor(padding_lengths(case.B, case.Tk), device=case.device)
-        keys = torch.arange(case.Tk, device=case.device)
-        mask = (keys < lengths.unsqueeze(-1)).view(case.B, 1, 1, case.Tk)
+        mask = valid_lens_to_mask(lengths, 1, case.Tk).unsqueeze(1)  # (B, 1, 1, Tk)
     return Inputs(
         query=randn(case.B, case.h, case.Tq, case.Dh),
         key=randn(case.B, g, case.Tk, case.Dh),

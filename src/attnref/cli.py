@@ -10,15 +10,9 @@ from collections.abc import Sequence
 import torch
 
 from attnref import __version__
+from attnref.bench import DTYPES
 
 __all__ = ["main"]
-
-DTYPES = {
-    "float64": torch.float64,
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-}
 
 
 def _parser() -> argparse.ArgumentParser:

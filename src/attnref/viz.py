@@ -21,7 +21,7 @@ from torch import Tensor
 
 from attnref._checking import checked
 from attnref.layers.transformer import DecoderBlock, EncoderDecoder
-from attnref.masks import padding_mask, subsequent_mask
+from attnref.masks import make_std_mask, padding_mask
 
 __all__ = ["plot_alignment", "plot_heads", "save_transformer_heatmaps"]
 
@@ -129,7 +129,7 @@ def save_transformer_heatmaps(
         raise ValueError(f"sample must lie in [0, {src.shape[0]}), got {sample}")
     model.eval()
     src_mask = padding_mask(src, pad)
-    tgt_mask = padding_mask(tgt, pad) & subsequent_mask(tgt.shape[1], device=tgt.device)
+    tgt_mask = make_std_mask(tgt, pad)
     model(src, tgt, src_mask, tgt_mask)
     src_labels = [str(int(t)) for t in src[sample]]
     tgt_labels = [str(int(t)) for t in tgt[sample]]
