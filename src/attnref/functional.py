@@ -299,6 +299,12 @@ class _Problem:
     out_dtype: torch.dtype
 
 
+def _as(x: Tensor, dtype: torch.dtype) -> Tensor:
+    """``x.to(dtype)``, skipping the call when it would return ``x`` itself: a decoding
+    step makes dozens of such calls, each a dispatch of a few microseconds."""
+    return x if x.dtype == dtype else x.to(dtype)
+
+
 def _check_broadcast(name: str, shape: torch.Size, target: torch.Size) -> None:
     """Raise unless ``shape`` broadcasts to exactly ``target`` (right-aligned, 1 stretches)."""
     ok = len(shape) <= len(target) and all(
@@ -347,9 +353,9 @@ def _prepare(
             float_mask = attn_mask.to(ctype)
     scale = default_scale(query.shape[-1]) if scale is None else scale
     return _Problem(
-        q=query.to(ctype) * scale,  # scaling Q (Tq x Dh) is cheaper than the scores (Tq x Tk)
-        k=key.to(ctype),
-        v=value.to(ctype),
+        q=_as(query, ctype) * scale,  # scaling Q (Tq x Dh) is cheaper than the scores (Tq x Tk)
+        k=_as(key, ctype),
+        v=_as(value, ctype),
         bool_mask=bool_mask,
         float_mask=float_mask,
         causal_offset=causal_offset(Tq, Tk, causal_alignment) if is_causal else None,
@@ -377,7 +383,7 @@ def _masked_scores(
     scores), or ``None`` when nothing is hidden.
     """
     Tq, Tk = p.q.shape[-2], p.k.shape[-2]
-    k = p.k[..., start:stop, :]
+    k = p.k if (start, stop) == (0, Tk) else p.k[..., start:stop, :]
     scores = p.q @ k.transpose(-2, -1)  # (*batch, h, Tq, block); q is pre-scaled
     hidden: Tensor | None = None
     if p.float_mask is not None:
@@ -409,7 +415,7 @@ def _values_block(
     ``0 * NaN`` is NaN, so a NaN or inf in the value of a padding key would otherwise
     reach every output through the matmul even though its weight is exactly 0.
     """
-    v = p.v[..., start:stop, :]
+    v = p.v if (start, stop) == (0, p.v.shape[-2]) else p.v[..., start:stop, :]
     if hidden is None:
         return v
     hidden_for_all = hidden.all(dim=-2).unsqueeze(-1)  # (..., block, 1)
@@ -541,9 +547,9 @@ def scaled_dot_product_attention(
     scores, hidden = _masked_scores(p, 0, Tk)  # (*batch, h, Tq, Tk)
     weights = _softmax_rows(scores, hidden)
     dropped = _dropout(weights, dropout_p, generator, dropout_mask)
-    out = (dropped @ _values_block(p, 0, Tk, hidden)).to(p.out_dtype)  # (*batch, h, Tq, Dv)
+    out = _as(dropped @ _values_block(p, 0, Tk, hidden), p.out_dtype)  # (*batch, h, Tq, Dv)
     if return_weights:
-        return out, weights.to(p.out_dtype)
+        return out, _as(weights, p.out_dtype)
     return out
 
 
