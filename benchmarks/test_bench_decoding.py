@@ -15,6 +15,7 @@ import torch
 
 from attnref.decoding import generate
 from attnref.layers.transformer import DecoderOnlyLM
+from benchmarks.decode_floor import floor_generate
 from benchmarks.test_bench_core import _interleaved_ratio
 
 TOKENS = 512
@@ -89,3 +90,34 @@ def test_cache_speedup_interleaved(benchmark: Any) -> None:
     median, q1, q3 = result[0]
     benchmark.extra_info["speedup_median"] = round(median, 2)
     benchmark.extra_info["speedup_IQR"] = f"{q1:.2f}-{q3:.2f}"
+
+
+@pytest.mark.benchmark(group=f"over the module-free floor, {TOKENS} tokens, batch 1, interleaved")
+def test_cache_floor_interleaved(benchmark: Any) -> None:
+    """How far the speed-up could go: uncached over the module-free floor
+    (`benchmarks.decode_floor`, the same arithmetic as bare functional calls), and the
+    reference's cached step over that floor, each as medians of interleaved pairs."""
+    lm = _model()
+    prompt = torch.zeros(1, 1, dtype=torch.long)
+    assert torch.equal(floor_generate(lm, prompt, TOKENS), generate(lm, prompt, TOKENS))
+
+    def uncached() -> object:
+        return generate(lm, prompt, TOKENS, use_cache=False)
+
+    def cached() -> object:
+        return generate(lm, prompt, TOKENS, use_cache=True)
+
+    def floor() -> object:
+        return floor_generate(lm, prompt, TOKENS)
+
+    result: list[tuple[float, float, float]] = []
+
+    def run() -> None:
+        result.append(_interleaved_ratio(uncached, floor, 8))
+        result.append(_interleaved_ratio(cached, floor, 8))
+
+    benchmark.pedantic(run, rounds=1)
+    names = ("uncached_over_floor", "cached_over_floor")
+    for name, (median, q1, q3) in zip(names, result, strict=True):
+        benchmark.extra_info[f"{name}_median"] = round(median, 2)
+        benchmark.extra_info[f"{name}_IQR"] = f"{q1:.2f}-{q3:.2f}"

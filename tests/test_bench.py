@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from benchmarks.decode_floor import floor_generate
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -25,6 +26,8 @@ from attnref.bench import (
 )
 from attnref.cli import main as cli_main
 from attnref.conformance import resolve_backend
+from attnref.decoding import generate
+from attnref.layers.transformer import DecoderOnlyLM, Norm
 
 
 def test_flops_without_a_mask_are_4_b_h_tq_tk_dh() -> None:
@@ -357,3 +360,27 @@ def test_one_query_against_a_cache_counts_every_key_bottom_right(
         assert (rows[0]["Tq"], rows[0]["Tk"]) == ("1", "64")
         assert int(rows[0]["flops"]) == 4 * 2 * 2 * 8 * keys
     capsys.readouterr()
+
+
+def test_the_decoding_floor_decodes_what_generate_decodes() -> None:
+    """The benchmark's module-free floor must stay the same computation as the model,
+    or its speed-up bound means nothing; it refuses configurations it does not cover."""
+
+    def lm(num_layers: int, norm: Norm = "pre", num_kv_heads: int | None = None) -> DecoderOnlyLM:
+        return DecoderOnlyLM(
+            vocab_size=13,
+            num_hiddens=16,
+            ffn_hiddens=24,
+            num_heads=4,
+            num_layers=num_layers,
+            norm=norm,
+            num_kv_heads=num_kv_heads,
+        ).eval()
+
+    torch.manual_seed(0)
+    prompt = torch.randint(0, 13, (3, 4))
+    model = lm(2)
+    assert torch.equal(floor_generate(model, prompt, 9), generate(model, prompt, 9))
+    for other in (lm(1, norm="post"), lm(1, num_kv_heads=2)):
+        with pytest.raises(ValueError, match="the floor covers"):
+            floor_generate(other, prompt, 2)
