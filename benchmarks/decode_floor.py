@@ -13,8 +13,10 @@ import math
 
 import torch
 import torch.nn.functional as F
+from jaxtyping import Int
 from torch import Tensor
 
+from attnref._checking import checked
 from attnref.layers.transformer import DecoderOnlyLM, EncoderBlock, PreNormResidual
 
 __all__ = ["floor_generate"]
@@ -51,8 +53,11 @@ def _weights(lm: DecoderOnlyLM) -> list[tuple[Tensor, ...]]:
     return blocks
 
 
+@checked
 @torch.inference_mode()
-def floor_generate(lm: DecoderOnlyLM, prompt: Tensor, max_new_tokens: int) -> Tensor:
+def floor_generate(
+    lm: DecoderOnlyLM, prompt: Int[Tensor, "B P"], max_new_tokens: int
+) -> Int[Tensor, "B T"]:
     """Greedy continuation of ``prompt`` ``(B, P)`` by ``max_new_tokens``, one position
     per step against a preallocated cache (the prompt is fed a token at a time too)."""
     if lm.training:
