@@ -299,10 +299,20 @@ class _Problem:
     out_dtype: torch.dtype
 
 
-def _as(x: Tensor, dtype: torch.dtype) -> Tensor:
+@checked_internal
+def _as(x: Shaped[Tensor, "*shape"], dtype: torch.dtype) -> Shaped[Tensor, "*shape"]:
     """``x.to(dtype)``, skipping the call when it would return ``x`` itself: a decoding
     step makes dozens of such calls, each a dispatch of a few microseconds."""
     return x if x.dtype == dtype else x.to(dtype)
+
+
+@checked_internal
+def _key_rows(
+    x: Float[Tensor, "*batch Tk D"], start: int, stop: int
+) -> Float[Tensor, "*batch Tb D"]:
+    """Keys (or values) ``start:stop``; ``x`` itself when that is all of them (one
+    decoding step's single block), sparing a slice."""
+    return x if (start, stop) == (0, x.shape[-2]) else x[..., start:stop, :]
 
 
 def _check_broadcast(name: str, shape: torch.Size, target: torch.Size) -> None:
@@ -383,7 +393,7 @@ def _masked_scores(
     scores), or ``None`` when nothing is hidden.
     """
     Tq, Tk = p.q.shape[-2], p.k.shape[-2]
-    k = p.k if (start, stop) == (0, Tk) else p.k[..., start:stop, :]
+    k = _key_rows(p.k, start, stop)
     scores = p.q @ k.transpose(-2, -1)  # (*batch, h, Tq, block); q is pre-scaled
     hidden: Tensor | None = None
     if p.float_mask is not None:
@@ -415,7 +425,7 @@ def _values_block(
     ``0 * NaN`` is NaN, so a NaN or inf in the value of a padding key would otherwise
     reach every output through the matmul even though its weight is exactly 0.
     """
-    v = p.v if (start, stop) == (0, p.v.shape[-2]) else p.v[..., start:stop, :]
+    v = _key_rows(p.v, start, stop)
     if hidden is None:
         return v
     hidden_for_all = hidden.all(dim=-2).unsqueeze(-1)  # (..., block, 1)
