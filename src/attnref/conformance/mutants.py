@@ -1,20 +1,22 @@
 """Mutants: attention backends with one real bug planted, at least one per bug class.
 
-Each mutant is a small function with torch SDPA's signature whose docstring names the
-class of ``BUG_CLASSES.md`` it plants (the table in docs/architecture.md). They are the
-suite's proof of power: its tests audit every mutant with the ``quick`` profile and
-assert that it FAILS, and which property catches it; docs/kill-matrix.md shows every
-mutant against every property.
+They are the suite's proof of power: its tests audit every mutant and assert that it
+FAILS, and which property catches it; docs/kill-matrix.md shows every mutant against
+every property. Use one as a backend with ``--backend mutant.NAME``.
 
-Most mutants are the ``naive`` backend's kernel
-(`attnref.conformance.kernels.materialised`: scores and softmax in float32,
-probabilities rounded to the input dtype before ``P @ V``, like real kernels) with one
-thing done wrong; a few wrap the reference (gradient bugs) or a blocked online-softmax
-kernel (`_blocked`: tile bugs). Use one as a backend with ``--backend mutant.NAME``.
+`MUTANTS` is one table. A row names the bug class of docs/architecture.md it plants, a
+one-line summary, what the mutant claims to support, and how it is built: a kernel of
+`attnref.conformance.kernels` (``materialised``: scores and softmax in float32,
+probabilities rounded to the input dtype before ``P @ V``, like real kernels; or
+``blocked``, online softmax over tiles) with one switch turned on, or the reference
+(gradient bugs). Bugs no switch expresses are a ``prepare`` step that misreads the
+inputs before a correct kernel sees them, or, for one, a kernel of their own.
 """
 
+import functools
 import math
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -24,8 +26,16 @@ from torch import Tensor
 from attnref import functional as F
 from attnref._checking import checked, checked_internal
 from attnref.conformance.backends import Backend, Capabilities
-from attnref.conformance.kernels import Key, Mask, Out, Query, Value, kv_heads, materialised
-from attnref.masks import Alignment, causal_mask
+from attnref.conformance.kernels import (
+    Key,
+    Mask,
+    Out,
+    Query,
+    Value,
+    blocked,
+    kv_heads,
+    materialised,
+)
 
 __all__ = ["MUTANTS", "Mutant"]
 
@@ -36,59 +46,68 @@ REFERENCE_LIKE = Capabilities(
     causal_alignments=("top_left", "bottom_right"), causal_with_mask=True, masked_nan="contained"
 )
 
+Kernel = Callable[..., Tensor]
+Inputs4 = tuple[Query, Key, Value, Mask]
+# (query, key, value, attn_mask, scale) -> the inputs as the buggy kernel reads them
+Prepare = Callable[[Tensor, Tensor, Tensor, Tensor | None, float | None], Inputs4]
 
-@checked_internal
-def _blocked(
-    query: Query,
-    key: Key,
-    value: Value,
-    attn_mask: Mask = None,
-    dropout_p: float = 0.0,
-    is_causal: bool = False,
-    scale: float | None = None,
-    enable_gqa: bool = False,
-    *,
-    block: int = 16,
-    drop_tail: bool = False,
-    rescale: bool = True,
-) -> Out:
-    """Online-softmax attention over key blocks of ``block``, with switches for tile bugs."""
-    h = query.shape[-3]
-    key, value = kv_heads(key, value, h)
-    Tq, Tk = query.shape[-2], key.shape[-2]
-    acc = torch.promote_types(query.dtype, torch.float32)
-    q = query.to(acc) * (1 / math.sqrt(query.shape[-1]) if scale is None else scale)
-    k, v = key.to(acc), value.to(acc)
-    bias = torch.zeros((Tq, Tk), dtype=acc, device=q.device)
-    if is_causal:
-        bias = bias.masked_fill(~causal_mask(Tq, Tk, device=q.device), -math.inf)
-    if attn_mask is not None:
-        extra = (
-            torch.zeros_like(attn_mask, dtype=acc).masked_fill(~attn_mask, -math.inf)
-            if attn_mask.dtype == torch.bool
-            else attn_mask.to(acc)
-        )
-        bias = bias + extra
-    shape = (*q.shape[:-1], 1)
-    m = torch.full(shape, -math.inf, dtype=acc, device=q.device)
-    denom = torch.zeros(shape, dtype=acc, device=q.device)
-    out = torch.zeros((*q.shape[:-1], v.shape[-1]), dtype=acc, device=q.device)
-    end = Tk - Tk % block if drop_tail else Tk
-    for start in range(0, end, block):
-        stop = min(start + block, Tk)
-        s = q @ k[..., start:stop, :].transpose(-2, -1) + bias[..., start:stop]
-        m_new = torch.maximum(m, s.amax(dim=-1, keepdim=True))
-        safe = torch.where(m_new == -math.inf, 0.0, m_new)
-        p = torch.exp(s - safe)
-        correction = torch.exp(torch.where(m == -math.inf, -math.inf, m - safe))
-        if rescale:
-            denom = denom * correction + p.sum(dim=-1, keepdim=True)
-            out = out * correction + p @ v[..., start:stop, :]
-        else:  # forgets to rescale what was accumulated under the old maximum
-            denom = denom + p.sum(dim=-1, keepdim=True)
-            out = out + p @ v[..., start:stop, :]
-        m = m_new
-    return (out / denom.masked_fill(denom == 0, 1.0)).to(query.dtype)
+
+@dataclass(frozen=True)
+class Mutant:
+    """One planted bug: a row of the table, and the backend built from it."""
+
+    name: str
+    bug_class: int
+    summary: str
+    #: keyword arguments of ``kernel`` that plant the bug
+    switches: dict[str, Any] = field(default_factory=dict)
+    kernel: Kernel = materialised
+    #: how the inputs are misread before ``kernel`` sees them (None: read correctly)
+    prepare: Prepare | None = None
+    capabilities: Capabilities = TORCH_LIKE
+
+    @functools.cached_property
+    def fn(self) -> Callable[..., Tensor]:
+        """The mutant as a function with torch SDPA's signature."""
+
+        @checked
+        def mutant(
+            query: Query,
+            key: Key,
+            value: Value,
+            attn_mask: Mask = None,
+            dropout_p: float = 0.0,
+            is_causal: bool = False,
+            scale: float | None = None,
+            enable_gqa: bool = False,
+            **extra: Any,  # causal_alignment, where the mutant declares it
+        ) -> Out:
+            if self.prepare is not None:
+                query, key, value, attn_mask = self.prepare(query, key, value, attn_mask, scale)
+            out: Tensor = self.kernel(
+                query,
+                key,
+                value,
+                attn_mask,
+                dropout_p,
+                is_causal,
+                scale,
+                enable_gqa,
+                **extra,
+                **self.switches,
+            )
+            return out
+
+        mutant.__name__ = mutant.__qualname__ = self.name
+        mutant.__doc__ = f"Class {self.bug_class}: {self.summary}"
+        mutant.capabilities = self.capabilities  # type: ignore[attr-defined]
+        return mutant
+
+    def backend(self) -> Backend:
+        return Backend(f"mutant.{self.name}", self.fn, self.summary, self.capabilities)
+
+
+# ------------------------------------------------- inputs misread, kernels of their own
 
 
 @checked_internal
@@ -102,258 +121,66 @@ def _raw(t: Float[Tensor, "*shape"]) -> Float[Tensor, "*shape"]:
     return flat.reshape(t.shape)
 
 
-# ----------------------------------------------------------------------- the mutants
+def _strides_ignored(q: Tensor, k: Tensor, v: Tensor, m: Tensor | None, s: float | None) -> Inputs4:
+    q, k, v = (t if t.is_contiguous() or 0 in t.stride() else _raw(t) for t in (q, k, v))
+    return q, k, v, m
 
 
-@checked
-def empty_row_nan(
-    query: Query,
-    key: Key,
-    value: Value,
-    attn_mask: Mask = None,
-    dropout_p: float = 0.0,
-    is_causal: bool = False,
-    scale: float | None = None,
-    enable_gqa: bool = False,
-) -> Out:
-    """Class 1: a query with no visible key returns NaN (softmax of a row of -inf)."""
-    return materialised(
-        query,
-        key,
-        value,
-        attn_mask,
-        dropout_p,
-        is_causal,
-        scale,
-        enable_gqa,
-        zero_empty_rows=False,
-    )
+def _broadcast_misread(
+    q: Tensor, k: Tensor, v: Tensor, m: Tensor | None, s: float | None
+) -> Inputs4:
+    k, v = (_raw(t) if 0 in t.stride() and t.numel() else t for t in (k, v))
+    return q, k, v, m
 
 
-@checked
-def empty_row_uniform(
-    query: Query,
-    key: Key,
-    value: Value,
-    attn_mask: Mask = None,
-    dropout_p: float = 0.0,
-    is_causal: bool = False,
-    scale: float | None = None,
-    enable_gqa: bool = False,
-) -> Out:
-    """Class 2: masks filled with a finite -1e9: a query with no visible key averages V."""
-    return materialised(
-        query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, fill=-1e9
-    )
+def _gqa_decode_tiled(
+    q: Tensor, k: Tensor, v: Tensor, m: Tensor | None, s: float | None
+) -> Inputs4:
+    if q.shape[-2] == 1:  # the decode path expands the KV heads tiled
+        k, v = kv_heads(k, v, q.shape[-3], tiled=True)
+    return q, k, v, m
 
 
-@checked
-def masked_nan_leaks(
-    query: Query,
-    key: Key,
-    value: Value,
-    attn_mask: Mask = None,
-    dropout_p: float = 0.0,
-    is_causal: bool = False,
-    scale: float | None = None,
-    enable_gqa: bool = False,
-) -> Out:
-    """Class 3: claims NaN in masked-out K/V is contained, but ``P @ V`` gives 0 * NaN."""
-    return materialised(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+def _gqa_mask_per_kv_head(
+    q: Tensor, k: Tensor, v: Tensor, m: Tensor | None, s: float | None
+) -> Inputs4:
+    h, g = q.shape[-3], k.shape[-3]
+    if m is not None and h != g and m.dim() >= 3 and m.shape[-3] == h:
+        m = m[..., [i // (h // g) for i in range(h)], :, :]
+    return q, k, v, m
 
 
-@checked
-def causal_bottom_right(
-    query: Query,
-    key: Key,
-    value: Value,
-    attn_mask: Mask = None,
-    dropout_p: float = 0.0,
-    is_causal: bool = False,
-    scale: float | None = None,
-    enable_gqa: bool = False,
-) -> Out:
-    """Class 4: ``is_causal`` aligned bottom-right while claiming torch's top-left."""
-    return materialised(
-        query,
-        key,
-        value,
-        attn_mask,
-        dropout_p,
-        is_causal,
-        scale,
-        enable_gqa,
-        causal_alignment="bottom_right",
-    )
+def _heads_folded_by_reshape(
+    q: Tensor, k: Tensor, v: Tensor, m: Tensor | None, s: float | None
+) -> Inputs4:
+    if k.dim() >= 4:
+        n, g, Tk = math.prod(k.shape[:-3]), k.shape[-3], k.shape[-2]
+        # (batch, head) meant, (head, batch) read
+        k, v = (t.reshape(g, n, Tk, t.shape[-1]).transpose(0, 1).reshape(t.shape) for t in (k, v))
+    return q, k, v, m
 
 
-@checked
-def causal_alignment_ignored(
-    query: Query,
-    key: Key,
-    value: Value,
-    attn_mask: Mask = None,
-    dropout_p: float = 0.0,
-    is_causal: bool = False,
-    scale: float | None = None,
-    enable_gqa: bool = False,
-    causal_alignment: Alignment = "top_left",
-) -> Out:
-    """Class 4: declares both alignments but always aligns top-left."""
-    return F.scaled_dot_product_attention(
-        query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa
-    )
+def _decode_drops_last_key(
+    q: Tensor, k: Tensor, v: Tensor, m: Tensor | None, s: float | None
+) -> Inputs4:
+    if q.shape[-2] == 1 and k.shape[-2] > 1:
+        k, v = k[..., :-1, :], v[..., :-1, :]
+        if m is not None and m.shape[-1] > 1:
+            m = m[..., :-1]
+    return q, k, v, m
 
 
-@checked
-def causal_excludes_self(
-    query: Query,
-    key: Key,
-    value: Value,
-    attn_mask: Mask = None,
-    dropout_p: float = 0.0,
-    is_causal: bool = False,
-    scale: float | None = None,
-    enable_gqa: bool = False,
-) -> Out:
-    """Class 5: the causal diagonal is off by one: a query does not see its own key."""
-    return materialised(
-        query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, diagonal=-1
-    )
+def _index_wraps_16bit(
+    q: Tensor, k: Tensor, v: Tensor, m: Tensor | None, s: float | None
+) -> Inputs4:
+    def gather(t: Tensor) -> Tensor:
+        rows = t.numel() // max(t.shape[-1], 1)
+        if rows == 0:
+            return t
+        index = torch.arange(rows, device=t.device).to(torch.int16).to(torch.int64) % rows
+        return t.reshape(rows, t.shape[-1])[index].reshape(t.shape)
 
-
-@checked
-def causal_leaks_next(
-    query: Query,
-    key: Key,
-    value: Value,
-    attn_mask: Mask = None,
-    dropout_p: float = 0.0,
-    is_causal: bool = False,
-    scale: float | None = None,
-    enable_gqa: bool = False,
-) -> Out:
-    """Class 5: the causal diagonal is off by one: a query sees the next token."""
-    return materialised(
-        query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, diagonal=1
-    )
-
-
-@checked
-def strides_ignored(
-    query: Query,
-    key: Key,
-    value: Value,
-    attn_mask: Mask = None,
-    dropout_p: float = 0.0,
-    is_causal: bool = False,
-    scale: float | None = None,
-    enable_gqa: bool = False,
-) -> Out:
-    """Class 6: transposed, sliced or offset inputs read as if contiguous from offset 0."""
-    q, k, v = (t if t.is_contiguous() or 0 in t.stride() else _raw(t) for t in (query, key, value))
-    return materialised(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
-
-
-@checked
-def broadcast_misread(
-    query: Query,
-    key: Key,
-    value: Value,
-    attn_mask: Mask = None,
-    dropout_p: float = 0.0,
-    is_causal: bool = False,
-    scale: float | None = None,
-    enable_gqa: bool = False,
-) -> Out:
-    """Class 7: stride-0 (broadcast) K/V read as if every sample had its own storage."""
-    k, v = (_raw(t) if 0 in t.stride() and t.numel() else t for t in (key, value))
-    return materialised(query, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
-
-
-@checked
-def no_max_subtraction(
-    query: Query,
-    key: Key,
-    value: Value,
-    attn_mask: Mask = None,
-    dropout_p: float = 0.0,
-    is_causal: bool = False,
-    scale: float | None = None,
-    enable_gqa: bool = False,
-) -> Out:
-    """Class 8: ``exp`` of raw scores in the input dtype, no max subtracted: overflow."""
-    return materialised(
-        query,
-        key,
-        value,
-        attn_mask,
-        dropout_p,
-        is_causal,
-        scale,
-        enable_gqa,
-        subtract_max=False,
-    )
-
-
-@checked
-def gqa_tiled(
-    query: Query,
-    key: Key,
-    value: Value,
-    attn_mask: Mask = None,
-    dropout_p: float = 0.0,
-    is_causal: bool = False,
-    scale: float | None = None,
-    enable_gqa: bool = False,
-) -> Out:
-    """Class 9: GQA heads tiled (head i reads KV head i % g) instead of interleaved."""
-    return materialised(
-        query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, tiled_gqa=True
-    )
-
-
-@checked
-def gqa_decode_tiled(
-    query: Query,
-    key: Key,
-    value: Value,
-    attn_mask: Mask = None,
-    dropout_p: float = 0.0,
-    is_causal: bool = False,
-    scale: float | None = None,
-    enable_gqa: bool = False,
-) -> Out:
-    """Class 10: GQA with a single query (the decode path) maps heads tiled."""
-    return materialised(
-        query,
-        key,
-        value,
-        attn_mask,
-        dropout_p,
-        is_causal,
-        scale,
-        enable_gqa,
-        tiled_gqa=query.shape[-2] == 1,
-    )
-
-
-@checked
-def gqa_mask_per_kv_head(
-    query: Query,
-    key: Key,
-    value: Value,
-    attn_mask: Mask = None,
-    dropout_p: float = 0.0,
-    is_causal: bool = False,
-    scale: float | None = None,
-    enable_gqa: bool = False,
-) -> Out:
-    """Class 10: GQA with a per-head mask: query head i gets the mask of head i // group."""
-    h, g = query.shape[-3], key.shape[-3]
-    if attn_mask is not None and h != g and attn_mask.dim() >= 3 and attn_mask.shape[-3] == h:
-        attn_mask = attn_mask[..., [i // (h // g) for i in range(h)], :, :]
-    return materialised(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    return q, gather(k), gather(v), m
 
 
 @checked_internal
@@ -367,393 +194,110 @@ def _with_grad_hook(
     return t
 
 
-@checked
-def grad_tail_block_dropped(
-    query: Query,
-    key: Key,
-    value: Value,
-    attn_mask: Mask = None,
-    dropout_p: float = 0.0,
-    is_causal: bool = False,
-    scale: float | None = None,
-    enable_gqa: bool = False,
-    causal_alignment: Alignment = "top_left",
-) -> Out:
-    """Class 11: the backward drops dK and dV of the last partial tile of 16 keys."""
-    Tk = key.shape[-2]
-    tail = Tk - Tk % 16
+def _grad_tail_block_dropped(
+    q: Tensor, k: Tensor, v: Tensor, m: Tensor | None, s: float | None
+) -> Inputs4:
+    tail = k.shape[-2] - k.shape[-2] % 16
 
     def drop(g: Tensor) -> Tensor:
         g = g.clone()
         g[..., tail:, :] = 0
         return g
 
-    return F.scaled_dot_product_attention(
-        query,
-        _with_grad_hook(key, drop),
-        _with_grad_hook(value, drop),
-        attn_mask,
-        dropout_p,
-        is_causal,
-        scale,
-        enable_gqa,
-        causal_alignment=causal_alignment,
-    )
+    return q, _with_grad_hook(k, drop), _with_grad_hook(v, drop), m
 
 
-@checked
-def grad_query_unscaled(
-    query: Query,
-    key: Key,
-    value: Value,
-    attn_mask: Mask = None,
-    dropout_p: float = 0.0,
-    is_causal: bool = False,
-    scale: float | None = None,
-    enable_gqa: bool = False,
-    causal_alignment: Alignment = "top_left",
-) -> Out:
-    """Class 11: the backward forgets the softmax scale in dQ."""
-    s = F.default_scale(query.shape[-1]) if scale is None else scale
-    return F.scaled_dot_product_attention(
-        _with_grad_hook(query, lambda g: g / s if s else g),
-        key,
-        value,
-        attn_mask,
-        dropout_p,
-        is_causal,
-        scale,
-        enable_gqa,
-        causal_alignment=causal_alignment,
-    )
+def _grad_query_unscaled(
+    q: Tensor, k: Tensor, v: Tensor, m: Tensor | None, s: float | None
+) -> Inputs4:
+    scale = F.default_scale(q.shape[-1]) if s is None else s
+    return _with_grad_hook(q, lambda g: g / scale if scale else g), k, v, m
 
 
-@checked
-def tail_block_dropped(
-    query: Query,
-    key: Key,
-    value: Value,
-    attn_mask: Mask = None,
-    dropout_p: float = 0.0,
-    is_causal: bool = False,
-    scale: float | None = None,
-    enable_gqa: bool = False,
-) -> Out:
-    """Class 12: tiles of 16 keys; the last partial tile is never visited."""
-    return _blocked(
-        query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, drop_tail=True
-    )
+def _top_left_only(*args: Any, causal_alignment: str = "top_left") -> Tensor:
+    """The reference, with the causal alignment it was asked for dropped."""
+    out: Tensor = F.scaled_dot_product_attention(*args)
+    return out
 
 
-@checked
-def online_softmax_no_rescale(
-    query: Query,
-    key: Key,
-    value: Value,
-    attn_mask: Mask = None,
-    dropout_p: float = 0.0,
-    is_causal: bool = False,
-    scale: float | None = None,
-    enable_gqa: bool = False,
-) -> Out:
-    """Class 13: online softmax over tiles of 8 keys that never rescales the accumulator."""
-    return _blocked(
-        query,
-        key,
-        value,
-        attn_mask,
-        dropout_p,
-        is_causal,
-        scale,
-        enable_gqa,
-        block=8,
-        rescale=False,
-    )
-
-
-@checked
-def scale_by_d(
-    query: Query,
-    key: Key,
-    value: Value,
-    attn_mask: Mask = None,
-    dropout_p: float = 0.0,
-    is_causal: bool = False,
-    scale: float | None = None,
-    enable_gqa: bool = False,
-) -> Out:
-    """Class 14: the default scale is 1/d instead of 1/sqrt(d)."""
-    return materialised(
-        query,
-        key,
-        value,
-        attn_mask,
-        dropout_p,
-        is_causal,
-        scale,
-        enable_gqa,
-        scale_rule=lambda d: 1 / d if d else 1.0,
-    )
-
-
-@checked
-def scale_ignored(
-    query: Query,
-    key: Key,
-    value: Value,
-    attn_mask: Mask = None,
-    dropout_p: float = 0.0,
-    is_causal: bool = False,
-    scale: float | None = None,
-    enable_gqa: bool = False,
-) -> Out:
-    """Class 14: an explicit ``scale`` is ignored; 1/sqrt(d) is always used."""
-    return materialised(query, key, value, attn_mask, dropout_p, is_causal, None, enable_gqa)
-
-
-@checked
-def softmax_over_queries(
-    query: Query,
-    key: Key,
-    value: Value,
-    attn_mask: Mask = None,
-    dropout_p: float = 0.0,
-    is_causal: bool = False,
-    scale: float | None = None,
-    enable_gqa: bool = False,
-) -> Out:
-    """Class 15: the softmax normalises over queries (dim -2) instead of keys."""
-    return materialised(
-        query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, softmax_dim=-2
-    )
-
-
-@checked
-def mask_inverted(
-    query: Query,
-    key: Key,
-    value: Value,
-    attn_mask: Mask = None,
-    dropout_p: float = 0.0,
-    is_causal: bool = False,
-    scale: float | None = None,
-    enable_gqa: bool = False,
-) -> Out:
-    """Class 16: boolean mask polarity inverted (True read as "hide")."""
-    return materialised(
-        query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, invert_mask=True
-    )
-
-
-@checked
-def float_mask_as_bool(
-    query: Query,
-    key: Key,
-    value: Value,
-    attn_mask: Mask = None,
-    dropout_p: float = 0.0,
-    is_causal: bool = False,
-    scale: float | None = None,
-    enable_gqa: bool = False,
-) -> Out:
-    """Class 16: a float (additive) mask is read as a boolean one (nonzero = visible)."""
-    return materialised(
-        query,
-        key,
-        value,
-        attn_mask,
-        dropout_p,
-        is_causal,
-        scale,
-        enable_gqa,
-        float_mask_as_bool=True,
-    )
-
-
-@checked
-def heads_folded_by_reshape(
-    query: Query,
-    key: Key,
-    value: Value,
-    attn_mask: Mask = None,
-    dropout_p: float = 0.0,
-    is_causal: bool = False,
-    scale: float | None = None,
-    enable_gqa: bool = False,
-) -> Out:
-    """Class 17: K and V folded (head, batch) by a reshape where (batch, head) was meant."""
-    batch = key.shape[:-3]
-    if len(batch) >= 1:
-        n = math.prod(batch)
-        g, Tk = key.shape[-3], key.shape[-2]
-        key, value = (
-            t.reshape(g, n, Tk, t.shape[-1]).transpose(0, 1).reshape(t.shape) for t in (key, value)
-        )
-    return materialised(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
-
-
-@checked
-def decode_drops_last_key(
-    query: Query,
-    key: Key,
-    value: Value,
-    attn_mask: Mask = None,
-    dropout_p: float = 0.0,
-    is_causal: bool = False,
-    scale: float | None = None,
-    enable_gqa: bool = False,
-) -> Out:
-    """Class 18: the one-query (decode) path reads one key too few (cache length - 1)."""
-    if query.shape[-2] == 1 and key.shape[-2] > 1:
-        key, value = key[..., :-1, :], value[..., :-1, :]
-        if attn_mask is not None and attn_mask.shape[-1] > 1:
-            attn_mask = attn_mask[..., :-1]
-    return materialised(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
-
-
-@checked
-def dropout_at_zero(
-    query: Query,
-    key: Key,
-    value: Value,
-    attn_mask: Mask = None,
-    dropout_p: float = 0.0,
-    is_causal: bool = False,
-    scale: float | None = None,
-    enable_gqa: bool = False,
-) -> Out:
-    """Class 19: dropout is applied (p = 0.05) even when ``dropout_p == 0``."""
-    return materialised(
-        query,
-        key,
-        value,
-        attn_mask,
-        dropout_p,
-        is_causal,
-        scale,
-        enable_gqa,
-        dropout_floor=0.05,
-    )
-
-
-@checked
-def single_key_shortcut(
-    query: Query,
-    key: Key,
-    value: Value,
-    attn_mask: Mask = None,
-    dropout_p: float = 0.0,
-    is_causal: bool = False,
-    scale: float | None = None,
-    enable_gqa: bool = False,
-) -> Out:
-    """Class 20: with one key, returns V for every query, ignoring the mask."""
+def _single_key_shortcut(
+    query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | None, *args: Any
+) -> Tensor:
+    """With one key, V for every query, the mask ignored; otherwise a correct kernel."""
     if key.shape[-2] == 1:
         _, v = kv_heads(key, value, query.shape[-3])
         return v.expand(*query.shape[:-1], value.shape[-1]).clone()
-    return materialised(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    return materialised(query, key, value, attn_mask, *args)
 
 
-@checked
-def zero_head_dim_nan(
-    query: Query,
-    key: Key,
-    value: Value,
-    attn_mask: Mask = None,
-    dropout_p: float = 0.0,
-    is_causal: bool = False,
-    scale: float | None = None,
-    enable_gqa: bool = False,
-) -> Out:
-    """Class 20: Dqk = 0 gives scale 1/sqrt(0) = inf, and 0 * inf = NaN scores."""
-    return materialised(
-        query,
-        key,
-        value,
-        attn_mask,
-        dropout_p,
-        is_causal,
-        scale,
-        enable_gqa,
-        scale_rule=lambda d: 1 / math.sqrt(d) if d else math.inf,
-    )
+def _reference(*args: Any, **kwargs: Any) -> Tensor:
+    out: Tensor = F.scaled_dot_product_attention(*args, **kwargs)
+    return out
 
 
-@checked
-def index_wraps_16bit(
-    query: Query,
-    key: Key,
-    value: Value,
-    attn_mask: Mask = None,
-    dropout_p: float = 0.0,
-    is_causal: bool = False,
-    scale: float | None = None,
-    enable_gqa: bool = False,
-) -> Out:
-    """Class 21: key rows addressed by a 16-bit flat index that wraps past 32767 rows.
-
-    A scaled-down instance of 32-bit offset overflow: the same arithmetic error shows
-    at 2**15 key rows instead of 2**31 elements, so it can be caught on a CPU.
-    """
-
-    def gather(t: Tensor) -> Tensor:
-        rows = t.numel() // max(t.shape[-1], 1)
-        if rows == 0:
-            return t
-        flat = t.reshape(rows, t.shape[-1])
-        index = torch.arange(rows, device=t.device).to(torch.int16).to(torch.int64) % rows
-        return flat[index].reshape(t.shape)
-
-    return materialised(
-        query, gather(key), gather(value), attn_mask, dropout_p, is_causal, scale, enable_gqa
-    )
-
-
-class Mutant:
-    """A mutant's metadata: its function, bug class and declared capabilities."""
-
-    def __init__(self, fn: Callable[..., Any], bug_class: int, caps: Capabilities) -> None:
-        self.fn = fn
-        self.bug_class = bug_class
-        self.capabilities = caps
-        self.name = fn.__name__
-        self.summary = (fn.__doc__ or "").split("\n")[0].split(": ", 1)[-1]
-        fn.capabilities = caps  # type: ignore[attr-defined]  # read by resolve_backend
-
-    def backend(self) -> Backend:
-        return Backend(f"mutant.{self.name}", self.fn, self.summary, self.capabilities)
-
+# -------------------------------------------------------------------------- the table
 
 MUTANTS: dict[str, Mutant] = {
     m.name: m
     for m in (
-        Mutant(empty_row_nan, 1, TORCH_LIKE),
-        Mutant(empty_row_uniform, 2, TORCH_LIKE),
-        Mutant(masked_nan_leaks, 3, Capabilities(masked_nan="contained")),
-        Mutant(causal_bottom_right, 4, TORCH_LIKE),
-        Mutant(causal_alignment_ignored, 4, REFERENCE_LIKE),
-        Mutant(causal_excludes_self, 5, TORCH_LIKE),
-        Mutant(causal_leaks_next, 5, TORCH_LIKE),
-        Mutant(strides_ignored, 6, TORCH_LIKE),
-        Mutant(broadcast_misread, 7, TORCH_LIKE),
-        Mutant(no_max_subtraction, 8, TORCH_LIKE),
-        Mutant(gqa_tiled, 9, TORCH_LIKE),
-        Mutant(gqa_decode_tiled, 10, TORCH_LIKE),
-        Mutant(gqa_mask_per_kv_head, 10, TORCH_LIKE),
-        Mutant(grad_tail_block_dropped, 11, REFERENCE_LIKE),
-        Mutant(grad_query_unscaled, 11, REFERENCE_LIKE),
-        Mutant(tail_block_dropped, 12, TORCH_LIKE),
-        Mutant(online_softmax_no_rescale, 13, TORCH_LIKE),
-        Mutant(scale_by_d, 14, TORCH_LIKE),
-        Mutant(scale_ignored, 14, TORCH_LIKE),
-        Mutant(softmax_over_queries, 15, TORCH_LIKE),
-        Mutant(mask_inverted, 16, TORCH_LIKE),
-        Mutant(float_mask_as_bool, 16, TORCH_LIKE),
-        Mutant(heads_folded_by_reshape, 17, TORCH_LIKE),
-        Mutant(decode_drops_last_key, 18, TORCH_LIKE),
-        Mutant(dropout_at_zero, 19, TORCH_LIKE),
-        Mutant(single_key_shortcut, 20, TORCH_LIKE),
-        Mutant(zero_head_dim_nan, 20, TORCH_LIKE),
-        Mutant(index_wraps_16bit, 21, TORCH_LIKE),
+        Mutant("empty_row_nan", 1, "a query with no visible key returns NaN (softmax of a "
+               "row of -inf)", {"zero_empty_rows": False}),
+        Mutant("empty_row_uniform", 2, "masks filled with a finite -1e9: a query with no "
+               "visible key averages V", {"fill": -1e9}),
+        Mutant("masked_nan_leaks", 3, "claims NaN in masked-out K/V is contained, but "
+               "``P @ V`` gives 0 * NaN", capabilities=Capabilities(masked_nan="contained")),
+        Mutant("causal_bottom_right", 4, "``is_causal`` aligned bottom-right while claiming "
+               "torch's top-left", {"causal_alignment": "bottom_right"}),
+        Mutant("causal_alignment_ignored", 4, "declares both alignments but always aligns "
+               "top-left", kernel=_top_left_only, capabilities=REFERENCE_LIKE),
+        Mutant("causal_excludes_self", 5, "the causal diagonal is off by one: a query does "
+               "not see its own key", {"diagonal": -1}),
+        Mutant("causal_leaks_next", 5, "the causal diagonal is off by one: a query sees the "
+               "next token", {"diagonal": 1}),
+        Mutant("strides_ignored", 6, "transposed, sliced or offset inputs read as if "
+               "contiguous from offset 0", prepare=_strides_ignored),
+        Mutant("broadcast_misread", 7, "stride-0 (broadcast) K/V read as if every sample had "
+               "its own storage", prepare=_broadcast_misread),
+        Mutant("no_max_subtraction", 8, "``exp`` of raw scores in the input dtype, no max "
+               "subtracted: overflow", {"subtract_max": False}),
+        Mutant("gqa_tiled", 9, "GQA heads tiled (head i reads KV head i % g) instead of "
+               "interleaved", {"tiled_gqa": True}),
+        Mutant("gqa_decode_tiled", 10, "GQA with a single query (the decode path) maps heads "
+               "tiled", prepare=_gqa_decode_tiled),
+        Mutant("gqa_mask_per_kv_head", 10, "GQA with a per-head mask: query head i gets the "
+               "mask of head i // group", prepare=_gqa_mask_per_kv_head),
+        Mutant("grad_tail_block_dropped", 11, "the backward drops dK and dV of the last "
+               "partial tile of 16 keys", kernel=_reference,
+               prepare=_grad_tail_block_dropped, capabilities=REFERENCE_LIKE),
+        Mutant("grad_query_unscaled", 11, "the backward forgets the softmax scale in dQ",
+               kernel=_reference, prepare=_grad_query_unscaled, capabilities=REFERENCE_LIKE),
+        Mutant("tail_block_dropped", 12, "tiles of 16 keys; the last partial tile is never "
+               "visited", {"drop_tail": True}, kernel=blocked),
+        Mutant("online_softmax_no_rescale", 13, "online softmax over tiles of 8 keys that "
+               "never rescales the accumulator", {"block": 8, "rescale": False},
+               kernel=blocked),
+        Mutant("scale_by_d", 14, "the default scale is 1/d instead of 1/sqrt(d)",
+               {"scale_rule": lambda d: 1 / d if d else 1.0}),
+        Mutant("scale_ignored", 14, "an explicit ``scale`` is ignored; 1/sqrt(d) is always "
+               "used", {"ignore_scale": True}),
+        Mutant("softmax_over_queries", 15, "the softmax normalises over queries (dim -2) "
+               "instead of keys", {"softmax_dim": -2}),
+        Mutant("mask_inverted", 16, "boolean mask polarity inverted (True read as "
+               "\"hide\")", {"invert_mask": True}),
+        Mutant("float_mask_as_bool", 16, "a float (additive) mask is read as a boolean one "
+               "(nonzero = visible)", {"float_mask_as_bool": True}),
+        Mutant("heads_folded_by_reshape", 17, "K and V folded (head, batch) by a reshape "
+               "where (batch, head) was meant", prepare=_heads_folded_by_reshape),
+        Mutant("decode_drops_last_key", 18, "the one-query (decode) path reads one key too "
+               "few (cache length - 1)", prepare=_decode_drops_last_key),
+        Mutant("dropout_at_zero", 19, "dropout is applied (p = 0.05) even when "
+               "``dropout_p == 0``", {"dropout_floor": 0.05}),
+        Mutant("single_key_shortcut", 20, "with one key, returns V for every query, ignoring "
+               "the mask", kernel=_single_key_shortcut),
+        Mutant("zero_head_dim_nan", 20, "Dqk = 0 gives scale 1/sqrt(0) = inf, and 0 * inf = "
+               "NaN scores", {"scale_rule": lambda d: 1 / math.sqrt(d) if d else math.inf}),
+        Mutant("index_wraps_16bit", 21, "key rows addressed by a 16-bit flat index that "
+               "wraps past 32767 rows (32-bit offset overflow, scaled down to show on a "
+               "CPU)", prepare=_index_wraps_16bit),
     )
-}
+}  # fmt: skip
