@@ -3,7 +3,13 @@
 import pytest
 import torch
 
-from attnref.cache import DecoderCache, KVCache, RepresentationCache
+from attnref.cache import (
+    AttentionCache,
+    DecoderCache,
+    KVCache,
+    RepresentationCache,
+    StaticKVCache,
+)
 from attnref.decoding import generate, greedy_decode
 from attnref.layers import MultiHeadAttention
 from attnref.layers.transformer import DecoderOnlyLM, make_model
@@ -18,9 +24,9 @@ def test_kv_cache_appends_and_resets() -> None:
     torch.testing.assert_close(values, v)
     keys, _ = cache.append(k[:, :, :1], v[:, :, :1])
     assert keys.shape == (2, 3, 3, 4)
-    assert cache.length == 3
+    assert cache.position == 3
     cache.reset()
-    assert cache.length == 0
+    assert cache.position == 0
 
 
 def test_kv_cache_errors_name_the_values() -> None:
@@ -37,7 +43,14 @@ def test_kv_cache_errors_name_the_values() -> None:
     with pytest.raises(ValueError, match="holds a batch of 2, got a batch of 1"):
         history.append(torch.randn(1, 1, 8))
     with pytest.raises(ValueError, match="mode must be 'kv' or 'representation'"):
-        DecoderCache.for_stack(1, mode="both", batch_size=1, num_kv_heads=1, head_dim=2, max_len=2)
+        DecoderCache.for_stack(
+            1,
+            mode="both",  # type: ignore[arg-type]
+            batch_size=1,
+            num_kv_heads=1,
+            head_dim=2,
+            max_len=2,
+        )
 
 
 def test_cache_memory_is_two_buffers_of_b_g_t_dh_per_layer() -> None:
@@ -106,9 +119,74 @@ def test_reorder_moves_each_rows_history_with_its_hypothesis() -> None:
     cache = DecoderCache.for_stack(
         1, batch_size=3, num_kv_heads=1, head_dim=2, max_len=4, cross=True
     )
-    cache.self_attention[0].append(keys, keys)  # type: ignore[call-arg]
+    layer = cache.layers[0]
+    assert isinstance(layer.self_attention, KVCache)
+    assert isinstance(layer.cross_attention, StaticKVCache)
+    layer.self_attention.append(keys, keys)
     cross = torch.ones(3, 1, 5, 2)
-    cache.cross_attention[0].keys = cache.cross_attention[0].values = cross
+    layer.cross_attention.keys = layer.cross_attention.values = cross
     cache.reorder(rows)
-    assert cache.self_attention[0].keys[:, 0, 0, 0].tolist() == [2.0, 2.0, 0.0]  # type: ignore[union-attr]
-    assert cache.cross_attention[0].keys is cross  # one source's memory: nothing to move
+    assert layer.self_attention.keys[:, 0, 0, 0].tolist() == [2.0, 2.0, 0.0]
+    assert layer.cross_attention.keys is cross  # one source's memory: nothing to move
+
+
+def _project(keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A layer's projection to 2 heads of width 2, for the protocol test."""
+    B, T, _ = keys.shape
+    return keys.view(B, T, 2, 2).transpose(1, 2), values.view(B, T, 2, 2).transpose(1, 2)
+
+
+def test_every_cache_answers_one_protocol_with_one_position() -> None:
+    """Each kind returns the heads of every position so far and counts them, from the
+    same call; a decoder's position is its layers', not a counter of its own."""
+    X = torch.randn(3, 5, 4)
+    kinds: list[AttentionCache] = [
+        KVCache(batch_size=3, num_kv_heads=2, max_len=5, head_dim=2),
+        RepresentationCache(),
+    ]
+    for cache in kinds:
+        assert isinstance(cache, AttentionCache)
+        assert cache.position == 0
+        cache.update(X[:, :2], X[:, :2], _project)
+        k, v = cache.update(X[:, 2:3], X[:, 2:3], _project)
+        assert cache.position == 3
+        torch.testing.assert_close(k, _project(X[:, :3], X[:, :3])[0])
+        torch.testing.assert_close(v, _project(X[:, :3], X[:, :3])[1])
+        assert cache.nbytes() > 0
+        cache.reset()
+        assert cache.position == 0
+    static = StaticKVCache()
+    assert isinstance(static, AttentionCache)
+    first = static.update(X, X, _project)
+    again = static.update(X[:, :1], X[:, :1], _project)  # the memory is projected once
+    assert again[0] is first[0]
+    assert static.position == 5
+    lm = DecoderOnlyLM(vocab_size=7, num_hiddens=8, ffn_hiddens=8, num_heads=2, num_layers=2)
+    decoder_cache = lm.new_cache(1, 6)
+    lm(torch.tensor([[1, 2, 3]]), cache=decoder_cache)
+    lm(torch.tensor([[4]]), cache=decoder_cache)
+    assert decoder_cache.position == 4
+    assert {layer.self_attention.position for layer in decoder_cache.layers} == {4}
+
+
+def test_cached_decoding_equals_full_decoding_with_checking_on() -> None:
+    """One example with every shape check on (the properties run with checking off)."""
+    from attnref import checking_enabled
+
+    assert checking_enabled()
+    torch.manual_seed(1)
+    lm = DecoderOnlyLM(vocab_size=9, num_hiddens=8, ffn_hiddens=16, num_heads=2,
+                       num_kv_heads=1, num_layers=2).double()  # fmt: skip
+    prompt = torch.tensor([[1, 2, 3], [4, 5, 6]])
+    for mode in ("kv", "representation"):
+        assert torch.equal(
+            generate(lm, prompt, 5, cache_mode=mode), generate(lm, prompt, 5, use_cache=False)
+        )
+    model = make_model(9, 9, num_layers=2, num_hiddens=8, ffn_hiddens=16, num_heads=2)
+    model = model.double().eval()  # no dropout
+    src = torch.tensor([[1, 2, 3, 0], [4, 5, 0, 0]])
+    mask = padding_mask(src, 0)
+    assert torch.equal(
+        greedy_decode(model, src, mask, 6, 1),
+        greedy_decode(model, src, mask, 6, 1, use_cache=False),
+    )

@@ -1,16 +1,27 @@
 """Caches for incremental decoding: they change how fast a decoder runs, never what it computes.
 
-- `KVCache`: one self-attention layer's keys and values, preallocated ``(B, g, T_max, Dh)``
-  with a position counter: each step projects only the new tokens and appends them.
-- `StaticKVCache`: the cross-attention's keys and values, projected from the encoder
-  memory once and reused at every step.
-- `RepresentationCache`: D2L's alternative: the layer keeps the history of its *input*
-  ``(B, t, H)`` and projects all of it again at every step. Slower; the same results.
+Every cache answers one protocol, `AttentionCache`: ``update(keys, values, project)``
+takes one attention layer's new inputs ``(B, t, H)`` and the layer's projection to
+key/value heads, and returns the heads ``(B, g, T, Dh)`` of every position the layer
+attends to; ``position`` is how many positions it holds. `MultiHeadAttention` calls
+``update`` and never asks which kind it holds (torchtune's ``KVCache.update`` and HF's
+``Cache.update`` are the model; ``project`` is what lets D2L's cache of inputs answer
+the same call).
 
-`DecoderCache` bundles one cache per layer (and the position) for a whole stack.
+- `KVCache`: keys and values, preallocated ``(B, g, T_max, Dh)``: each step projects
+  only the new tokens and writes them after the last position.
+- `StaticKVCache`: the cross-attention's keys and values, projected from the encoder
+  memory on the first call and reused at every step.
+- `RepresentationCache`: D2L's alternative: the history of the layer's *input*
+  ``(B, t, H)``, projected again in full at every step. Slower; the same results.
+
+`DecoderCache` holds one `LayerCache` per layer; its position is its first layer's, so
+there is one counter, not one per level.
 """
 
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal, Protocol, runtime_checkable
 
 import torch
 from jaxtyping import Float, Int
@@ -18,11 +29,60 @@ from torch import Tensor
 
 from attnref._checking import checked
 
-__all__ = ["DecoderCache", "KVCache", "RepresentationCache", "StaticKVCache"]
+__all__ = [
+    "AttentionCache",
+    "CacheMode",
+    "DecoderCache",
+    "KVCache",
+    "LayerCache",
+    "Project",
+    "RepresentationCache",
+    "StaticKVCache",
+]
+
+#: which self-attention cache decoding uses: keys and values, or D2L's input history
+CacheMode = Literal["kv", "representation"]
+
+#: a layer's projection of its inputs ``(B, t, H)`` to key and value heads ``(B, g, t, Dh)``
+Project = Callable[[Tensor, Tensor], tuple[Tensor, Tensor]]
+
+Heads = tuple[Float[Tensor, "B g T Dh"], Float[Tensor, "B g T Dv"]]
+
+
+@runtime_checkable
+class AttentionCache(Protocol):
+    """What every cache does; an attention layer needs nothing else."""
+
+    @property
+    def position(self) -> int:
+        """How many positions the cache holds: the next new token's position."""
+        ...
+
+    def update(self, keys: Tensor, values: Tensor, project: Project) -> Heads:
+        """Take the layer's new inputs; return the heads of every position it attends to."""
+        ...
+
+    def reorder(self, rows: Tensor) -> None:
+        """Keep, as row ``i``, what row ``rows[i]`` held (beam search re-ranks its
+        hypotheses every step; each new row continues the one it was chosen from)."""
+        ...
+
+    def reset(self) -> None:
+        """Forget every position."""
+        ...
+
+    def nbytes(self) -> int:
+        """Bytes the cache holds."""
+        ...
+
+
+def _check_batch(held: int, got: int) -> None:
+    if held != got:
+        raise ValueError(f"the cache holds a batch of {held}, got a batch of {got}")
 
 
 class KVCache:
-    """Preallocated keys and values of one self-attention layer.
+    """Preallocated keys and values of one self-attention layer, and a position counter.
 
     Args:
         batch_size: ``B``.
@@ -56,7 +116,11 @@ class KVCache:
         shape = (batch_size, num_kv_heads, max_len, head_dim)
         self.keys = torch.zeros(shape, dtype=dtype, device=device)
         self.values = torch.zeros(shape, dtype=dtype, device=device)
-        self.length = 0
+        self._position = 0
+
+    @property
+    def position(self) -> int:
+        return self._position
 
     @property
     def batch_size(self) -> int:
@@ -66,40 +130,45 @@ class KVCache:
     def max_len(self) -> int:
         return self.keys.shape[2]
 
-    def reset(self) -> None:
-        """Forget every position (the buffers are kept)."""
-        self.length = 0
-
-    @checked
-    def reorder(self, rows: Int[Tensor, " B"]) -> None:
-        """Keep, as row ``i``, what row ``rows[i]`` held (beam search re-ranks its
-        hypotheses every step; each new row continues the one it was chosen from)."""
-        self.keys = self.keys.index_select(0, rows)
-        self.values = self.values.index_select(0, rows)
+    def update(self, keys: Tensor, values: Tensor, project: Project) -> Heads:
+        """Project the new inputs only and append them (`append`)."""
+        return self.append(*project(keys, values))
 
     @checked
     def append(
         self, keys: Float[Tensor, "B g t Dh"], values: Float[Tensor, "B g t Dh"]
     ) -> tuple[Float[Tensor, "B g T Dh"], Float[Tensor, "B g T Dh"]]:
-        """Store ``t`` new positions; return every stored position's keys and values.
+        """Store ``t`` new positions' heads; return every stored position's.
 
         Raises:
             ValueError: a batch size other than the cache's, or more positions than
                 ``max_len`` holds.
         """
-        B, t = keys.shape[0], keys.shape[2]
-        if self.batch_size != B:
-            raise ValueError(f"the cache holds a batch of {self.batch_size}, got a batch of {B}")
-        if self.length + t > self.max_len:
+        t = keys.shape[2]
+        _check_batch(self.batch_size, keys.shape[0])
+        if self._position + t > self.max_len:
             raise ValueError(
-                f"the cache holds max_len={self.max_len} positions; {self.length} are used "
+                f"the cache holds max_len={self.max_len} positions; {self._position} are used "
                 f"and {t} more do not fit"
             )
-        end = self.length + t
-        self.keys[:, :, self.length : end] = keys
-        self.values[:, :, self.length : end] = values
-        self.length = end
+        end = self._position + t
+        self.keys[:, :, self._position : end] = keys
+        self.values[:, :, self._position : end] = values
+        self._position = end
         return self.keys[:, :, :end], self.values[:, :, :end]
+
+    @checked
+    def reorder(self, rows: Int[Tensor, " B"]) -> None:
+        self.keys = self.keys.index_select(0, rows)
+        self.values = self.values.index_select(0, rows)
+
+    def reset(self) -> None:
+        """Forget every position (the buffers are kept)."""
+        self._position = 0
+
+    def nbytes(self) -> int:
+        """Bytes of the two preallocated buffers."""
+        return 2 * self.keys.numel() * self.keys.element_size()
 
 
 class StaticKVCache:
@@ -109,18 +178,42 @@ class StaticKVCache:
         self.keys: Tensor | None = None
         self.values: Tensor | None = None
 
+    @property
+    def position(self) -> int:
+        return 0 if self.keys is None else self.keys.shape[2]
+
+    def update(self, keys: Tensor, values: Tensor, project: Project) -> Heads:
+        """Project the memory on the first call; return the same heads at every call."""
+        if self.keys is None or self.values is None:
+            self.keys, self.values = project(keys, values)
+        return self.keys, self.values
+
+    def reorder(self, rows: Tensor) -> None:
+        """Nothing to move: beam search only ever chooses among the hypotheses of one
+        source sentence, whose encoder memory is the same."""
+
     def reset(self) -> None:
         self.keys = self.values = None
 
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.keys, self.values) if t is not None)
+
 
 class RepresentationCache:
-    """D2L's cache: the history of one layer's input ``(B, t, H)``, grown each step."""
+    """D2L's cache: the history of one self-attention layer's input ``(B, t, H)``."""
 
     def __init__(self) -> None:
         self.history: Tensor | None = None
 
-    def reset(self) -> None:
-        self.history = None
+    @property
+    def position(self) -> int:
+        return 0 if self.history is None else self.history.shape[1]
+
+    def update(self, keys: Tensor, values: Tensor, project: Project) -> Heads:
+        """Add the new inputs to the history and project all of it (self-attention:
+        ``keys`` and ``values`` are the same input)."""
+        history = self.append(keys)
+        return project(history, history)
 
     @checked
     def append(self, X: Float[Tensor, "B t H"]) -> Float[Tensor, "B T H"]:
@@ -129,40 +222,52 @@ class RepresentationCache:
         Raises:
             ValueError: a batch size other than the history's.
         """
-        if self.history is not None and self.history.shape[0] != X.shape[0]:
-            raise ValueError(
-                f"the cache holds a batch of {self.history.shape[0]}, got a batch of {X.shape[0]}"
-            )
+        if self.history is not None:
+            _check_batch(self.history.shape[0], X.shape[0])
         self.history = X if self.history is None else torch.cat([self.history, X], dim=1)
         return self.history
 
     @checked
     def reorder(self, rows: Int[Tensor, " B"]) -> None:
-        """Keep, as row ``i``, the history of row ``rows[i]`` (see `KVCache.reorder`)."""
         if self.history is not None:
             self.history = self.history.index_select(0, rows)
 
+    def reset(self) -> None:
+        self.history = None
 
-SelfCache = KVCache | RepresentationCache
+    def nbytes(self) -> int:
+        return 0 if self.history is None else self.history.numel() * self.history.element_size()
+
+
+@dataclass
+class LayerCache:
+    """One layer's caches: its self-attention's, and its cross-attention's (decoders of
+    an encoder-decoder only)."""
+
+    self_attention: AttentionCache
+    cross_attention: AttentionCache | None = None
+
+    def caches(self) -> list[AttentionCache]:
+        return [c for c in (self.self_attention, self.cross_attention) if c is not None]
 
 
 @dataclass
 class DecoderCache:
-    """One self-attention cache (and, for an encoder-decoder, one cross cache) per layer.
+    """One `LayerCache` per layer of a stack."""
 
-    ``position`` is how many tokens have been decoded: the next token's position.
-    """
+    layers: list[LayerCache]
 
-    self_attention: list[SelfCache]
-    cross_attention: list[StaticKVCache] = field(default_factory=list)
-    position: int = 0
+    @property
+    def position(self) -> int:
+        """How many tokens have been decoded: the next token's position."""
+        return self.layers[0].self_attention.position
 
     @classmethod
     def for_stack(
         cls,
         num_layers: int,
         *,
-        mode: str = "kv",
+        mode: CacheMode = "kv",
         batch_size: int,
         num_kv_heads: int,
         head_dim: int,
@@ -174,12 +279,17 @@ class DecoderCache:
         """Caches for ``num_layers`` layers; ``mode`` is ``"kv"`` or ``"representation"``.
 
         Raises:
-            ValueError: an unknown mode.
+            ValueError: an unknown mode, or fewer than one layer.
         """
         if mode not in ("kv", "representation"):
             raise ValueError(f"mode must be 'kv' or 'representation', got {mode!r}")
-        selfs: list[SelfCache] = [
-            KVCache(
+        if num_layers < 1:
+            raise ValueError(f"num_layers must be >= 1, got {num_layers}")
+
+        def self_cache() -> AttentionCache:
+            if mode == "representation":
+                return RepresentationCache()
+            return KVCache(
                 batch_size=batch_size,
                 num_kv_heads=num_kv_heads,
                 max_len=max_len,
@@ -187,32 +297,27 @@ class DecoderCache:
                 dtype=dtype,
                 device=device,
             )
-            if mode == "kv"
-            else RepresentationCache()
-            for _ in range(num_layers)
-        ]
-        crosses = [StaticKVCache() for _ in range(num_layers)] if cross else []
-        return cls(selfs, crosses)
+
+        return cls(
+            [
+                LayerCache(self_cache(), StaticKVCache() if cross else None)
+                for _ in range(num_layers)
+            ]
+        )
+
+    def _caches(self) -> list[AttentionCache]:
+        return [c for layer in self.layers for c in layer.caches()]
 
     def reset(self) -> None:
-        for c in [*self.self_attention, *self.cross_attention]:
+        for c in self._caches():
             c.reset()
-        self.position = 0
 
     @checked
     def reorder(self, rows: Int[Tensor, " B"]) -> None:
-        """Reorder every layer's self-attention cache by ``rows`` (beam search).
-
-        The cross-attention caches are left alone: beam search only ever chooses among
-        the hypotheses of one source sentence, whose encoder memory is the same.
-        """
-        for c in self.self_attention:
+        """Reorder every layer's caches by ``rows`` (beam search)."""
+        for c in self._caches():
             c.reorder(rows)
 
     def nbytes(self) -> int:
-        """Bytes held by the preallocated key/value buffers."""
-        return sum(
-            c.keys.numel() * c.keys.element_size() * 2
-            for c in self.self_attention
-            if isinstance(c, KVCache)
-        )
+        """Bytes held by every layer's caches."""
+        return sum(c.nbytes() for c in self._caches())

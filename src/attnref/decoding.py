@@ -18,7 +18,7 @@ from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
 from attnref._checking import checked, checked_internal
-from attnref.cache import DecoderCache
+from attnref.cache import CacheMode, DecoderCache
 from attnref.layers.seq2seq import Seq2Seq
 from attnref.layers.transformer import DecoderOnlyLM, EncoderDecoder
 from attnref.masks import subsequent_mask
@@ -75,7 +75,7 @@ def greedy_decode(
     start_symbol: int,
     *,
     use_cache: bool = True,
-    cache_mode: str = "kv",
+    cache_mode: CacheMode = "kv",
 ) -> Int[Tensor, "B {max_len}"]:
     """The Annotated Transformer's greedy decoding: ``max_len`` tokens, the first being
     ``start_symbol``, each next one the most probable given the source and the prefix.
@@ -87,19 +87,8 @@ def greedy_decode(
         ValueError: ``max_len < 1``.
     """
     _check_max_len(max_len)
-    memory = model.encode(src, src_mask)
-    B = src.shape[0]
-    ys = torch.full((B, 1), start_symbol, dtype=src.dtype, device=src.device)
-    cache = model.new_cache(B, max_len, mode=cache_mode) if use_cache else None
-    for _ in range(max_len - 1):
-        if cache is not None:
-            hidden = model.decode(memory, src_mask, ys[:, -1:], None, cache=cache)
-        else:
-            tgt_mask = subsequent_mask(ys.shape[1], device=src.device)
-            hidden = model.decode(memory, src_mask, ys, tgt_mask)
-        next_token = model.generator(hidden[:, -1:]).argmax(dim=-1)  # (B, 1)
-        ys = torch.cat([ys, next_token.to(ys.dtype)], dim=1)
-    return ys
+    step = _encdec_step(model, src, src_mask, 1, max_len - 1, use_cache, cache_mode)
+    return _decode(step, _start(src, start_symbol), max_len - 1, _greedy)
 
 
 @checked
@@ -110,7 +99,7 @@ def generate(
     max_new_tokens: int,
     *,
     use_cache: bool = True,
-    cache_mode: str = "kv",
+    cache_mode: CacheMode = "kv",
 ) -> Int[Tensor, "B T"]:
     """Greedy continuation of ``prompt`` by ``max_new_tokens`` tokens: ``(B, P + N)``.
 
@@ -120,16 +109,8 @@ def generate(
         ValueError: ``max_new_tokens < 1``.
     """
     _check_max_len(max_new_tokens)
-    B, P = prompt.shape
-    cache = model.new_cache(B, P + max_new_tokens, mode=cache_mode) if use_cache else None
-    ys = prompt
-    feed = prompt
-    for _ in range(max_new_tokens):
-        log_probs = model(feed, cache=cache) if cache is not None else model(ys)
-        next_token = log_probs[:, -1:].argmax(dim=-1).to(ys.dtype)  # (B, 1)
-        ys = torch.cat([ys, next_token], dim=1)
-        feed = next_token
-    return ys
+    step = _lm_step(model, max_new_tokens, use_cache, cache_mode)
+    return _decode(step, prompt, max_new_tokens, _greedy)
 
 
 @checked
@@ -152,30 +133,67 @@ def greedy_decode_seq2seq(
     """
     _check_max_len(max_len)
     state = model.encode(src, valid_lens)
-    ys = torch.full((src.shape[0], 1), start_symbol, dtype=src.dtype, device=src.device)
     weights: list[Tensor] = []
-    for _ in range(max_len - 1):
+
+    def step(ys: Tensor, rows: Tensor | None) -> Tensor:
+        nonlocal state
         logits, state = model.decoder(ys[:, -1:], state)
         weights.append(model.decoder.attention_weights)  # (B, 1, Ts)
-        ys = torch.cat([ys, logits.argmax(dim=-1).to(ys.dtype)], dim=1)
+        out: Tensor = logits[:, 0]  # (B, V): the argmax of logits is that of log probs
+        return out
+
+    ys = _decode(step, _start(src, start_symbol), max_len - 1, _greedy)
     empty = torch.zeros(src.shape[0], 0, src.shape[1], device=src.device)
     return ys, torch.cat(weights, dim=1) if weights else empty
 
 
-# ------------------------------------------------------------------ beam search, sampling
+# ------------------------------------------------------------------ the decode loop
 
 # (tokens so far (N, t), which earlier row each row continues or None for the same rows)
 #   -> log probabilities of the next token (N, V)
 Step = Callable[[Tensor, Tensor | None], Tensor]
+# log probabilities of the next token (N, V)
+#   -> (the rows continued or None for the same rows, their tokens (N, 1), all ended?)
+Choose = Callable[[Tensor], tuple[Tensor | None, Tensor, bool]]
+
+
+@checked_internal
+def _decode(
+    step: Step, prefix: Int[Tensor, "N P"], steps: int, choose: Choose
+) -> Int[Tensor, "N T"]:
+    """The one decode loop: ``steps`` times, ask ``step`` for the next token's log
+    probabilities, let ``choose`` pick the rows to continue and their tokens, append.
+
+    Greedy decoding and sampling continue every row; beam search re-ranks its rows,
+    and ``step`` reorders the cache with them, and stops the loop once every
+    hypothesis has ended (the result is then shorter than ``P + steps``).
+    """
+    ys = prefix
+    rows: Tensor | None = None
+    for _ in range(steps):
+        rows, token, ended = choose(step(ys, rows))
+        ys = torch.cat([ys if rows is None else ys[rows], token.to(ys.dtype)], dim=1)
+        if ended:
+            break
+    return ys
+
+
+def _greedy(log_probs: Tensor) -> tuple[None, Tensor, bool]:
+    return None, log_probs.argmax(dim=-1, keepdim=True), False
+
+
+def _start(src: Tensor, start_symbol: int) -> Tensor:
+    return torch.full((src.shape[0], 1), start_symbol, dtype=src.dtype, device=src.device)
 
 
 def _cached(
     forward: Callable[[Tensor, DecoderCache | None], Tensor],
-    new_cache: Callable[[int, int], DecoderCache],
+    new_cache: Callable[[int, int, CacheMode], DecoderCache],
     extra: int,
     use_cache: bool,
+    mode: CacheMode = "kv",
 ) -> Step:
-    """A `Step` from ``forward(tokens, cache)`` (log probabilities at every position fed).
+    """A `Step` from ``forward(tokens, cache)`` (next-token log probabilities ``(N, V)``).
 
     Without the cache each step feeds every token so far. With it, the first step feeds
     the prefix and creates a cache for it and ``extra`` more tokens; later steps reorder
@@ -186,12 +204,12 @@ def _cached(
     def step(ys: Tensor, rows: Tensor | None) -> Tensor:
         nonlocal cache
         if not use_cache:
-            return forward(ys, None)[:, -1]
+            return forward(ys, None)
         if cache is None:
-            cache = new_cache(ys.shape[0], ys.shape[1] + extra)
+            cache = new_cache(ys.shape[0], ys.shape[1] + extra, mode)
         elif rows is not None:
             cache.reorder(rows)
-        return forward(ys[:, cache.position :], cache)[:, -1]
+        return forward(ys[:, cache.position :], cache)
 
     return step
 
@@ -204,6 +222,7 @@ def _encdec_step(
     k: int,
     steps: int,
     use_cache: bool,
+    mode: CacheMode = "kv",
 ) -> Step:
     """Next-token log probabilities for ``k`` hypotheses per source sentence."""
     memory = model.encode(src, src_mask).repeat_interleave(k, dim=0)
@@ -211,18 +230,28 @@ def _encdec_step(
 
     def forward(ys: Tensor, cache: DecoderCache | None) -> Tensor:
         tgt_mask = None if cache is not None else subsequent_mask(ys.shape[1], device=ys.device)
-        out: Tensor = model.generator(model.decode(memory, mask, ys, tgt_mask, cache=cache))
+        hidden = model.decode(memory, mask, ys, tgt_mask, cache=cache)
+        out: Tensor = model.generator(hidden[:, -1:])[:, 0]  # (N, V)
         return out
 
-    return _cached(forward, model.new_cache, steps, use_cache)
+    def new_cache(n: int, max_len: int, mode: CacheMode) -> DecoderCache:
+        return model.new_cache(n, max_len, mode=mode)
+
+    return _cached(forward, new_cache, steps, use_cache, mode)
 
 
-def _lm_step(model: DecoderOnlyLM, steps: int, use_cache: bool) -> Step:
+def _lm_step(model: DecoderOnlyLM, steps: int, use_cache: bool, mode: CacheMode = "kv") -> Step:
     def forward(ys: Tensor, cache: DecoderCache | None) -> Tensor:
-        out: Tensor = model(ys, cache=cache)
+        out: Tensor = model(ys, cache=cache)[:, -1]  # (N, V)
         return out
 
-    return _cached(forward, model.new_cache, steps, use_cache)
+    def new_cache(n: int, max_len: int, mode: CacheMode) -> DecoderCache:
+        return model.new_cache(n, max_len, mode=mode)
+
+    return _cached(forward, new_cache, steps, use_cache, mode)
+
+
+# ------------------------------------------------------------------ beam search, sampling
 
 
 def _check_beam(beam_size: int, length_penalty: float) -> None:
@@ -243,37 +272,38 @@ def _beam(
     each score by the GNMT length penalty ``((5 + length) / 6) ** alpha``.
     """
     B, P = prefix.shape
-    ys = prefix.repeat_interleave(k, dim=0)  # (B*k, P)
-    scores = torch.full((B, k), -math.inf, dtype=torch.float64, device=prefix.device)
+    device = prefix.device
+    scores = torch.full((B, k), -math.inf, dtype=torch.float64, device=device)
     scores[:, 0] = 0.0  # one live hypothesis to start with, not k copies of it
-    lengths = torch.zeros(B, k, dtype=torch.long, device=prefix.device)
-    done = torch.zeros(B, k, dtype=torch.bool, device=prefix.device)
-    rows: Tensor | None = None  # which hypothesis each row continues
-    for _ in range(steps):
-        log_probs = step(ys, rows).to(torch.float64)  # (B*k, V)
+    lengths = torch.zeros(B, k, dtype=torch.long, device=device)
+    done = torch.zeros(B, k, dtype=torch.bool, device=device)
+
+    def choose(log_probs: Tensor) -> tuple[Tensor, Tensor, bool]:
+        nonlocal scores, lengths, done
         V = log_probs.shape[-1]
-        log_probs = log_probs.view(B, k, V)
+        log_probs = log_probs.to(torch.float64).view(B, k, V)
         if eos is not None:
-            frozen = torch.full((V,), -math.inf, dtype=torch.float64, device=prefix.device)
+            frozen = torch.full((V,), -math.inf, dtype=torch.float64, device=device)
             frozen[eos] = 0.0
             log_probs = torch.where(done.unsqueeze(-1), frozen, log_probs)
         total = (scores.unsqueeze(-1) + log_probs).view(B, k * V)
         scores, flat = total.topk(k, dim=-1)  # (B, k)
         beam, token = flat // V, flat % V
-        rows = (torch.arange(B, device=prefix.device).unsqueeze(-1) * k + beam).view(-1)
-        ys = torch.cat([ys[rows], token.view(-1, 1).to(ys.dtype)], dim=1)
         lengths = lengths.gather(1, beam) + (~done.gather(1, beam)).long()
         done = done.gather(1, beam)
         if eos is not None:
             done = done | (token == eos)
-            if bool(done.all()):
-                pad = torch.full((B * k, steps - (ys.shape[1] - P)), eos, dtype=ys.dtype,
-                                 device=ys.device)  # fmt: skip
-                ys = torch.cat([ys, pad], dim=1)
-                break
+        rows = (torch.arange(B, device=device).unsqueeze(-1) * k + beam).view(-1)
+        return rows, token.view(-1, 1), eos is not None and bool(done.all())
+
+    ys = _decode(step, prefix.repeat_interleave(k, dim=0), steps, choose)  # (B*k, <= P+steps)
+    if ys.shape[1] < P + steps:  # every beam ended: pad the rest with eos
+        assert eos is not None
+        pad = torch.full((B * k, P + steps - ys.shape[1]), eos, dtype=ys.dtype, device=device)
+        ys = torch.cat([ys, pad], dim=1)
     penalty = ((5.0 + lengths.to(torch.float64)) / 6.0) ** alpha
     best = (scores / penalty).argmax(dim=-1)  # (B,)
-    return ys.view(B, k, -1)[torch.arange(B, device=prefix.device), best]
+    return ys.view(B, k, -1)[torch.arange(B, device=device), best]
 
 
 @checked_internal
@@ -303,23 +333,15 @@ def _check_sampling(temperature: float, top_k: int | None, top_p: float | None) 
         raise ValueError(f"top_p must lie in (0, 1], got {top_p}")
 
 
-@checked_internal
-def _sample(
-    step: Step,
-    prefix: Int[Tensor, "B P"],
-    steps: int,
-    temperature: float,
-    top_k: int | None,
-    top_p: float | None,
-    generator: torch.Generator | None,
-) -> Int[Tensor, "B T"]:
-    ys = prefix
-    for _ in range(steps):
-        logits = _filter(step(ys, None) / temperature, top_k, top_p)
+def _sampler(
+    temperature: float, top_k: int | None, top_p: float | None, generator: torch.Generator | None
+) -> Choose:
+    def choose(log_probs: Tensor) -> tuple[None, Tensor, bool]:
+        logits = _filter(log_probs / temperature, top_k, top_p)
         probs = torch.softmax(logits.to(torch.float64), dim=-1)
-        token = torch.multinomial(probs, 1, generator=generator).to(ys.dtype)  # (B, 1)
-        ys = torch.cat([ys, token], dim=1)
-    return ys
+        return None, torch.multinomial(probs, 1, generator=generator), False  # (N, 1)
+
+    return choose
 
 
 @checked
@@ -348,9 +370,8 @@ def beam_search(
     """
     _check_max_len(max_len)
     _check_beam(beam_size, length_penalty)
-    start = torch.full((src.shape[0], 1), start_symbol, dtype=src.dtype, device=src.device)
     step = _encdec_step(model, src, src_mask, beam_size, max_len - 1, use_cache)
-    return _beam(step, start, max_len - 1, beam_size, eos, length_penalty)
+    return _beam(step, _start(src, start_symbol), max_len - 1, beam_size, eos, length_penalty)
 
 
 @checked
@@ -380,9 +401,9 @@ def sample(
     """
     _check_max_len(max_len)
     _check_sampling(temperature, top_k, top_p)
-    start = torch.full((src.shape[0], 1), start_symbol, dtype=src.dtype, device=src.device)
     step = _encdec_step(model, src, src_mask, 1, max_len - 1, use_cache)
-    return _sample(step, start, max_len - 1, temperature, top_k, top_p, generator)
+    choose = _sampler(temperature, top_k, top_p, generator)
+    return _decode(step, _start(src, start_symbol), max_len - 1, choose)
 
 
 @checked
@@ -421,4 +442,4 @@ def sample_lm(
     _check_max_len(max_new_tokens)
     _check_sampling(temperature, top_k, top_p)
     step = _lm_step(model, max_new_tokens, use_cache)
-    return _sample(step, prompt, max_new_tokens, temperature, top_k, top_p, generator)
+    return _decode(step, prompt, max_new_tokens, _sampler(temperature, top_k, top_p, generator))

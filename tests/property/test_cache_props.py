@@ -1,17 +1,23 @@
 """Cached decoding equals full decoding, over random configurations (float64)."""
 
+import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from attnref.cache import CacheMode
 from attnref.decoding import generate, greedy_decode
 from attnref.masks import make_std_mask, padding_mask
 from tests.property.test_transformer_props import Config, _enc_dec, _lm, _tokens, configs
 
+# decoding calls the model hundreds of times; checking makes it about 5x slower, and
+# tests/test_cache.py decodes with checking on
+pytestmark = pytest.mark.usefixtures("unchecked")
+
 
 @given(configs(), st.integers(1, 5), st.integers(1, 6), st.sampled_from(["kv", "representation"]))
 def test_lm_logits_at_every_step_equal_the_full_forward(
-    c: Config, P: int, N: int, mode: str
+    c: Config, P: int, N: int, mode: CacheMode
 ) -> None:
     lm = _lm(c)
     gen = torch.Generator().manual_seed(c.seed)

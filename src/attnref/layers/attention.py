@@ -11,7 +11,7 @@ from torch import Tensor, nn
 
 from attnref import functional as F
 from attnref._checking import checked, checked_internal
-from attnref.cache import KVCache, RepresentationCache, StaticKVCache
+from attnref.cache import AttentionCache
 from attnref.masks import valid_lens_to_mask
 
 __all__ = ["AdditiveAttention", "DotProductAttention", "MultiHeadAttention", "NadarayaWatson"]
@@ -178,7 +178,7 @@ class MultiHeadAttention(nn.Module):
         valid_lens: ValidLens = None,
         *,
         causal: bool = False,
-        cache: KVCache | StaticKVCache | RepresentationCache | None = None,
+        cache: AttentionCache | None = None,
     ) -> Float[Tensor, "B Tq {self.num_hiddens}"]:
         """Attend from ``queries`` to ``keys``/``values``, all of width ``H = num_hiddens``.
 
@@ -189,25 +189,16 @@ class MultiHeadAttention(nn.Module):
             valid_lens: D2L's lengths, combined with ``mask`` when both are given.
             causal: hide the keys after each query, queries aligned with the *last* keys
                 (bottom-right): what decoding new tokens against a cache needs.
-            cache: for incremental decoding (`attnref.cache`): a `KVCache` appends the
-                new keys/values and attends over all of them; a `StaticKVCache` projects
-                ``keys``/``values`` on first use and reuses them; a `RepresentationCache`
-                appends ``keys`` (the layer's input) to its history and projects it all.
-                ``mask`` then applies to the keys the attention really sees.
+            cache: for incremental decoding (`attnref.cache`): ``keys``/``values`` are
+                then this step's new inputs, and the cache returns the heads of every
+                position to attend to (``cache.update``). ``mask`` then applies to the
+                keys the attention really sees.
         """
-        if isinstance(cache, RepresentationCache):
-            keys = values = cache.append(keys)
         q = F.split_heads(self.query_proj(queries), self.num_heads)  # (B, h, Tq, Dh)
-        if isinstance(cache, StaticKVCache) and cache.keys is not None:
-            k, v = cache.keys, cache.values
+        if cache is None:
+            k, v = self._project_kv(keys, values)
         else:
-            k = F.split_heads(self.key_proj(keys), self.num_kv_heads)  # (B, g, Tk, Dh)
-            v = F.split_heads(self.value_proj(values), self.num_kv_heads)  # (B, g, Tk, Dh)
-            if isinstance(cache, StaticKVCache):
-                cache.keys, cache.values = k, v
-            elif isinstance(cache, KVCache):
-                k, v = cache.append(k, v)
-        assert v is not None
+            k, v = cache.update(keys, values, self._project_kv)
         lens_mask = _lens_mask(valid_lens, queries.shape[1], k.shape[2])
         if lens_mask is not None:
             mask = lens_mask if mask is None else mask & lens_mask
@@ -226,6 +217,12 @@ class MultiHeadAttention(nn.Module):
         merged = F.merge_heads(out)  # (B, Tq, H)
         result: Tensor = self.output_proj(merged)
         return result
+
+    def _project_kv(self, keys: Tensor, values: Tensor) -> tuple[Tensor, Tensor]:
+        """Inputs ``(B, Tk, H)`` to key and value heads ``(B, g, Tk, Dh)``."""
+        k = F.split_heads(self.key_proj(keys), self.num_kv_heads)
+        v = F.split_heads(self.value_proj(values), self.num_kv_heads)
+        return k, v
 
 
 class NadarayaWatson(nn.Module):

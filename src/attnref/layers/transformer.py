@@ -23,7 +23,7 @@ from jaxtyping import Bool, Float, Int
 from torch import Tensor, nn
 
 from attnref._checking import checked
-from attnref.cache import DecoderCache, KVCache, RepresentationCache, StaticKVCache
+from attnref.cache import CacheMode, DecoderCache, LayerCache
 from attnref.layers.attention import MultiHeadAttention, _check_token_ids, dropout_layer
 from attnref.layers.positional import SinusoidalPositionalEncoding
 
@@ -45,7 +45,6 @@ __all__ = [
 ]
 
 Norm = Literal["post", "pre"]
-SelfCache = KVCache | RepresentationCache
 
 
 def _check_norm(norm: str) -> None:
@@ -170,13 +169,14 @@ class EncoderBlock(nn.Module):
         mask: Bool[Tensor, "#B #T #T"] | None = None,
         *,
         causal: bool = False,
-        cache: SelfCache | None = None,
+        cache: LayerCache | None = None,
     ) -> Float[Tensor, "B T {self.num_hiddens}"]:
         """``mask``: which positions each position may attend to (padding, or causal);
-        ``causal``: hide later positions; ``cache``: this layer's self-attention cache
-        (then ``X`` holds only the new positions, and ``causal`` aligns them last)."""
+        ``causal``: hide later positions; ``cache``: this layer's cache (then ``X`` holds
+        only the new positions, and ``causal`` aligns them last)."""
+        self_cache = None if cache is None else cache.self_attention
         Y = self.residuals.run(
-            0, X, lambda x: self.attention(x, x, x, mask, causal=causal, cache=cache)
+            0, X, lambda x: self.attention(x, x, x, mask, causal=causal, cache=self_cache)
         )
         return self.residuals.run(1, Y, self.ffn)
 
@@ -270,13 +270,9 @@ class TransformerEncoder(_Stack):
         ``causal`` and ``cache`` make the stack a decoder-only model's: ``tokens`` are the
         new tokens, at positions ``cache.position`` onwards.
         """
-        offset = 0 if cache is None else cache.position
-        X = self.embed(tokens, offset)
+        X = self.embed(tokens, 0 if cache is None else cache.position)
         for i, block in enumerate(self.blocks):
-            layer_cache = None if cache is None else cache.self_attention[i]
-            X = block(X, src_mask, causal=causal, cache=layer_cache)
-        if cache is not None:
-            cache.position += tokens.shape[1]
+            X = block(X, src_mask, causal=causal, cache=None if cache is None else cache.layers[i])
         out: Tensor = self.final_norm(X)
         return out
 
@@ -330,12 +326,13 @@ class DecoderBlock(nn.Module):
         src_mask: Bool[Tensor, "#B #T #Ts"] | None,
         tgt_mask: Bool[Tensor, "#B #T #T"] | None,
         *,
-        cache: tuple[SelfCache, StaticKVCache] | None = None,
+        cache: LayerCache | None = None,
     ) -> Float[Tensor, "B T {self.num_hiddens}"]:
-        """With ``cache`` (self, cross), ``X`` holds only the new target positions: the
-        self-attention sees every cached position up to each one (``tgt_mask`` is not
-        used), the cross-attention reuses the memory's projected keys and values."""
-        self_cache, cross_cache = (None, None) if cache is None else cache
+        """With ``cache``, ``X`` holds only the new target positions: the self-attention
+        sees every cached position up to each one (``tgt_mask`` is not used), the
+        cross-attention reuses the memory's projected keys and values."""
+        self_cache = None if cache is None else cache.self_attention
+        cross_cache = None if cache is None else cache.cross_attention
         self_mask = tgt_mask if cache is None else None
         Y = self.residuals.run(
             0,
@@ -370,7 +367,7 @@ class TransformerDecoder(_Stack):
         src_mask: Bool[Tensor, "#B 1 Ts"] | None,
         max_len: int,
         *,
-        mode: str = "kv",
+        mode: CacheMode = "kv",
     ) -> DecoderState:
         """D2L's ``init_state``: the memory, its mask and an empty per-layer cache for up to
         ``max_len`` target tokens; then ``decoder(new_tokens, state.memory,
@@ -394,13 +391,11 @@ class TransformerDecoder(_Stack):
     ) -> Float[Tensor, "B T {self.num_hiddens}"]:
         """With ``cache``, ``tokens`` are the new tokens at positions ``cache.position``
         onwards, and ``tgt_mask`` is not used (the cache is causal by construction)."""
-        offset = 0 if cache is None else cache.position
-        X = self.embed(tokens, offset)
+        X = self.embed(tokens, 0 if cache is None else cache.position)
         for i, block in enumerate(self.blocks):
-            layer = None if cache is None else (cache.self_attention[i], cache.cross_attention[i])
-            X = block(X, memory, src_mask, tgt_mask, cache=layer)
-        if cache is not None:
-            cache.position += tokens.shape[1]
+            X = block(
+                X, memory, src_mask, tgt_mask, cache=None if cache is None else cache.layers[i]
+            )
         out: Tensor = self.final_norm(X)
         return out
 
@@ -457,7 +452,7 @@ class EncoderDecoder(nn.Module):
         out: Tensor = self.decoder(tgt, memory, src_mask, tgt_mask, cache=cache)
         return out
 
-    def new_cache(self, batch_size: int, max_len: int, *, mode: str = "kv") -> DecoderCache:
+    def new_cache(self, batch_size: int, max_len: int, *, mode: CacheMode = "kv") -> DecoderCache:
         """An empty decoder cache for ``batch_size`` sequences of up to ``max_len`` tokens."""
         like = self.generator.proj.weight
         return _new_cache(self.decoder.blocks, batch_size, max_len, mode, cross=True, like=like)
@@ -475,7 +470,13 @@ class EncoderDecoder(nn.Module):
 
 
 def _new_cache(
-    blocks: nn.ModuleList, batch_size: int, max_len: int, mode: str, *, cross: bool, like: Tensor
+    blocks: nn.ModuleList,
+    batch_size: int,
+    max_len: int,
+    mode: CacheMode,
+    *,
+    cross: bool,
+    like: Tensor,
 ) -> DecoderCache:
     first = blocks[0]
     attention = first.attention if isinstance(first, EncoderBlock) else first.self_attention
@@ -577,7 +578,7 @@ class DecoderOnlyLM(nn.Module):
         out: Tensor = self.generator(self.stack(tokens, None, causal=True, cache=cache))
         return out
 
-    def new_cache(self, batch_size: int, max_len: int, *, mode: str = "kv") -> DecoderCache:
+    def new_cache(self, batch_size: int, max_len: int, *, mode: CacheMode = "kv") -> DecoderCache:
         """An empty cache for ``batch_size`` sequences of up to ``max_len`` tokens."""
         like = self.generator.proj.weight
         return _new_cache(self.stack.blocks, batch_size, max_len, mode, cross=False, like=like)
