@@ -15,8 +15,7 @@ from hypothesis import strategies as st
 
 from attnref.bench import (
     BenchCase,
-    _inputs,
-    _peak_bytes,
+    bench_inputs,
     case_flops,
     main,
     measure_matmul_peak,
@@ -24,10 +23,13 @@ from attnref.bench import (
     run_case,
     visible_pairs,
 )
+from attnref.bench.cases import BenchMask
+from attnref.bench.timing import peak_bytes
 from attnref.cli import main as cli_main
 from attnref.conformance import resolve_backend
 from attnref.decoding import generate
 from attnref.layers.transformer import DecoderOnlyLM, Norm
+from attnref.masks import Alignment
 
 
 def test_flops_without_a_mask_are_4_b_h_tq_tk_dh() -> None:
@@ -45,7 +47,7 @@ def test_flops_without_a_mask_are_4_b_h_tq_tk_dh() -> None:
         (4, 2, "bottom_right", 0 + 0 + 1 + 2),  # the first two queries see nothing
     ],
 )
-def test_causal_pairs_by_hand(Tq: int, Tk: int, causal: str, pairs: int) -> None:
+def test_causal_pairs_by_hand(Tq: int, Tk: int, causal: Alignment, pairs: int) -> None:
     assert visible_pairs(Tq, Tk, causal) == pairs
     case = BenchCase(B=1, h=2, Tq=Tq, Tk=Tk, Dh=3, causal=causal)
     assert case_flops(case) == 4 * 2 * 3 * pairs
@@ -68,11 +70,11 @@ def test_padded_flops_by_hand() -> None:
     st.sampled_from(["none", "padding"]),
 )
 def test_flops_count_exactly_the_pairs_the_applied_mask_leaves(
-    B: int, Tq: int, Tk: int, causal: str | None, mask: str
+    B: int, Tq: int, Tk: int, causal: Alignment | None, mask: BenchMask
 ) -> None:
     """The closed form equals a count of the mask the backends are really given."""
     case = BenchCase(B=B, h=2, Tq=Tq, Tk=Tk, Dh=4, causal=causal, mask=mask)
-    seen = int(_inputs(case, 0).visible().sum())  # (B, h, Tq, Tk) booleans
+    seen = int(bench_inputs(case, 0).visible().sum())  # (B, h, Tq, Tk) booleans
     assert case_flops(case) == 4 * case.Dh * seen
 
 
@@ -112,7 +114,7 @@ def test_cpu_peak_memory_sees_a_large_temporary() -> None:
         x = torch.ones(16 * 2**20)  # 64 MiB of float32
         del x
 
-    peak = _peak_bytes(call, "cpu")
+    peak = peak_bytes(call, "cpu")
     assert peak is not None
     assert peak >= 60 * 2**20
 
@@ -270,6 +272,7 @@ def _gpu_bench(tmp_path: Path, *extra: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.mark.slow
 def test_gpu_sweep_script_runs_on_the_cpu(tmp_path: Path) -> None:
     """tools/gpu_bench.py is what a lent GPU runs: the same code at toy sizes here, with
     published figures drawn beside the measurements."""
@@ -303,6 +306,7 @@ def test_gpu_sweep_script_runs_on_the_cpu(tmp_path: Path) -> None:
     assert (tmp_path / "bench.png").read_bytes()[:4] == b"\x89PNG"
 
 
+@pytest.mark.slow
 def test_gpu_sweep_stops_starting_rows_when_its_budget_is_spent(tmp_path: Path) -> None:
     done = _gpu_bench(tmp_path, "--budget-s", "0")
     assert done.returncode == 0, done.stdout + done.stderr
@@ -311,6 +315,7 @@ def test_gpu_sweep_stops_starting_rows_when_its_budget_is_spent(tmp_path: Path) 
     assert all("time budget spent" in r["note"] for r in rows)
 
 
+@pytest.mark.slow
 def test_the_prepared_gpu_session_runs_dry_on_the_cpu(tmp_path: Path) -> None:
     """tools/gpu_session.sh is the one command a lent GPU runs; here, at toy sizes."""
     env = {

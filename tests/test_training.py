@@ -8,17 +8,16 @@ import torch
 
 from attnref import set_checking
 from attnref.layers import EncoderDecoder, make_model
+from attnref.tasks import copy_batches, train_copy_task
 from attnref.training import (
     Batch,
     LabelSmoothing,
     LossCompute,
     TrainState,
-    copy_batches,
     make_optimizer,
     noam_scheduler,
     rate,
     run_epoch,
-    train_copy_task,
 )
 
 

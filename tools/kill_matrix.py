@@ -14,6 +14,7 @@ from pathlib import Path
 from attnref import set_checking
 from attnref.conformance import PROPERTIES, audit
 from attnref.conformance.mutants import MUTANTS
+from attnref.devices import dtype_name
 
 SHORT = {"float64": "f64", "float32": "f32", "float16": "f16", "bfloat16": "bf16"}
 
@@ -35,7 +36,7 @@ def main() -> int:
         caught: dict[str, list[str]] = {}
         for r in report.results:
             if r.status == "fail":
-                caught.setdefault(r.property, []).append(SHORT[str(r.dtype)[6:]])
+                caught.setdefault(r.property, []).append(SHORT[dtype_name(r.dtype)])
         if not caught:
             escaped.append(name)
         cells = [" ".join(caught.get(p, [])) or "." for p in props]

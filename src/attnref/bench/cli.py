@@ -1,0 +1,201 @@
+"""``attnref bench`` and ``python -m attnref.bench``: options, validation, the run."""
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from attnref.bench.cases import MASKS, sweep_cases
+from attnref.bench.output import format_table, plot_results, write_results
+from attnref.bench.runner import environment, run_benchmarks
+from attnref.bench.timing import measure_matmul_peak
+from attnref.conformance.backends import BackendError, resolve_backend
+from attnref.devices import DTYPES
+from attnref.masks import Alignment
+
+__all__ = ["DEFAULT_BACKENDS", "add_arguments", "main", "run_cli"]
+
+#: backends run by default: every built-in one (those absent here are skipped, not failed)
+DEFAULT_BACKENDS = (
+    "reference",
+    "torch-sdpa-math",
+    "torch-sdpa",
+    "torch-sdpa-flash",
+    "torch-sdpa-efficient",
+    "torch-sdpa-cudnn",
+    "torch-flex",
+)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of ``attnref bench`` (shared with ``python -m attnref.bench``)."""
+    p.add_argument(
+        "--backends",
+        nargs="+",
+        metavar="NAME",
+        help="built-in names (attnref audit --list-backends) or module:function "
+        f"(default: {' '.join(DEFAULT_BACKENDS)})",
+    )
+    p.add_argument(
+        "--seq",
+        nargs="+",
+        type=int,
+        metavar="T",
+        help="sequence lengths, Tq = Tk (default: 128 256 512 on cpu, 512 .. 16384 on cuda)",
+    )
+    p.add_argument(
+        "--dtype",
+        nargs="+",
+        choices=sorted(DTYPES),
+        help="dtypes (default: float32 on cpu, bfloat16 on cuda)",
+    )
+    p.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda if present")
+    p.add_argument(
+        "--causal",
+        action="store_true",
+        help="causal attention (top-left, torch's is_causal; see --alignment)",
+    )
+    p.add_argument(
+        "--both",
+        action="store_true",
+        help="run every case both without and with the causal mask",
+    )
+    p.add_argument(
+        "--alignment",
+        choices=["top_left", "bottom_right"],
+        default="top_left",
+        help="causal alignment (the same when Tq = Tk; see --queries)",
+    )
+    p.add_argument(
+        "--queries",
+        type=int,
+        metavar="TQ",
+        help="a fixed number of queries against --seq keys (1: a decoding step); "
+        "default: as many as keys",
+    )
+    p.add_argument("--mask", choices=MASKS, default="none", help="key padding mask or none")
+    p.add_argument("--head-dim", nargs="+", type=int, default=[64], metavar="DH")
+    size = p.add_mutually_exclusive_group()
+    size.add_argument(
+        "--tokens",
+        type=int,
+        help="tokens per batch: B = tokens // seq (default: 2048 on cpu, 16384 on cuda)",
+    )
+    size.add_argument("--batch", type=int, help="a fixed batch size instead of --tokens")
+    heads = p.add_mutually_exclusive_group()
+    heads.add_argument(
+        "--hidden", type=int, help="model width: h = hidden // Dh (default: 512 cpu, 2048 cuda)"
+    )
+    heads.add_argument("--heads", type=int, help="a fixed number of query heads")
+    p.add_argument("--kv-heads", type=int, help="key/value heads (GQA); default: as many as h")
+    p.add_argument("--runs", type=int, default=10, help="timed calls per case (default: 10)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed calls first (default: 2)")
+    peak = p.add_mutually_exclusive_group()
+    peak.add_argument("--peak-tflops", type=float, help="the device's peak, for the fraction")
+    peak.add_argument(
+        "--measure-peak",
+        action="store_true",
+        help="measure the device's matmul peak in the first dtype and use it",
+    )
+    p.add_argument("--no-memory", action="store_true", help="do not measure peak memory")
+    p.add_argument("--out", default="attnref-bench", metavar="DIR", help="default: ./attnref-bench")
+    p.add_argument("--no-plot", action="store_true", help="no PNG (matplotlib not needed)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _fail(message: str) -> int:
+    print(f"attnref bench: {message}", file=sys.stderr)
+    return 2
+
+
+def run_cli(args: argparse.Namespace) -> int:
+    """Run ``attnref bench`` with parsed ``args``; returns the exit code (0: every row
+    ran or was skipped for a declared reason; 1: some backend raised; 2: bad usage)."""
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        return _fail("--device cuda asked for, but no CUDA device is present")
+    gpu = device == "cuda"
+    seqs = args.seq or ([512, 1024, 2048, 4096, 8192, 16384] if gpu else [128, 256, 512])
+    dtypes = args.dtype or (["bfloat16"] if gpu else ["float32"])
+    for name, values in (("--seq", seqs), ("--head-dim", args.head_dim)):
+        if any(v < 1 for v in values):
+            return _fail(f"{name} values must be >= 1, got {values}")
+    for name in ("runs", "tokens", "batch", "hidden", "heads", "kv_heads", "queries"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            return _fail(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    if args.warmup < 0:
+        return _fail(f"--warmup must be >= 0, got {args.warmup}")
+    backends = []
+    for spec in args.backends or DEFAULT_BACKENDS:
+        try:
+            backends.append(resolve_backend(spec))
+        except BackendError as e:
+            return _fail(str(e))
+    causal: list[Alignment | None] = (
+        [None, args.alignment] if args.both else [args.alignment if args.causal else None]
+    )
+    try:
+        cases = sweep_cases(
+            seqs=seqs,
+            dtypes=dtypes,
+            head_dims=args.head_dim,
+            causal=causal,
+            device=device,
+            tokens=None if args.batch else (args.tokens or (16384 if gpu else 2048)),
+            batch=args.batch,
+            hidden=None if args.heads else (args.hidden or (2048 if gpu else 512)),
+            heads=args.heads,
+            kv_heads=args.kv_heads,
+            mask=args.mask,
+            queries=args.queries,
+        )
+    except ValueError as e:
+        return _fail(str(e))
+    peak = args.peak_tflops
+    if args.measure_peak:
+        peak = measure_matmul_peak(dtypes[0], device, n=8192 if gpu else 1024)
+        print(f"measured {dtypes[0]} matmul peak on {device}: {peak:.2f} TFLOP/s")
+    results = run_benchmarks(
+        backends,
+        cases,
+        warmup=args.warmup,
+        runs=args.runs,
+        peak_tflops=peak,
+        memory=not args.no_memory,
+        progress=False if args.no_progress else None,
+    )
+    print(format_table(results))
+    meta = {
+        "device": device,
+        "environment": environment(device),
+        "peak_tflops": peak,
+        "peak_source": "measured matmul" if args.measure_peak else ("given" if peak else None),
+        "warmup": args.warmup,
+        "runs": args.runs,
+        "command": " ".join(sys.argv),
+    }
+    written = write_results(results, args.out, meta=meta)
+    if not args.no_plot:
+        try:
+            written.append(
+                plot_results(
+                    results, Path(args.out) / "bench.png", title=f"attnref bench, {device}"
+                )
+            )
+        except ImportError as e:
+            print(f"no plot: {e}", file=sys.stderr)
+    print("written: " + ", ".join(str(p) for p in written))
+    return 1 if any(r.status == "error" for r in results) else 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m attnref.bench``: the same as ``attnref bench``."""
+    parser = argparse.ArgumentParser(
+        prog="python -m attnref.bench",
+        description="Benchmark attention backends at the same shapes: time, TFLOP/s, memory.",
+    )
+    add_arguments(parser)
+    return run_cli(parser.parse_args(argv))
