@@ -13,13 +13,15 @@ that do not exist there skipped, which is how CI keeps this path working.
 import argparse
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 from attnref import set_checking
 from attnref.conformance import audit, resolve_backend
-from attnref.conformance.runner import best_device
+from attnref.conformance.options import OptionError, add_audit_options, audit_settings
+from attnref.devices import dtype_name
 
 BACKENDS = (
     "torch-sdpa",
@@ -34,24 +36,28 @@ BACKENDS = (
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--profile", default="quick", choices=["quick", "ci", "thorough"])
-    parser.add_argument("--device", default=None)
+    add_audit_options(parser.add_argument)
     parser.add_argument("--out", default="docs/gpu-audit")
-    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--backend", action="append", help="default: every torch kernel")
-    parser.add_argument("--property", action="append", help="default: every property")
     args = parser.parse_args(argv)
-    device = args.device or best_device()
+    try:
+        settings = audit_settings(lambda dest: getattr(args, dest))
+    except OptionError as e:
+        parser.error(str(e))
+    device = settings.device
+    if settings.dtypes is None:  # the dtypes the fused GPU kernels exist for
+        settings = replace(settings, dtypes=(torch.float16, torch.bfloat16))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     set_checking(False)  # the reference's shape checks are not what is audited here
+    dtypes = ", ".join(dtype_name(d) for d in settings.dtypes or ())
     name = torch.cuda.get_device_name() if device == "cuda" else "CPU"
     lines = [
         f"# torch SDPA kernels audited on {name}",
         "",
         f"`python tools/gpu_audit.py --profile {args.profile} --seed {args.seed}`, "
-        f"torch {torch.__version__}, float16 and bfloat16. A cell is passed / failed / "
-        "skipped properties; reports and reproducers are the JSON files beside this one.",
+        f"torch {torch.__version__}, {dtypes}. A cell is passed / failed / skipped "
+        "properties; reports and reproducers are the JSON files beside this one.",
         "",
         "| backend | passed | failed | skipped | seconds | failing properties |",
         "|---|---|---|---|---|---|",
@@ -60,13 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     for spec in args.backend or BACKENDS:
         t0 = time.perf_counter()
         report = audit(
-            resolve_backend(spec),
-            profile=args.profile,
-            device=device,
-            dtypes=(torch.float16, torch.bfloat16),
-            seed=args.seed,
-            properties=args.property,
-            progress=sys.stderr.isatty(),
+            resolve_backend(spec), **settings.audit_kwargs(), progress=sys.stderr.isatty()
         )
         report.write_json(out / f"{spec}.json")
         failing = ", ".join(sorted(report.failed_properties())) or "-"

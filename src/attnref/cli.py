@@ -10,7 +10,7 @@ from collections.abc import Sequence
 import torch
 
 from attnref import __version__
-from attnref.bench import DTYPES
+from attnref.conformance.options import add_audit_options
 
 __all__ = ["main"]
 
@@ -38,30 +38,9 @@ def _parser() -> argparse.ArgumentParser:
         help="a built-in name or mutant.NAME (see --list-backends), or module:function "
         "(default: torch-sdpa)",
     )
-    a.add_argument(
-        "--profile",
-        default="quick",
-        choices=["quick", "ci", "thorough"],
-        help="how hard to search: quick (< 1 min), ci (< 5 min), thorough (nightly)",
-    )
-    a.add_argument("--device", default=None, help="cpu or cuda (default: cuda if present)")
-    a.add_argument(
-        "--dtype",
-        action="append",
-        choices=sorted(DTYPES),
-        help="dtype to audit, repeatable (default: every dtype the backend declares)",
-    )
-    a.add_argument(
-        "--property",
-        action="append",
-        metavar="ID",
-        help="audit only this property, repeatable (see --list-properties)",
-    )
-    a.add_argument("--seed", type=int, default=0, help="seed of the search (default: 0)")
+    add_audit_options(a.add_argument)
     a.add_argument("--json", metavar="PATH", help="also write the JSON report (and reproducers)")
-    a.add_argument("--timeout", type=float, default=60.0, help="seconds allowed per call")
     a.add_argument("--fail-fast", action="store_true", help="stop at the first failing property")
-    a.add_argument("--no-grad", action="store_true", help="leave out the gradient property")
     a.add_argument(
         "--list-backends", action="store_true", help="list built-in backends and mutants"
     )
@@ -139,7 +118,7 @@ def _demo(args: argparse.Namespace) -> int:
 
 def _demo_reverse(args: argparse.Namespace) -> int:
     from attnref.decoding import greedy_decode_seq2seq
-    from attnref.training import reverse_batch, train_reverse_task
+    from attnref.tasks import reverse_batch, train_reverse_task
 
     steps = 100 * (6 if args.epochs is None else args.epochs)
     print(f"training D2L's Bahdanau encoder-decoder to reverse sequences, {steps} steps")
@@ -172,7 +151,7 @@ def _demo_reverse(args: argparse.Namespace) -> int:
 
 def _demo_copy(args: argparse.Namespace) -> int:
     from attnref.decoding import greedy_decode
-    from attnref.training import copy_batches, train_copy_task
+    from attnref.tasks import copy_batches, train_copy_task
 
     print("training the copy task (vocabulary 11, sequences of 10, 2 layers, H=64) on the CPU")
     result = train_copy_task(
@@ -218,7 +197,8 @@ def _list_properties() -> None:
 
 
 def _audit(args: argparse.Namespace) -> int:
-    from attnref.conformance import PROPERTIES, BackendError, audit, resolve_backend
+    from attnref.conformance import BackendError, audit
+    from attnref.conformance.options import OptionError, audit_settings, load_backend
 
     if args.list_backends:
         _list_backends()
@@ -226,39 +206,16 @@ def _audit(args: argparse.Namespace) -> int:
     if args.list_properties:
         _list_properties()
         return 0
-    if os.getcwd() not in sys.path:  # `module:function` may name a file in this folder
-        sys.path.insert(0, os.getcwd())
     try:
-        backend = resolve_backend(args.backend)
-    except BackendError as e:
+        settings = audit_settings(lambda dest: getattr(args, dest))
+        backend = load_backend(args.backend)
+    except (BackendError, OptionError) as e:
         print(f"attnref audit: {e}", file=sys.stderr)
-        return 2
-    unknown = [p for p in args.property or [] if p not in PROPERTIES]
-    if unknown:
-        print(
-            f"attnref audit: unknown property {unknown[0]!r}: see --list-properties",
-            file=sys.stderr,
-        )
-        return 2
-    device = args.device
-    if device is not None and device not in ("cpu", "cuda"):
-        print(f"attnref audit: unknown device {device!r}: use cpu or cuda", file=sys.stderr)
-        return 2
-    if device == "cuda" and not torch.cuda.is_available():
-        print(
-            "attnref audit: --device cuda asked for, but no CUDA device is present", file=sys.stderr
-        )
         return 2
     report = audit(
         backend,
-        profile=args.profile,
-        device=device,
-        dtypes=[DTYPES[d] for d in args.dtype] if args.dtype else None,
-        seed=args.seed,
-        properties=args.property,
-        timeout=args.timeout,
+        **settings.audit_kwargs(),
         fail_fast=args.fail_fast,
-        gradients=not args.no_grad,
         progress=not args.no_progress and sys.stderr.isatty(),
     )
     print(report.format_table(verbose=args.verbose))

@@ -6,12 +6,14 @@ dtype (``attnref[BACKEND]::PROPERTY[DTYPE]``), reported like any other test, JUn
 included: a failure shows the shrunk case and a runnable reproducer; a property the
 backend does not declare support for is a skip with the reason.
 
-attnref and torch are imported only once the option is given.
+torch and the audit are imported only once the option is given.
 """
 
 from typing import Any
 
 import pytest
+
+from attnref.conformance.options import AuditSettings, add_audit_options
 
 __all__ = ["AuditItem"]
 
@@ -25,27 +27,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         metavar="SPEC",
         help="audit this backend (built-in name, mutant.NAME or module:function); repeatable",
     )
-    group.addoption(
-        "--attnref-profile",
-        default="quick",
-        choices=["quick", "ci", "thorough"],
-        help="how hard to search (default: quick)",
-    )
-    group.addoption("--attnref-device", default=None, help="cpu or cuda (default: best)")
-    group.addoption(
-        "--attnref-dtype",
-        action="append",
-        default=[],
-        help="dtype to audit, repeatable (default: every dtype the backend declares)",
-    )
-    group.addoption(
-        "--attnref-property", action="append", default=[], help="only this property; repeatable"
-    )
-    group.addoption("--attnref-seed", type=int, default=0, help="seed of the search")
-    group.addoption("--attnref-timeout", type=float, default=60.0, help="seconds per call")
-    group.addoption(
-        "--attnref-no-grad", action="store_true", help="leave out the gradient property"
-    )
+    add_audit_options(group.addoption, prefix="attnref-", choices=False)
 
 
 class AuditFailure(Exception):  # noqa: N818 (a test outcome)
@@ -55,31 +37,31 @@ class AuditFailure(Exception):  # noqa: N818 (a test outcome)
 class AuditItem(pytest.Item):
     """One property of one backend in one dtype."""
 
-    def __init__(self, *, backend: Any, prop: Any, dtype: Any, **kwargs: Any) -> None:
+    def __init__(
+        self, *, backend: Any, prop: Any, dtype: Any, settings: AuditSettings, **kwargs: Any
+    ) -> None:
         super().__init__(**kwargs)
         self.backend = backend
         self.prop = prop
         self.dtype = dtype
+        self.settings = settings
         self.add_marker(pytest.mark.attnref)
 
     def runtest(self) -> None:
         from attnref.conformance import run_property
-        from attnref.conformance.profiles import get_profile
-        from attnref.conformance.runner import best_device
 
-        opt = self.config.getoption
-        device = opt("attnref_device") or best_device()
-        reason = self.backend.available(device)
+        s = self.settings
+        reason = self.backend.available(s.device)
         if reason is not None:
             pytest.skip(reason)
         result = run_property(
             self.backend,
             self.prop,
             self.dtype,
-            device=device,
-            profile=get_profile(opt("attnref_profile")),
-            seed=opt("attnref_seed"),
-            timeout=opt("attnref_timeout"),
+            device=s.device,
+            profile=s.profile,
+            seed=s.seed,
+            timeout=s.timeout,
         )
         self.user_properties.append(("checks", result.checks))
         if result.status == "skip":
@@ -107,43 +89,31 @@ def pytest_collection_modifyitems(
     specs: list[str] = config.getoption("attnref_backend")
     if not specs:
         return
-    import os
-    import sys
+    from attnref.conformance import PROPERTIES, BackendError
+    from attnref.conformance.options import OptionError, audit_settings, load_backend
+    from attnref.devices import dtype_name
 
-    import torch
-
-    from attnref.conformance import PROPERTIES, BackendError, resolve_backend
-
-    if os.getcwd() not in sys.path:  # module:function may name a file in this folder
-        sys.path.insert(0, os.getcwd())
-    names = config.getoption("attnref_property") or list(PROPERTIES)
-    unknown = [n for n in names if n not in PROPERTIES]
-    if unknown:
-        raise pytest.UsageError(f"--attnref-property: unknown property {unknown[0]!r}")
-    props = [PROPERTIES[n] for n in names]
-    if config.getoption("attnref_no_grad"):
+    try:
+        settings = audit_settings(lambda dest: config.getoption(f"attnref_{dest}"))
+    except OptionError as e:
+        raise pytest.UsageError(f"attnref: {e}") from None
+    props = [PROPERTIES[n] for n in settings.properties or PROPERTIES]
+    if not settings.gradients:
         props = [p for p in props if not p.gradient]
-    dtype_names: list[str] = config.getoption("attnref_dtype")
     for spec in specs:
         try:
-            backend = resolve_backend(spec)
+            backend = load_backend(spec)
         except BackendError as e:
             raise pytest.UsageError(f"--attnref-backend: {e}") from None
-        dtypes = list(backend.capabilities.dtypes)
-        if dtype_names:
-            try:
-                dtypes = [getattr(torch, d) for d in dtype_names]
-            except AttributeError as e:
-                raise pytest.UsageError(f"--attnref-dtype: {e}") from None
         for prop in props:
-            for dtype in dtypes:
-                dt = str(dtype).removeprefix("torch.")
+            for dtype in settings.dtypes or backend.capabilities.dtypes:
                 items.append(
                     AuditItem.from_parent(
                         session,
-                        name=f"attnref[{spec}]::{prop.id}[{dt}]",
+                        name=f"attnref[{spec}]::{prop.id}[{dtype_name(dtype)}]",
                         backend=backend,
                         prop=prop,
                         dtype=dtype,
+                        settings=settings,
                     )
                 )

@@ -3,22 +3,41 @@
 ``audit(resolve_backend("torch-sdpa"))`` returns an `AuditReport`;
 ``attnref audit --backend module:function`` does the same from the command line, and
 ``pytest --attnref-backend=module:function`` from a test run.
+
+Names load on first use, so that the pytest plugin can declare its options
+(`attnref.conformance.options`) without importing torch in every test run.
 """
 
-from attnref.conformance.backends import (
-    BUILTIN_BACKENDS,
-    Backend,
-    BackendError,
-    Capabilities,
-    resolve_backend,
-)
-from attnref.conformance.calls import Failure, Skip
-from attnref.conformance.cases import Case, Inputs, build, fixed_grid
-from attnref.conformance.oracle import expect, reference
-from attnref.conformance.profiles import PROFILES, Profile
-from attnref.conformance.properties import PROPERTIES, Property, check_case
-from attnref.conformance.report import AuditReport, PropertyResult
-from attnref.conformance.runner import audit, run_property
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from attnref.conformance.backends import (
+        BUILTIN_BACKENDS,
+        Backend,
+        BackendError,
+        Capabilities,
+        resolve_backend,
+    )
+    from attnref.conformance.cases import Case, Inputs, build, fixed_grid
+    from attnref.conformance.oracle import expect, reference
+    from attnref.conformance.profiles import PROFILES, Profile
+    from attnref.conformance.properties import PROPERTIES, Property, check_case
+    from attnref.conformance.report import AuditReport, PropertyResult
+    from attnref.conformance.runner import audit, run_property
+    from attnref.conformance.verdicts import Failure, Skip
+
+_WHERE = {
+    "backends": ("BUILTIN_BACKENDS", "Backend", "BackendError", "Capabilities", "resolve_backend"),
+    "cases": ("Case", "Inputs", "build", "fixed_grid"),
+    "oracle": ("expect", "reference"),
+    "profiles": ("PROFILES", "Profile"),
+    "properties": ("PROPERTIES", "Property", "check_case"),
+    "report": ("AuditReport", "PropertyResult"),
+    "runner": ("audit", "run_property"),
+    "verdicts": ("Failure", "Skip"),
+}
+_MODULE = {name: module for module, names in _WHERE.items() for name in names}
 
 __all__ = [
     "BUILTIN_BACKENDS",
@@ -43,4 +62,10 @@ __all__ = [
     "reference",
     "resolve_backend",
     "run_property",
-]
+]  # the names of _WHERE (tests/test_checking.py checks it)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _MODULE:
+        return getattr(importlib.import_module(f"attnref.conformance.{_MODULE[name]}"), name)
+    raise AttributeError(f"module 'attnref.conformance' has no attribute {name!r}")

@@ -12,12 +12,13 @@ import inspect
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, get_args
 
 import torch
 from torch import Tensor
 
 from attnref import functional as F
+from attnref.masks import Alignment
 
 __all__ = [
     "BUILTIN_BACKENDS",
@@ -28,6 +29,11 @@ __all__ = [
 ]
 
 SDPA = Callable[..., Tensor]
+#: the output for a query with no visible key: zeros, NaN, or the mean of V
+EmptyRow = Literal["zero", "nan", "uniform"]
+#: "contained": NaN/inf in K/V at keys no query sees never reaches the output;
+#: "propagates": it may (0 * NaN = NaN in a materialised P @ V, as torch's CPU kernels)
+MaskedNaN = Literal["contained", "propagates"]
 # the arguments every backend is called with, by name, as torch SDPA takes them
 REQUIRED_PARAMETERS = ("attn_mask", "dropout_p", "is_causal", "scale")
 
@@ -47,13 +53,10 @@ class Capabilities:
     gqa: bool = True
     # alignments the backend computes itself through a `causal_alignment` keyword; any
     # other alignment reaches it as an explicit boolean mask
-    causal_alignments: tuple[str, ...] = ("top_left",)
+    causal_alignments: tuple[Alignment, ...] = ("top_left",)
     causal_with_mask: bool = False  # may `is_causal=True` be combined with `attn_mask`?
-    # output for a query with no visible key: "zero", "nan" or "uniform" (the mean of V)
-    empty_row: str = "zero"
-    # "contained": NaN/inf in K/V at keys no query sees never reaches the output;
-    # "propagates": it may (0 * NaN = NaN in a materialised P @ V, as torch's CPU kernels)
-    masked_nan: str = "propagates"
+    empty_row: EmptyRow = "zero"  # output for a query with no visible key
+    masked_nan: MaskedNaN = "propagates"  # may NaN/inf at hidden keys reach the output?
     gradients: bool = True  # backward through the output gives dQ, dK, dV
     dropout: bool = True  # takes dropout_p (only dropout_p = 0 is audited)
     zero_head_dim: bool = True  # Dqk = 0 (scores all zero: the mean of V)
@@ -61,18 +64,15 @@ class Capabilities:
     refuses: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        choices = {
-            "empty_row": ("zero", "nan", "uniform"),
-            "masked_nan": ("contained", "propagates"),
-        }
-        for name, allowed in choices.items():
+        for name, kind in (("empty_row", EmptyRow), ("masked_nan", MaskedNaN)):
+            allowed = get_args(kind)
             if getattr(self, name) not in allowed:
                 raise ValueError(
                     f"Capabilities.{name} must be one of {', '.join(allowed)}, "
                     f"got {getattr(self, name)!r}"
                 )
         for alignment in self.causal_alignments:
-            if alignment not in ("top_left", "bottom_right"):
+            if alignment not in get_args(Alignment):
                 raise ValueError(
                     f"Capabilities.causal_alignments: unknown alignment {alignment!r} "
                     "(use top_left, bottom_right)"

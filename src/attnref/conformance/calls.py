@@ -2,7 +2,8 @@
 
 Nothing a backend does (raise, hang, return a list, the wrong shape, dtype or device)
 escapes as an exception other than `Failure` (the backend is wrong) or `Skip` (the
-backend declared it does not support the call).
+backend declared it does not support the call). Every call of backend code goes through
+`invoke`: the forward calls of `call` and the gradient property's forward and backward.
 """
 
 import threading
@@ -16,35 +17,10 @@ from torch import Tensor
 from attnref._checking import checked
 from attnref.conformance.backends import Backend
 from attnref.conformance.cases import Inputs
+from attnref.conformance.verdicts import Failure, Skip, one_line
 from attnref.masks import causal_mask
 
-__all__ = ["Failure", "Skip", "backend_call", "call", "call_with_timeout", "skip_reason"]
-
-
-class Failure(Exception):  # noqa: N818 (a verdict on the backend, not an error of ours)
-    """The backend got a check wrong; ``str(failure)`` is a one-line summary.
-
-    ``fatal`` failures (a hang) stop the search: calling the backend again only costs time.
-    """
-
-    def __init__(
-        self,
-        message: str,
-        *,
-        got: float | None = None,
-        expected: float | None = None,
-        where: tuple[int, ...] | None = None,
-        fatal: bool = False,
-    ) -> None:
-        super().__init__(message)
-        self.got = got
-        self.expected = expected
-        self.where = where
-        self.fatal = fatal
-
-
-class Skip(Exception):  # noqa: N818 (a signal, like pytest.skip)
-    """The backend declares it does not support this call (or refused it as declared)."""
+__all__ = ["arguments", "backend_call", "call", "call_with_timeout", "invoke", "skip_reason"]
 
 
 def backend_call(
@@ -118,12 +94,6 @@ def call_with_timeout(fn: Callable[[], Any], timeout: float) -> tuple[Any, BaseE
     return (result[0] if result else None), (error[0] if error else None)
 
 
-def one_line(e: BaseException) -> str:
-    """``Type: first line of the message``."""
-    text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0] if text else ''}"
-
-
 def raise_for_error(backend: Backend, error: BaseException) -> None:
     """Turn what the backend raised into `Skip` (a declared refusal) or `Failure`."""
     if isinstance(error, TimeoutError):
@@ -149,6 +119,30 @@ def check_output(
     return out
 
 
+def arguments(
+    backend: Backend, inputs: Inputs, **overrides: Any
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """`backend_call`'s arguments, or `Skip` if the call is outside the declaration."""
+    args, kwargs = backend_call(backend, inputs, **overrides)
+    reason = skip_reason(backend, inputs, kwargs)
+    if reason is not None:
+        raise Skip(reason)
+    return args, kwargs
+
+
+def invoke(backend: Backend, run: Callable[[], Any], timeout: float) -> Any:
+    """What ``run()`` (backend code) returns; what it raises becomes `Skip` or `Failure`.
+
+    Raises:
+        Skip: it refused the call with an error the backend declares as a refusal.
+        Failure: it raised anything else, or hung past ``timeout`` seconds.
+    """
+    out, error = call_with_timeout(run, timeout)
+    if error is not None:
+        raise_for_error(backend, error)
+    return out
+
+
 @checked
 def call(
     backend: Backend, inputs: Inputs, timeout: float, **overrides: Any
@@ -159,12 +153,7 @@ def call(
         Skip: the call is outside what the backend declares, or it refused as declared.
         Failure: it raised, hung past ``timeout`` seconds, or returned something wrong.
     """
-    args, kwargs = backend_call(backend, inputs, **overrides)
-    reason = skip_reason(backend, inputs, kwargs)
-    if reason is not None:
-        raise Skip(reason)
-    out, error = call_with_timeout(lambda: backend(*args, **kwargs), timeout)
-    if error is not None:
-        raise_for_error(backend, error)
+    args, kwargs = arguments(backend, inputs, **overrides)
+    out = invoke(backend, lambda: backend(*args, **kwargs), timeout)
     expected_shape = (*inputs.query.shape[:-1], inputs.value.shape[-1])
     return check_output(out, expected_shape, inputs).detach()

@@ -6,7 +6,7 @@ tensors on a device in a dtype.
 """
 
 from dataclasses import asdict, dataclass, replace
-from typing import Any
+from typing import Any, Literal, get_args
 
 import torch
 from jaxtyping import Bool, Float, Float32
@@ -15,7 +15,14 @@ from torch import Tensor
 from attnref._checking import checked_internal
 from attnref.masks import Alignment, causal_mask
 
-__all__ = ["Case", "Inputs", "build", "fixed_grid"]
+__all__ = ["Case", "Inputs", "Layout", "MaskKind", "Poison", "build", "fixed_grid"]
+
+#: every mask kind `build` knows, simplest first (see `Case`)
+MaskKind = Literal["none", "bool", "padding", "columns", "bool_full", "float", "empty_rows"]
+#: how the tensors are laid out in memory (see `Case`)
+Layout = Literal["contiguous", "transposed", "sliced", "broadcast", "broadcast_heads"]
+#: what is planted in K and V at keys no query sees (see `Case`)
+Poison = Literal["none", "garbage", "nan", "inf"]
 
 
 @dataclass(frozen=True)
@@ -43,13 +50,27 @@ class Case:
     Tk: int = 17
     Dh: int = 8
     Dv: int = 8
-    mask: str = "none"
+    mask: MaskKind = "none"
     causal: Alignment | None = None
-    layout: str = "contiguous"
+    layout: Layout = "contiguous"
     amp: float = 1.0  # queries and keys are amp * randn: large amp makes the softmax peaky
     scale: float | None = None
-    poison: str = "none"  # what to plant in K and V at keys no query sees
+    poison: Poison = "none"  # what to plant in K and V at keys no query sees
     seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name, kind in (
+            ("mask", MaskKind),
+            ("causal", Alignment),
+            ("layout", Layout),
+            ("poison", Poison),
+        ):
+            allowed: tuple[object, ...] = get_args(kind) + ((None,) if name == "causal" else ())
+            if getattr(self, name) not in allowed:
+                raise ValueError(
+                    f"Case.{name} must be one of {', '.join(map(repr, allowed))}, "
+                    f"got {getattr(self, name)!r}"
+                )
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

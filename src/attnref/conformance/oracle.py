@@ -24,8 +24,8 @@ from torch import Tensor
 
 from attnref import functional as F
 from attnref._checking import checked, checked_internal
-from attnref.conformance.calls import Failure
 from attnref.conformance.cases import Inputs
+from attnref.conformance.verdicts import Failure
 from attnref.tolerances import (
     FUDGE,
     GRAD_FUDGE,

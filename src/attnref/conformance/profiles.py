@@ -15,7 +15,8 @@ class Profile:
     """Search effort and size limits of one audit profile."""
 
     name: str
-    #: random examples Hypothesis draws for each (property, dtype), after the explicit ones
+    #: random examples Hypothesis draws for each (property, dtype); a property's explicit
+    #: examples run after them when they found nothing
     examples: int
     #: longest sequence drawn for ordinary cases (tail lengths may be longer)
     max_len: int

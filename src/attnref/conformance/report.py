@@ -32,20 +32,20 @@ import math
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
 from attnref.conformance.backends import Capabilities
 from attnref.conformance.cases import Case
+from attnref.devices import dtype_name
 
-__all__ = ["SCHEMA_VERSION", "AuditReport", "Finding", "PropertyResult", "reproducer"]
+__all__ = ["SCHEMA_VERSION", "AuditReport", "Finding", "PropertyResult", "Status", "reproducer"]
 
 SCHEMA_VERSION = 2
 
-
-def _dt(dtype: torch.dtype | str) -> str:
-    return str(dtype).removeprefix("torch.")
+#: the verdict on one (property, dtype)
+Status = Literal["pass", "fail", "skip"]
 
 
 def _num(x: float | None) -> float | None:
@@ -80,7 +80,7 @@ class PropertyResult:
 
     property: str
     dtype: torch.dtype
-    status: str  # "pass" | "fail" | "skip"
+    status: Status
     checks: int = 0
     skipped: int = 0
     seconds: float = 0.0
@@ -90,7 +90,7 @@ class PropertyResult:
     def to_dict(self) -> dict[str, Any]:
         return {
             "property": self.property,
-            "dtype": _dt(self.dtype),
+            "dtype": dtype_name(self.dtype),
             "status": self.status,
             "checks": self.checks,
             "skipped": self.skipped,
@@ -104,17 +104,18 @@ def reproducer(
     backend: str, pid: str, case: Case, dtype: torch.dtype, device: str, message: str
 ) -> str:
     """A runnable Python snippet that rebuilds the failing case and checks it again."""
+    dt = dtype_name(dtype)
     return (
-        f"# attnref: property {pid!r} failed for backend {backend!r} ({_dt(dtype)}, {device})\n"
+        f"# attnref: property {pid!r} failed for backend {backend!r} ({dt}, {device})\n"
         f"# {message}\n"
         "import torch\n"
         "from attnref.conformance import Case, build, check_case, resolve_backend\n"
         "\n"
         f"case = {case!r}\n"
-        f"inputs = build(case, torch.{_dt(dtype)}, {device!r})  "
+        f"inputs = build(case, torch.{dt}, {device!r})  "
         "# query, key, value, attn_mask of the case\n"
         f"print(check_case({pid!r}, resolve_backend({backend!r}), case, "
-        f"torch.{_dt(dtype)}, {device!r}))\n"
+        f"torch.{dt}, {device!r}))\n"
     )
 
 
@@ -148,7 +149,7 @@ class AuditReport:
         return cls(
             backend,
             device,
-            [_dt(d) for d in dtypes],
+            [dtype_name(d) for d in dtypes],
             profile,
             seed,
             capabilities,
@@ -159,7 +160,7 @@ class AuditReport:
     def finish(self) -> None:
         self.seconds = time.perf_counter() - self._t0
 
-    def count(self, status: str) -> int:
+    def count(self, status: Status) -> int:
         return sum(r.status == status for r in self.results)
 
     @property
@@ -175,7 +176,7 @@ class AuditReport:
         from attnref import __version__
 
         caps = {
-            k: [_dt(x) for x in v] if k == "dtypes" else v
+            k: [dtype_name(x) for x in v] if k == "dtypes" else v
             for k, v in asdict(self.capabilities).items()
         }
         return {
@@ -216,7 +217,7 @@ class AuditReport:
             folder.mkdir(exist_ok=True)
             for r in findings:
                 assert r.finding is not None
-                out = folder / f"{r.property}-{_dt(r.dtype)}.py"
+                out = folder / f"{r.property}-{dtype_name(r.dtype)}.py"
                 out.write_text(r.finding.reproducer)
                 written.append(out)
         return written
@@ -228,7 +229,7 @@ class AuditReport:
         for r in self.results:
             if r.property not in names:
                 names.append(r.property)
-            cells[(r.property, _dt(r.dtype))] = r
+            cells[(r.property, dtype_name(r.dtype))] = r
         width = max([len("property"), *map(len, names)])
         header = f"{'property':<{width}}  " + "  ".join(f"{d:>10}" for d in self.dtypes)
         lines = [
@@ -246,14 +247,14 @@ class AuditReport:
             lines += ["", "failures (each shrunk to a minimal case):"]
             shown: set[str] = set()
             for r in failures:
-                lines.append(f"  {r.property} [{_dt(r.dtype)}]: {r.message}")
+                lines.append(f"  {r.property} [{dtype_name(r.dtype)}]: {r.message}")
                 if r.finding is not None and (verbose or r.property not in shown):
                     shown.add(r.property)
                     lines += ["    " + x for x in r.finding.reproducer.rstrip().splitlines()]
         skips = [r for r in self.results if r.status == "skip"]
         if skips and verbose:
             lines += ["", "skipped:"]
-            lines += [f"  {r.property} [{_dt(r.dtype)}]: {r.message}" for r in skips]
+            lines += [f"  {r.property} [{dtype_name(r.dtype)}]: {r.message}" for r in skips]
         if self.stopped_early:
             lines += ["", "stopped at the first failure (--fail-fast)"]
         checks = sum(r.checks for r in self.results)

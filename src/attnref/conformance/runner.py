@@ -16,7 +16,6 @@ from hypothesis import seed as hypothesis_seed
 from tqdm import tqdm
 
 from attnref.conformance.backends import Backend
-from attnref.conformance.calls import Failure, Skip
 from attnref.conformance.cases import Case
 from attnref.conformance.profiles import Profile, get_profile
 from attnref.conformance.properties import (
@@ -26,14 +25,11 @@ from attnref.conformance.properties import (
     get_property,
     property_seed,
 )
-from attnref.conformance.report import AuditReport, Finding, PropertyResult, reproducer
+from attnref.conformance.report import AuditReport, Finding, PropertyResult, Status, reproducer
+from attnref.conformance.verdicts import Failure, Skip
+from attnref.devices import best_device, dtype_name
 
-__all__ = ["audit", "best_device", "run_property"]
-
-
-def best_device() -> str:
-    """``"cuda"`` when a GPU is present, else ``"cpu"``."""
-    return "cuda" if torch.cuda.is_available() else "cpu"
+__all__ = ["audit", "run_property"]
 
 
 class _Found(Exception):  # noqa: N818 (a signal to Hypothesis)
@@ -64,7 +60,7 @@ def run_property(
     start = time.perf_counter()
     caps = backend.capabilities
 
-    def done(status: str, message: str = "", finding: Finding | None = None) -> PropertyResult:
+    def done(status: Status, message: str = "", finding: Finding | None = None) -> PropertyResult:
         return PropertyResult(
             prop.id,
             dtype,
@@ -78,7 +74,7 @@ def run_property(
 
     search = _Search()
     if dtype not in caps.dtypes:
-        return done("skip", f"dtype {str(dtype).removeprefix('torch.')} not declared")
+        return done("skip", f"dtype {dtype_name(dtype)} not declared")
     reason = prop.requires(caps)
     if reason is not None:
         return done("skip", reason)
@@ -178,7 +174,7 @@ def audit(
     work = [(p, d) for p in chosen for d in dtype_list]
     bar = tqdm(work, desc=f"audit {backend.name}", disable=not progress, leave=False)
     for prop, dtype in bar:
-        bar.set_postfix_str(f"{prop.id} {str(dtype).removeprefix('torch.')}")
+        bar.set_postfix_str(f"{prop.id} {dtype_name(dtype)}")
         if unavailable is not None:
             report.results.append(PropertyResult(prop.id, dtype, "skip", message=unavailable))
             continue

@@ -7,20 +7,20 @@ Every choice lists its simplest option first (no mask, not causal, contiguous, a
 """
 
 from dataclasses import replace
-from typing import Any
+from typing import Any, get_args
 
 from hypothesis import strategies as st
 
 from attnref.conformance.backends import Capabilities
-from attnref.conformance.cases import Case
+from attnref.conformance.cases import Case, Layout, MaskKind
 from attnref.conformance.profiles import Profile
 
 __all__ = ["LAYOUTS", "MASKS", "case_strategy", "lengths", "masks_for"]
 
 #: every mask kind `build` knows, simplest first
-MASKS = ("none", "bool", "padding", "columns", "bool_full", "float", "empty_rows")
+MASKS: tuple[MaskKind, ...] = get_args(MaskKind)
 #: non-contiguous layouts `build` knows (class 6 and 7)
-LAYOUTS = ("transposed", "sliced", "broadcast", "broadcast_heads")
+LAYOUTS: tuple[Layout, ...] = get_args(Layout)[1:]
 #: small primes and odd lengths: none is a multiple of a common tile size
 _ODD = (1, 2, 3, 5, 7, 11, 13, 17, 23, 31)
 

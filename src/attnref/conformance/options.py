@@ -1,0 +1,150 @@
+"""The audit's options, declared once for every entry point.
+
+``attnref audit``, the pytest plugin (``--attnref-...``) and ``tools/gpu_audit.py`` add
+the same options with `add_audit_options` and turn what the user gave into checked
+settings with `audit_settings`; the choices come from the registries they name
+(`PROFILES`, `PROPERTIES`, `attnref.devices.DTYPES`), so a new profile or dtype needs no
+edit here.
+"""
+
+import os
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from attnref.conformance.profiles import PROFILES, Profile, get_profile
+
+if TYPE_CHECKING:  # imported when used: declaring the options must not import torch
+    import torch
+
+    from attnref.conformance.backends import Backend
+
+__all__ = ["AuditSettings", "OptionError", "add_audit_options", "audit_settings", "load_backend"]
+
+
+class OptionError(ValueError):
+    """An option has a value the audit cannot run with; the message names both."""
+
+
+def add_audit_options(add: Callable[..., Any], prefix: str = "", *, choices: bool = True) -> None:
+    """Declare the audit's options with ``add`` (``ArgumentParser.add_argument``, or
+    pytest's ``group.addoption``), each named ``--{prefix}{name}``.
+
+    ``choices=False`` leaves the dtype names to `audit_settings` to check, so that
+    declaring the options imports no torch (the pytest plugin's case).
+    """
+
+    def option(name: str, **kwargs: Any) -> None:
+        add(f"--{prefix}{name}", **kwargs)
+
+    dtype_choices: dict[str, Any] = {}
+    if choices:
+        from attnref.devices import DTYPES
+
+        dtype_choices["choices"] = list(DTYPES)
+
+    option(
+        "profile",
+        default="quick",
+        choices=list(PROFILES),
+        help="how hard to search: quick (< 1 min), ci (< 5 min), thorough (nightly) "
+        "(default: quick)",
+    )
+    option("device", default=None, help="cpu or cuda (default: cuda if present)")
+    option(
+        "dtype",
+        action="append",
+        default=[],
+        **dtype_choices,
+        help="dtype to audit, repeatable (default: every dtype the backend declares)",
+    )
+    option(
+        "property",
+        action="append",
+        default=[],
+        metavar="ID",
+        help="audit only this property, repeatable (see attnref audit --list-properties)",
+    )
+    option("seed", type=int, default=0, help="seed of the search (default: 0)")
+    option("timeout", type=float, default=60.0, help="seconds allowed per call (default: 60)")
+    option("no-grad", action="store_true", help="leave out the gradient property")
+
+
+@dataclass(frozen=True)
+class AuditSettings:
+    """The audit's options, checked: what `attnref.conformance.audit` takes."""
+
+    profile: Profile
+    device: str
+    dtypes: "tuple[torch.dtype, ...] | None"  # None: every dtype the backend declares
+    properties: tuple[str, ...] | None  # None: every property
+    seed: int
+    timeout: float
+    gradients: bool
+
+    def audit_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments of `attnref.conformance.audit`."""
+        return {
+            "profile": self.profile,
+            "device": self.device,
+            "dtypes": self.dtypes,
+            "properties": self.properties,
+            "seed": self.seed,
+            "timeout": self.timeout,
+            "gradients": self.gradients,
+        }
+
+
+def audit_settings(get: Callable[[str], Any]) -> AuditSettings:
+    """Check the options that ``get(dest)`` returns (``dest``: ``profile``, ``no_grad``, ...).
+
+    Raises:
+        OptionError: an unknown profile, dtype, property or device, CUDA asked for where
+            there is none, a timeout that is not positive.
+    """
+    import torch
+
+    from attnref.conformance.properties import PROPERTIES
+    from attnref.devices import best_device, parse_dtype
+
+    try:
+        profile = get_profile(get("profile"))
+        dtypes = tuple(parse_dtype(d) for d in get("dtype") or [])
+    except ValueError as e:
+        raise OptionError(str(e)) from None
+    unknown = [p for p in get("property") or [] if p not in PROPERTIES]
+    if unknown:
+        raise OptionError(f"unknown property {unknown[0]!r}: see --list-properties")
+    device = get("device")
+    if device is not None and device not in ("cpu", "cuda"):
+        raise OptionError(f"unknown device {device!r}: use cpu or cuda")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise OptionError("--device cuda asked for, but no CUDA device is present")
+    timeout = get("timeout")
+    if not timeout > 0:
+        raise OptionError(f"--timeout must be > 0 seconds, got {timeout}")
+    properties = get("property")
+    return AuditSettings(
+        profile=profile,
+        device=device or best_device(),
+        dtypes=dtypes or None,
+        properties=tuple(properties) if properties else None,
+        seed=get("seed"),
+        timeout=timeout,
+        gradients=not get("no_grad"),
+    )
+
+
+def load_backend(spec: str) -> "Backend":
+    """`resolve_backend`, with the current folder importable first: ``module:function``
+    may name a file where the audit was started.
+
+    Raises:
+        BackendError: as `resolve_backend`.
+    """
+    from attnref.conformance.backends import resolve_backend
+
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    return resolve_backend(spec)
