@@ -6,11 +6,17 @@
 """
 
 import os
+from collections.abc import Iterator
 
 # Before anything imports attnref: check the private helpers' shape contracts too.
 os.environ.setdefault("ATTNREF_CHECK_INTERNALS", "1")
 
+import torch
 from hypothesis import HealthCheck, settings
+
+# Every tensor in the suite is tiny: torch's thread pool costs more than it gives there,
+# and far more on a loaded machine.
+torch.set_num_threads(1)
 
 settings.register_profile(
     "ci",
@@ -29,3 +35,21 @@ settings.register_profile(
     suppress_health_check=[HealthCheck.too_slow],
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+import pytest  # noqa: E402 (after the environment is set, like the import above)
+
+
+@pytest.fixture(scope="module")
+def unchecked() -> Iterator[None]:
+    """Runtime shape checking off for a module (``pytestmark =
+    pytest.mark.usefixtures("unchecked")``): for tests that call the reference thousands
+    of times (audits, decoding loops), whose shape contracts are tested elsewhere.
+    Module-scoped, so that Hypothesis tests can use it."""
+    from attnref import set_checking
+
+    set_checking(False)
+    try:
+        yield
+    finally:
+        set_checking(True)

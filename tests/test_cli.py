@@ -12,10 +12,12 @@ from attnref.cli import main
 
 
 def test_audit_passes_torch_sdpa(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["audit", "--no-progress", "--dtype", "float32", "--no-grad"]) == 0
+    code = main(["audit", "--no-progress", "--dtype", "float32", "--property", "forward"])
+    assert code == 0
     out = capsys.readouterr().out
     assert "backend torch-sdpa on cpu, profile quick, seed 0" in out
     assert "0 failed" in out
+    assert "forward" in out
     assert "gradient" not in out
     assert out.rstrip().endswith("OK")
 
@@ -110,6 +112,7 @@ def test_python_dash_m() -> None:
     assert "--backend" in proc.stdout
 
 
+@pytest.mark.slow
 def test_gpu_audit_script_runs_on_the_cpu(tmp_path: Path) -> None:
     """tools/gpu_audit.py is what a lent GPU runs; here it must work at the same sizes."""
     proc = subprocess.run(
@@ -136,6 +139,7 @@ def test_gpu_audit_script_runs_on_the_cpu(tmp_path: Path) -> None:
     assert (tmp_path / "torch-sdpa-flash.json").exists()
 
 
+@pytest.mark.slow
 def test_demo_copy_trains_prints_examples_and_saves_heatmaps(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -156,6 +160,7 @@ def test_demo_rejects_a_bad_epoch_count(capsys: pytest.CaptureFixture[str]) -> N
     assert "--epochs must be >= 1, got 0" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_demo_reverse_trains_bahdanau_and_saves_its_alignment(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -13,6 +13,7 @@ def test_without_the_option_the_plugin_adds_nothing(pytester: pytest.Pytester) -
     result.assert_outcomes(passed=1)
 
 
+@pytest.mark.slow
 def test_one_test_per_property_and_dtype_with_junit(pytester: pytest.Pytester) -> None:
     result = pytester.runpytest_subprocess(
         "-p",

@@ -16,6 +16,10 @@ from attnref.decoding import (
 from attnref.masks import padding_mask
 from tests.property.test_transformer_props import Config, _enc_dec, _lm, _tokens, configs
 
+# decoding calls the model hundreds of times; checking makes it about 5x slower, and
+# tests/test_cache.py decodes with checking on
+pytestmark = pytest.mark.usefixtures("unchecked")
+
 
 @given(configs(), st.integers(2, 6), st.integers(1, 6))
 def test_beam_one_and_top_k_one_equal_greedy(c: Config, Ts: int, L: int) -> None:

@@ -2,6 +2,7 @@
 
 import math
 
+import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
@@ -18,6 +19,12 @@ from attnref.tolerances import tolerance
 from tests.property.strategies import AttnCase, attention_cases, divisors
 
 TOL32 = tolerance(torch.float32)
+
+# the default tier checks a random projection of each Jacobian (fast_mode, about 100x
+# cheaper); the slow tier checks every entry
+GRADCHECK_MODES = pytest.mark.parametrize(
+    "fast_mode", [True, pytest.param(False, marks=pytest.mark.slow)], ids=["fast", "full"]
+)
 
 
 @st.composite
@@ -151,6 +158,7 @@ def test_nadaraya_watson_large_width_is_nearest_neighbour(Tq: int, Tk: int, seed
     torch.testing.assert_close(y_hat, y_train[nearest], atol=1e-12, rtol=0)
 
 
+@GRADCHECK_MODES
 @given(
     attention_cases(
         dtypes=(torch.float64,),
@@ -161,31 +169,37 @@ def test_nadaraya_watson_large_width_is_nearest_neighbour(Tq: int, Tk: int, seed
         mask_kinds=("none", "bool", "float", "causal_bottom_right", "bool_and_causal"),
     )
 )
-def test_sdpa_gradcheck(case: AttnCase) -> None:
+def test_sdpa_gradcheck(fast_mode: bool, case: AttnCase) -> None:
     q, k, v = (t.detach().requires_grad_() for t in (case.query, case.key, case.value))
     assert gradcheck(
         lambda q, k, v: F.scaled_dot_product_attention(q, k, v, **case.kwargs()),
         (q, k, v),
+        fast_mode=fast_mode,
     )
 
 
+@GRADCHECK_MODES
 @given(st.integers(1, 3), st.integers(1, 4), st.integers(1, 5), st.data())
-def test_masked_softmax_gradcheck(B: int, Tq: int, Tk: int, data: st.DataObject) -> None:
+def test_masked_softmax_gradcheck(
+    fast_mode: bool, B: int, Tq: int, Tk: int, data: st.DataObject
+) -> None:
     X = torch.randn(B, Tq, Tk, dtype=torch.float64, requires_grad=True)
     lens = torch.tensor(data.draw(st.lists(st.integers(0, Tk), min_size=B, max_size=B)))
-    assert gradcheck(lambda X: F.masked_softmax(X, lens), (X,))
-    assert gradcheck(lambda X: F.safe_softmax(X, torch.arange(Tk) < lens.view(B, 1, 1)), (X,))
+    visible = torch.arange(Tk) < lens.view(B, 1, 1)
+    assert gradcheck(lambda X: F.masked_softmax(X, lens), (X,), fast_mode=fast_mode)
+    assert gradcheck(lambda X: F.safe_softmax(X, visible), (X,), fast_mode=fast_mode)
 
 
+@GRADCHECK_MODES
 @given(st.integers(1, 2), st.integers(1, 3), st.integers(1, 4), st.integers(0, 2**31 - 1))
-def test_additive_attention_gradcheck(B: int, Tq: int, Tk: int, seed: int) -> None:
+def test_additive_attention_gradcheck(fast_mode: bool, B: int, Tq: int, Tk: int, seed: int) -> None:
     torch.manual_seed(seed)
     attn = AdditiveAttention(query_size=3, key_size=2, num_hiddens=4).double().eval()
     q = torch.randn(B, Tq, 3, dtype=torch.float64, requires_grad=True)
     k = torch.randn(B, Tk, 2, dtype=torch.float64, requires_grad=True)
     v = torch.randn(B, Tk, 5, dtype=torch.float64, requires_grad=True)
     lens = torch.randint(1, Tk + 1, (B,))
-    assert gradcheck(lambda q, k, v: attn(q, k, v, lens), (q, k, v))
+    assert gradcheck(lambda q, k, v: attn(q, k, v, lens), (q, k, v), fast_mode=fast_mode)
     params = tuple(attn.parameters())
     assert all(p.grad is None for p in params)
     attn(q, k, v, lens).sum().backward()

@@ -1,0 +1,64 @@
+"""The proofs that the tests and properties can fail, run in the slow tier so CI keeps them."""
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from attnref.conformance import PROPERTIES, audit
+from attnref.conformance.mutants import MUTANTS
+from attnref.devices import DTYPES
+
+ROOT = Path(__file__).resolve().parents[1]
+SHORT = {"f64": "float64", "f32": "float32", "f16": "float16", "bf16": "bfloat16"}
+
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("unchecked")]
+
+
+def _kill_matrix() -> dict[str, dict[str, list[str]]]:
+    """docs/kill-matrix.md as {property: {mutant: [dtypes it failed in]}}."""
+    lines = (ROOT / "docs" / "kill-matrix.md").read_text().splitlines()
+    header = next(x for x in lines if x.startswith("| mutant |"))
+    columns = [c.strip().strip("`") for c in header.strip("|").split("|")][2:]
+    kills: dict[str, dict[str, list[str]]] = {p: {} for p in columns}
+    for line in lines:
+        m = re.match(r"^\| `(\w+)` \|", line)
+        if m:
+            cells = [c.strip() for c in line.strip("|").split("|")][2:]
+            for pid, cell in zip(columns, cells, strict=True):
+                if cell != ".":
+                    kills[pid][m.group(1)] = [SHORT[d] for d in cell.split()]
+    return kills
+
+
+def test_every_property_test_can_fail() -> None:
+    """tools/property_mutations.py plants one bug per property test in a scratch copy;
+    every planted bug must make its tests fail."""
+    proc = subprocess.run(
+        [sys.executable, "tools/property_mutations.py"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    assert "every mutation caught" in proc.stdout
+    assert "NOT CAUGHT" not in proc.stdout
+
+
+@pytest.mark.parametrize("pid", list(PROPERTIES))
+def test_each_property_kills_what_the_kill_matrix_says(pid: str) -> None:
+    """The kill matrix claims every property kills at least one mutant; check one such
+    kill per property live, so the claim cannot go stale while the document stays."""
+    kills = _kill_matrix()[pid]
+    assert kills, f"docs/kill-matrix.md lists no mutant caught by {pid}"
+    name, dtypes = next(iter(kills.items()))
+    report = audit(
+        MUTANTS[name].backend(),
+        properties=[pid],
+        dtypes=[DTYPES[dtypes[0]]],
+        device="cpu",
+        progress=False,
+    )
+    assert not report.ok, f"{pid} no longer catches {name} in {dtypes[0]}"
