@@ -1,5 +1,5 @@
-"""Developer sessions: ``nox -s tests``, ``typecheck``, ``lint``, ``docs``, ``bench``,
-``bench_gpu``, ``audit_gpu``.
+"""Developer sessions: ``nox -s tests``, ``slow``, ``typecheck``, ``lint``, ``docs``,
+``bench``, ``bench_gpu``, ``audit_gpu``.
 
 Every session forwards ``session.posargs`` (``nox -s tests -- -k masks``). torch is
 pinned to the CPU build that lies on this project's machines; an unpinned ``torch`` would
@@ -8,7 +8,7 @@ pull a multi-GB CUDA build.
 
 import nox
 
-# bench, bench_gpu and audit_gpu on request
+# slow, bench, bench_gpu and audit_gpu on request
 nox.options.sessions = ["tests", "typecheck", "lint", "docs"]
 nox.options.reuse_existing_virtualenvs = True
 
@@ -22,9 +22,17 @@ def _install(session: nox.Session, extra: str) -> None:
 
 @nox.session
 def tests(session: nox.Session) -> None:
-    """Run the test suite (Hypothesis profile from HYPOTHESIS_PROFILE, default ci)."""
+    """The default tier, README's test command (Hypothesis profile from
+    HYPOTHESIS_PROFILE, default ci)."""
     _install(session, "test")
     session.run("pytest", *session.posargs)
+
+
+@nox.session
+def slow(session: nox.Session) -> None:
+    """The slow tier on every core: extra seeds and dtypes, full gradcheck, the tools."""
+    _install(session, "test")
+    session.run("pytest", "-m", "slow", "-n", "auto", *session.posargs)
 
 
 @nox.session

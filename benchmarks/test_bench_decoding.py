@@ -8,6 +8,7 @@ against ``2 * L * B * g * T * Dh * bytes``.
 
 import statistics
 import time
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -118,6 +119,67 @@ def test_cache_floor_interleaved(benchmark: Any) -> None:
 
     benchmark.pedantic(run, rounds=1)
     names = ("uncached_over_floor", "cached_over_floor")
+    for name, (median, q1, q3) in zip(names, result, strict=True):
+        benchmark.extra_info[f"{name}_median"] = round(median, 2)
+        benchmark.extra_info[f"{name}_IQR"] = f"{q1:.2f}-{q3:.2f}"
+
+
+def _gpt2() -> Any:
+    """HF transformers' GPT-2 at the benchmark model's size (2 layers, width 128, 4 heads,
+    FFN 512, vocabulary 64), eager attention, randomly initialised."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(
+        vocab_size=64,
+        n_positions=TOKENS + 8,
+        n_embd=128,
+        n_layer=2,
+        n_head=4,
+        n_inner=512,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
+    torch.manual_seed(0)
+    config._attn_implementation = "eager"
+    return transformers.GPT2LMHeadModel(config).eval()
+
+
+@pytest.mark.benchmark(group=f"attnref against HF GPT-2, {TOKENS} tokens, batch 1, interleaved")
+def test_cache_against_hf_gpt2_interleaved(benchmark: Any) -> None:
+    """The same comparison for a library people run: GPT-2's own uncached over cached
+    greedy generation, beside attnref's, and attnref's cached generation over GPT-2's.
+    Skipped where transformers is not installed (``pip install transformers``)."""
+    lm = _model()
+    gpt2 = _gpt2()
+    prompt = torch.zeros(1, 1, dtype=torch.long)
+
+    def hf(use_cache: bool) -> Callable[[], object]:
+        def run() -> object:
+            with torch.inference_mode():
+                return gpt2.generate(
+                    prompt,
+                    max_new_tokens=TOKENS,
+                    min_new_tokens=TOKENS,
+                    do_sample=False,
+                    use_cache=use_cache,
+                    pad_token_id=0,
+                )
+
+        return run
+
+    def ours(use_cache: bool) -> Callable[[], object]:
+        return lambda: generate(lm, prompt, TOKENS, use_cache=use_cache)
+
+    assert hf(True)().shape == (1, TOKENS + 1)  # type: ignore[attr-defined]
+    result: list[tuple[float, float, float]] = []
+
+    def run() -> None:
+        result.append(_interleaved_ratio(ours(False), ours(True), 3))
+        result.append(_interleaved_ratio(hf(False), hf(True), 3))
+        result.append(_interleaved_ratio(ours(True), hf(True), 6))
+
+    benchmark.pedantic(run, rounds=1)
+    names = ("attnref_uncached_over_cached", "gpt2_uncached_over_cached", "attnref_over_gpt2")
     for name, (median, q1, q3) in zip(names, result, strict=True):
         benchmark.extra_info[f"{name}_median"] = round(median, 2)
         benchmark.extra_info[f"{name}_IQR"] = f"{q1:.2f}-{q3:.2f}"

@@ -4,7 +4,7 @@ Notation (D2L, Annotated Transformer): queries ``Q``, keys ``K``, values ``V``; 
 is ``softmax(Q K^T * scale + mask) V`` with the softmax taken over **keys** (the last
 axis of the scores). Shapes use the glossary of `attnref._checking`.
 
-Semantics pinned down here (ARCHITECTURE.md, "Semantics the reference pins down"):
+Semantics pinned down here (docs/semantics.md):
 
 - boolean masks are ``True`` = may attend; float masks are added to the scores, and a
   ``-inf`` entry hides its key exactly as ``False`` would;

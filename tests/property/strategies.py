@@ -13,6 +13,8 @@ import torch
 from hypothesis import strategies as st
 from torch import Tensor
 
+from attnref.devices import dtype_name
+
 MASK_KINDS = (
     "none",
     "bool",
@@ -67,7 +69,7 @@ class AttnCase:
         def t(x: Tensor | None) -> str:
             if x is None:
                 return "None"
-            return f"{str(x.dtype).removeprefix('torch.')}{list(x.shape)} stride={x.stride()}"
+            return f"{dtype_name(x.dtype)}{list(x.shape)} stride={x.stride()}"
 
         return (
             f"AttnCase(query={t(self.query)}, key={t(self.key)}, value={t(self.value)}, "

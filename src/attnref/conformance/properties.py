@@ -11,7 +11,7 @@ Two kinds (see docs/conformance.md):
   moves it (``delta``).
 
 A check raises `Failure` (with a one-line message) or `Skip`; it returns on success.
-Bug classes are the rows of ``BUG_CLASSES.md`` (docs/architecture.md).
+Bug classes are the rows of the catalogue in docs/architecture.md ("Bug classes").
 """
 
 import zlib
