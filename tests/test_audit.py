@@ -2,6 +2,7 @@
 
 import json
 import re
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -9,6 +10,7 @@ import torch
 
 from attnref.conformance import (
     BUILTIN_BACKENDS,
+    PROFILES,
     PROPERTIES,
     AuditReport,
     Backend,
@@ -61,8 +63,10 @@ def test_correct_backends_pass_over_seeds(
 
 def test_flex_attention_agrees_with_the_oracle_in_float32() -> None:
     """Eager FlexAttention takes about 0.2 s a call on the CPU: the default tier audits
-    `forward` (every mask, causal, GQA and scale) in float32, the slow tier the rest."""
-    report = run("torch-flex", properties=["forward"], dtypes=(torch.float32,))
+    `forward` (every mask, causal, GQA and scale; the fixed grid, then 10 drawn cases)
+    in float32, the slow tier everything in float32 and bfloat16."""
+    smoke = replace(PROFILES["quick"], name="smoke", examples=10)
+    report = run("torch-flex", properties=["forward"], dtypes=(torch.float32,), profile=smoke)
     assert report.ok, report.format_table()
 
 

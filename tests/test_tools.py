@@ -49,16 +49,23 @@ def test_every_property_test_can_fail() -> None:
 
 @pytest.mark.parametrize("pid", list(PROPERTIES))
 def test_each_property_kills_what_the_kill_matrix_says(pid: str) -> None:
-    """The kill matrix claims every property kills at least one mutant; check one such
-    kill per property live, so the claim cannot go stale while the document stays."""
+    """The kill matrix claims every property kills at least one mutant; check it live,
+    so the claim cannot go stale while the document stays. The cells a search finds can
+    move with the Hypothesis version (a marginal kill, such as float64 overflow, may come
+    and go), so the property must kill one of its listed (mutant, dtype) cells, tried in
+    the matrix's order."""
     kills = _kill_matrix()[pid]
     assert kills, f"docs/kill-matrix.md lists no mutant caught by {pid}"
-    name, dtypes = next(iter(kills.items()))
-    report = audit(
-        MUTANTS[name].backend(),
-        properties=[pid],
-        dtypes=[DTYPES[dtypes[0]]],
-        device="cpu",
-        progress=False,
-    )
-    assert not report.ok, f"{pid} no longer catches {name} in {dtypes[0]}"
+    cells = [(name, dtype) for name, dtypes in kills.items() for dtype in dtypes][:6]
+    for name, dtype in cells:
+        report = audit(
+            MUTANTS[name].backend(),
+            properties=[pid],
+            dtypes=[DTYPES[dtype]],
+            device="cpu",
+            progress=False,
+        )
+        if not report.ok:
+            return
+    tried = [f"{name} in {dtype}" for name, dtype in cells]
+    pytest.fail(f"{pid} catches none of the kills the matrix lists: tried {', '.join(tried)}")

@@ -1,0 +1,357 @@
+"""The checks behind the properties: what each one calls and how it judges the result.
+
+Two kinds (see docs/conformance.md):
+
+- **agreement**: the backend's output (or gradient) matches the float64 oracle (`forward`,
+  `gradient`);
+- **laws**: a relation between two calls of the backend itself (`key_permutation`,
+  `causality`, `value_affine`, `decode`, ...). The oracle only sets the tolerance: the
+  two calls may differ by at most the sum of their error bounds, plus the exact change
+  the transformation makes to the float64 answer when rounding the transformed inputs
+  moves it (``delta``); `_law` is that rule.
+
+A check takes a `Context` and a `Case`; it raises `Failure` (with a one-line message) or
+`Skip`, and returns on success. `attnref.conformance.properties` pairs each check with the
+cases it runs on.
+"""
+
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+
+import torch
+from jaxtyping import Bool, Float
+from torch import Tensor
+
+from attnref import functional as F
+from attnref._checking import checked_internal
+from attnref.conformance.backends import Backend, Capabilities
+from attnref.conformance.calls import arguments, call, invoke
+from attnref.conformance.cases import Case, Inputs, build
+from attnref.conformance.oracle import Expected, close, empty_rows, expect, expect_grads
+from attnref.conformance.verdicts import Failure, Skip
+
+__all__ = [
+    "Check",
+    "Context",
+    "batch",
+    "causality",
+    "decode",
+    "dropout_zero",
+    "forward",
+    "gqa",
+    "gradient",
+    "key_permutation",
+    "mask_kinds",
+    "masked_keys",
+    "row_independence",
+    "shift_invariance",
+    "value_affine",
+]
+
+
+@dataclass(frozen=True)
+class Context:
+    """Everything a check needs besides its case: the backend, dtype, device, timeout."""
+
+    backend: Backend
+    dtype: torch.dtype
+    device: str
+    timeout: float = 60.0
+    # the oracle of the inputs a check is working on, by identity: a law compares two
+    # calls against the oracles of both, and several laws reuse one base call
+    _oracles: dict[int, tuple[Inputs, Expected]] = field(
+        default_factory=dict, repr=False, compare=False
+    )
+
+    @property
+    def caps(self) -> Capabilities:
+        return self.backend.capabilities
+
+    def build(self, case: Case) -> Inputs:
+        self._oracles.clear()  # a new case: the oracles of the last one are not needed
+        return build(case, self.dtype, self.device)
+
+    def run(self, inputs: Inputs, **overrides: object) -> Tensor:
+        return call(self.backend, inputs, self.timeout, **overrides)
+
+    def expect(self, inputs: Inputs) -> Expected:
+        """The oracle of ``inputs``, computed once per check."""
+        hit = self._oracles.get(id(inputs))
+        if hit is None or hit[0] is not inputs:
+            hit = (inputs, expect(inputs, self.caps.empty_row))
+            self._oracles[id(inputs)] = hit
+        return hit[1]
+
+    def agree(self, inputs: Inputs, what: str = "output") -> Tensor:
+        """Call the backend on ``inputs`` and fail unless it matches the oracle."""
+        out = self.run(inputs)
+        exp = self.expect(inputs)
+        close(out.to(torch.float64), exp.value, *exp.bounds(), what)
+        return out
+
+
+Check = Callable[[Context, Case], None]
+
+
+def _gen(case: Case, salt: int) -> torch.Generator:
+    """A generator for a check's own random choices, fixed by the case's seed."""
+    return torch.Generator().manual_seed(case.seed * 1009 + salt)
+
+
+def _with(inputs: Inputs, **tensors: Tensor | None) -> Inputs:
+    return replace(inputs, **tensors)  # type: ignore[arg-type]
+
+
+@checked_internal
+def _law(
+    ctx: Context,
+    got: Float[Tensor, "*shape"],
+    got_inputs: Inputs,
+    base: Float[Tensor, "*base"],
+    base_inputs: Inputs,
+    what: str,
+    *,
+    transform: Callable[[Tensor], Tensor] = lambda x: x,
+    factor: float = 1.0,
+    sel: Bool[Tensor, "*#shape"] | None = None,
+) -> None:
+    """Fail unless ``got ~ transform(base)`` within both calls' bounds on ``sel``.
+
+    ``factor`` is how much ``transform`` scales an error; ``delta`` covers the change in
+    the exact answer that rounding the transformed inputs makes.
+    """
+    eg, eb = ctx.expect(got_inputs), ctx.expect(base_inputs)
+    want = transform(base.to(torch.float64))
+    exact = transform(eb.value)
+    diff = (eg.value - exact).abs()
+    usable = torch.isfinite(diff) if sel is None else torch.isfinite(diff) & sel.expand_as(diff)
+    delta = float(diff[usable].max()) if usable.any() else 0.0
+    gmax, gmean = eg.bounds(sel)
+    bmax, bmean = eb.bounds(sel)
+    close(
+        got.to(torch.float64),
+        want,
+        gmax + abs(factor) * bmax + delta,
+        gmean + abs(factor) * bmean + delta,
+        what,
+        sel,
+    )
+
+
+@checked_internal
+def _rows(sel: Bool[Tensor, "*rows"]) -> Bool[Tensor, "*rows 1"]:
+    """``(..., Tq)`` row selection as a ``(..., Tq, 1)`` mask over an output."""
+    return sel.unsqueeze(-1)
+
+
+# ------------------------------------------------------------------------ agreement
+
+
+def forward(ctx: Context, case: Case) -> None:
+    ctx.agree(ctx.build(case))
+
+
+def gradient(ctx: Context, case: Case) -> None:
+    inputs = ctx.build(case)
+    if ctx.caps.empty_row != "zero" and bool(empty_rows(inputs).any()):
+        raise Skip(f"gradients of rows with no visible key under policy {ctx.caps.empty_row!r}")
+    d_out = torch.randn(
+        (*inputs.query.shape[:-1], inputs.value.shape[-1]), generator=_gen(case, 1)
+    ).to(device=inputs.query.device, dtype=inputs.query.dtype)
+    q, k, v = (t.detach().requires_grad_(True) for t in (inputs.query, inputs.key, inputs.value))
+    leaves = _with(inputs, query=q, key=k, value=v)
+    args, kwargs = arguments(ctx.backend, leaves)
+
+    def forward_backward() -> tuple[Tensor | None, ...]:
+        out = ctx.backend(*args, **kwargs)
+        if not isinstance(out, Tensor) or not out.requires_grad:
+            raise RuntimeError("the output does not require grad: no gradient reaches Q, K, V")
+        grads: tuple[Tensor | None, ...] = torch.autograd.grad(
+            out, (q, k, v), d_out, allow_unused=True
+        )
+        return grads
+
+    grads = invoke(ctx.backend, forward_backward, ctx.timeout)
+    expected = expect_grads(inputs, d_out)
+    for name, g, leaf, exp in zip(("dQ", "dK", "dV"), grads, (q, k, v), expected, strict=True):
+        if g is None:
+            raise Failure(f"{name} is None: the output does not depend on it")
+        if tuple(g.shape) != tuple(leaf.shape):
+            raise Failure(f"{name} has shape {tuple(g.shape)}, expected {tuple(leaf.shape)}")
+        close(g.detach().to(torch.float64), exp.value, *exp.bounds(), name)
+
+
+# ------------------------------------------------------------------------------ laws
+
+
+def masked_keys(ctx: Context, case: Case) -> None:
+    dirty_inputs = ctx.build(case)
+    clean_inputs = ctx.build(replace(case, poison="none"))
+    clean = ctx.run(clean_inputs)
+    dirty = ctx.run(dirty_inputs)
+    _law(ctx, dirty, clean_inputs, clean, clean_inputs, f"output with {case.poison} at hidden keys")
+
+
+def key_permutation(ctx: Context, case: Case) -> None:
+    inputs = ctx.build(case)
+    Tk = inputs.key.shape[-2]
+    perm = torch.randperm(Tk, generator=_gen(case, 2)).to(inputs.key.device)
+    mask = inputs.attn_mask
+    if mask is not None and mask.shape[-1] == Tk:
+        mask = mask[..., perm]
+    permuted = _with(inputs, key=inputs.key[..., perm, :], value=inputs.value[..., perm, :])
+    permuted = _with(permuted, attn_mask=mask)
+    _law(ctx, ctx.run(permuted), permuted, ctx.run(inputs), inputs, "output with keys permuted")
+
+
+def row_independence(ctx: Context, case: Case) -> None:
+    inputs = ctx.build(case)
+    gen = _gen(case, 3)
+    q = inputs.query
+    changed = torch.rand(q.shape[-2], generator=gen) < 0.5
+    fresh = case.amp * torch.randn(q.shape, generator=gen)
+    new_q = torch.where(changed.unsqueeze(-1), fresh, q.detach().cpu().float())
+    other = _with(inputs, query=new_q.to(device=q.device, dtype=q.dtype))
+    keep = _rows(~changed.to(q.device))
+    _law(ctx, ctx.run(other), other, ctx.run(inputs), inputs, "unchanged queries", sel=keep)
+
+
+def causality(ctx: Context, case: Case) -> None:
+    inputs = ctx.build(case)
+    gen = _gen(case, 4)
+    Tk = inputs.key.shape[-2]
+    cut = int(torch.randint(0, Tk + 1, (), generator=gen))
+    k, v = inputs.key, inputs.value
+    later = (torch.arange(Tk) >= cut).to(k.device).unsqueeze(-1)
+    new_k = torch.where(later, torch.randn(k.shape, generator=gen).to(k), k)
+    new_v = torch.where(later, torch.randn(v.shape, generator=gen).to(v), v)
+    future = _with(inputs, key=new_k, value=new_v)
+    blind = ~inputs.visible()[..., cut:].any(dim=-1)  # rows that see no key at or after cut
+    _law(
+        ctx,
+        ctx.run(future),
+        future,
+        ctx.run(inputs),
+        inputs,
+        f"rows that see no key past {cut - 1}",
+        sel=_rows(blind),
+    )
+
+
+def shift_invariance(ctx: Context, case: Case) -> None:
+    inputs = ctx.build(case)
+    q = inputs.query
+    Tq, Tk = q.shape[-2], inputs.key.shape[-2]
+    # a float mask on a half-integer grid, so that adding integers below 128 is exact in
+    # every dtype: the two calls then have exactly the same answer
+    mask = inputs.attn_mask
+    base = torch.zeros(Tq, Tk) if mask is None else (mask.cpu().float() * 2).round() / 2
+    shift = torch.randint(-100, 101, (Tq, 1), generator=_gen(case, 5)).float()
+    plain = _with(inputs, attn_mask=base.to(device=q.device, dtype=q.dtype))
+    shifted = _with(inputs, attn_mask=(base + shift).to(device=q.device, dtype=q.dtype))
+    _law(ctx, ctx.run(shifted), shifted, ctx.run(plain), plain, "output with row scores shifted")
+
+
+def value_affine(ctx: Context, case: Case) -> None:
+    inputs = ctx.build(case)
+    gen = _gen(case, 6)
+    a = float(torch.tensor([-2.0, 0.5, 3.0, -0.75])[torch.randint(0, 4, (), generator=gen)])
+    b = float(torch.randn((), generator=gen)) * 3
+    v = inputs.value
+    moved = _with(inputs, value=(a * v.to(torch.float64) + b).to(v.dtype))
+    seen = _rows(~empty_rows(inputs).squeeze(-1))  # rows with no key hold the policy's value
+    _law(
+        ctx,
+        ctx.run(moved),
+        moved,
+        ctx.run(inputs),
+        inputs,
+        f"out(q, k, {a:g} v + {b:.3g})",
+        transform=lambda out: a * out + b,
+        factor=a,
+        sel=seen,
+    )
+
+
+def decode(ctx: Context, case: Case) -> None:
+    """Each query alone, against the keys it sees causally (a KV cache), with no mask."""
+    inputs = ctx.build(case)
+    assert inputs.causal is not None
+    full = ctx.run(inputs)
+    q, k, v, mask = inputs.query, inputs.key, inputs.value, inputs.attn_mask
+    Tq, Tk = q.shape[-2], k.shape[-2]
+    offset = 0 if inputs.causal == "top_left" else Tk - Tq
+    rows = sorted({0, Tq - 1, int(torch.randint(0, Tq, (), generator=_gen(case, 7)))})
+    for i in rows:
+        n = min(Tk, i + offset + 1)
+        if n <= 0:
+            continue  # this query sees nothing: the empty-row property's business
+        row_mask = None if mask is None else mask[..., i if mask.shape[-2] > 1 else 0, None, :n]
+        step = Inputs(
+            q[..., i : i + 1, :], k[..., :n, :], v[..., :n, :], row_mask, None, inputs.scale
+        )
+        _law(
+            ctx,
+            ctx.run(step),
+            step,
+            full,
+            inputs,
+            f"query {i} decoded alone against {n} keys",
+            transform=lambda out, i=i: out[..., i : i + 1, :],  # type: ignore[misc]
+        )
+
+
+def gqa(ctx: Context, case: Case) -> None:
+    inputs = ctx.build(case)
+    h = inputs.query.shape[-3]
+    expanded = _with(
+        inputs, key=F.expand_kv_heads(inputs.key, h), value=F.expand_kv_heads(inputs.value, h)
+    )
+    _law(ctx, ctx.run(inputs), inputs, ctx.run(expanded), expanded, "GQA against expanded heads")
+
+
+def batch(ctx: Context, case: Case) -> None:
+    inputs = ctx.build(case)
+    full = ctx.run(inputs)
+    B = inputs.query.shape[0]
+    for b in sorted({0, B - 1}):
+
+        def one(t: Tensor | None, b: int = b) -> Tensor | None:
+            if t is None or t.dim() < 4 or t.shape[0] == 1:
+                return t
+            return t[b : b + 1]
+
+        alone = Inputs(
+            one(inputs.query),  # type: ignore[arg-type]
+            one(inputs.key),  # type: ignore[arg-type]
+            one(inputs.value),  # type: ignore[arg-type]
+            one(inputs.attn_mask),
+            inputs.causal,
+            inputs.scale,
+        )
+        _law(
+            ctx,
+            ctx.run(alone),
+            alone,
+            full,
+            inputs,
+            f"sample {b} alone",
+            transform=lambda out, b=b: out[b : b + 1],  # type: ignore[misc]
+        )
+
+
+def dropout_zero(ctx: Context, case: Case) -> None:
+    inputs = ctx.build(case)
+    first = ctx.agree(inputs, "first call with dropout_p=0")
+    again = ctx.run(inputs, dropout_p=0.0)
+    _law(ctx, again, inputs, first, inputs, "second call with dropout_p=0")
+
+
+def mask_kinds(ctx: Context, case: Case) -> None:
+    inputs = ctx.build(case)
+    mask = inputs.attn_mask
+    assert mask is not None
+    assert mask.dtype == torch.bool
+    additive = torch.zeros(mask.shape, dtype=inputs.query.dtype, device=mask.device)
+    as_float = _with(inputs, attn_mask=additive.masked_fill(~mask, float("-inf")))
+    _law(ctx, ctx.run(as_float), as_float, ctx.run(inputs), inputs, "float mask against bool mask")
