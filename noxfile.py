@@ -32,7 +32,7 @@ def tests(session: nox.Session) -> None:
 def slow(session: nox.Session) -> None:
     """The slow tier on every core: extra seeds and dtypes, full gradcheck, the tools."""
     _install(session, "test")
-    session.run("pytest", "-m", "slow", "-n", "auto", *session.posargs)
+    session.run("pytest", "-m", "slow", *session.posargs)
 
 
 @nox.session

@@ -199,7 +199,19 @@ def run(mutation: Mutation, scratch: Path) -> dict[str, bool]:
         env = os.environ | {"PYTHONPATH": str(scratch / "src"), "HYPOTHESIS_PROFILE": "ci"}
         for test in mutation.tests:
             proc = subprocess.run(
-                [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", test],
+                # one test in this process (-n 0): workers would only cost their start-up
+                [
+                    sys.executable,
+                    "-m",
+                    "pytest",
+                    "-x",
+                    "-q",
+                    "-n",
+                    "0",
+                    "-p",
+                    "no:cacheprovider",
+                    test,
+                ],
                 cwd=scratch,
                 env=env,
                 capture_output=True,
