@@ -1,9 +1,13 @@
 """Backends that misbehave as programs, not as attention (importable as ``tests.planted:NAME``).
 
 The attention bugs live in `attnref.conformance.mutants`; these check that the audit
-reports a backend that raises, hangs or returns the wrong thing without crashing.
+reports a backend that raises, hangs, ends or crashes its process, changes its inputs or
+returns the wrong thing, and still finishes with a report and exit code 1.
 """
 
+import ctypes
+import os
+import sys
 import time
 from typing import Any
 
@@ -82,6 +86,79 @@ def no_mask_argument(query: Tensor, key: Tensor, value: Tensor) -> Tensor:
 
 
 NOT_CALLABLE = 3
+
+
+def _sdpa(*args: Any, **kwargs: Any) -> Tensor:
+    out: Tensor = torch.nn.functional.scaled_dot_product_attention(*args, **kwargs)
+    return out
+
+
+def exits_0(*args: Any, **kwargs: Any) -> Tensor:
+    """Ends its process with exit code 0, as if all were well."""
+    os._exit(0)
+
+
+def exits_3(*args: Any, **kwargs: Any) -> Tensor:
+    """Ends its process with exit code 3 (attnref's own code for its internal errors)."""
+    os._exit(3)
+
+
+def segfaults(*args: Any, **kwargs: Any) -> Tensor:
+    """Reads address 0: SIGSEGV."""
+    ctypes.string_at(0)
+    raise AssertionError("unreachable")
+
+
+def aborts(*args: Any, **kwargs: Any) -> Tensor:
+    """Calls abort(): SIGABRT, as a failed C++ assertion or JAX's bfloat16 path does."""
+    os.abort()
+
+
+def busy_loop(*args: Any, **kwargs: Any) -> Tensor:
+    """Spins forever without sleeping or releasing the GIL for long."""
+    while True:
+        pass
+
+
+def calls_sys_exit(*args: Any, **kwargs: Any) -> Tensor:
+    """Calls sys.exit(0)."""
+    sys.exit(0)
+
+
+def raises_keyboard_interrupt(*args: Any, **kwargs: Any) -> Tensor:
+    """Raises KeyboardInterrupt itself (no user pressed Ctrl-C)."""
+    raise KeyboardInterrupt
+
+
+def returns_nan(*args: Any, **kwargs: Any) -> Tensor:
+    """The right shape and dtype, every value NaN."""
+    return torch.full_like(_sdpa(*args, **kwargs), float("nan"))
+
+
+def returns_inf(*args: Any, **kwargs: Any) -> Tensor:
+    """The right shape and dtype, every value +inf."""
+    return torch.full_like(_sdpa(*args, **kwargs), float("inf"))
+
+
+def scales_query_in_place(q: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+    """Scales its query in place (``q.mul_(2)``), then attends correctly with the scale
+    halved: the output is right, the caller's tensor is not."""
+    scale = kwargs.pop("scale", None)
+    with torch.no_grad():
+        q.mul_(2)
+    s = (q.shape[-1] ** -0.5 if q.shape[-1] else 1.0) if scale is None else scale
+    return _sdpa(q, *args, scale=s / 2, **kwargs)
+
+
+def detached(*args: Any, **kwargs: Any) -> Tensor:
+    """Correct values, but cut from the graph: no gradient reaches Q, K or V."""
+    return _sdpa(*args, **kwargs).detach()
+
+
+def allocates_without_bound(*args: Any, **kwargs: Any) -> Tensor:
+    """Asks for 1 TiB of scratch memory."""
+    scratch = torch.empty(2**38, dtype=torch.float32)
+    return scratch[:1]
 
 
 def _declare() -> None:

@@ -2,6 +2,8 @@
 
 import json
 import re
+import subprocess
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -147,7 +149,7 @@ def test_kill_matrix_in_docs_covers_every_mutant_and_property() -> None:
         assert any(cells[i] != "." for cells in rows.values()), f"{pid} caught no mutant"
 
 
-def test_a_failure_is_shrunk_and_its_reproducer_runs(capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_failure_is_shrunk_and_its_reproducer_runs(tmp_path: Path) -> None:
     report = run("mutant.gqa_tiled", properties=["gqa"], dtypes=(torch.float32,))
     (result,) = report.results
     assert result.status == "fail"
@@ -157,8 +159,11 @@ def test_a_failure_is_shrunk_and_its_reproducer_runs(capsys: pytest.CaptureFixtu
     assert case.batch == ()
     assert case.mask == "none"
     assert case.layout == "contiguous"
-    exec(compile(result.finding.reproducer, "reproducer", "exec"), {})
-    assert capsys.readouterr().out.startswith("FAIL: GQA against expanded heads")
+    script = tmp_path / "reproducer.py"
+    script.write_text(result.finding.reproducer)
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True)
+    assert proc.returncode == 1, proc.stdout + proc.stderr  # 1 while it reproduces
+    assert proc.stdout.startswith("FAIL: GQA against expanded heads")
 
 
 def test_same_seed_same_search_other_seed_other_cases() -> None:

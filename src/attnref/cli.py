@@ -2,10 +2,12 @@
 (``python -m attnref ...`` works too)."""
 
 import argparse
+import contextlib
 import os
 import sys
 import traceback
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 
@@ -197,7 +199,7 @@ def _list_properties() -> None:
 
 
 def _audit(args: argparse.Namespace) -> int:
-    from attnref.conformance import BackendError, audit
+    from attnref.conformance import AuditReport, BackendError, audit
     from attnref.conformance.options import OptionError, audit_settings, load_backend
 
     if args.list_backends:
@@ -208,28 +210,73 @@ def _audit(args: argparse.Namespace) -> int:
         return 0
     try:
         settings = audit_settings(lambda dest: getattr(args, dest))
+        json_path = _writable(args.json)
         backend = load_backend(args.backend)
     except (BackendError, OptionError) as e:
         print(f"attnref audit: {e}", file=sys.stderr)
         return 2
-    report = audit(
-        backend,
-        **settings.audit_kwargs(),
-        fail_fast=args.fail_fast,
-        progress=not args.no_progress and sys.stderr.isatty(),
+    report = AuditReport.start(
+        backend.name,
+        settings.device,
+        [str(d) for d in settings.dtypes or backend.capabilities.dtypes],
+        settings.profile.name,
+        settings.seed,
+        backend.capabilities,
     )
+
+    def save(partial: AuditReport) -> None:  # after every property: a crash loses nothing
+        if json_path is not None:
+            partial.write_json(json_path)
+
+    try:
+        audit(
+            backend,
+            **settings.audit_kwargs(),
+            fail_fast=args.fail_fast,
+            progress=not args.no_progress and sys.stderr.isatty(),
+            on_result=save,
+            report=report,
+        )
+    except KeyboardInterrupt:
+        where = f"; the partial report is in {json_path}" if json_path else ""
+        print(f"attnref audit: interrupted{where}", file=sys.stderr)
+        return 130
     print(report.format_table(verbose=args.verbose))
-    if args.json:
-        written = report.write_json(args.json)
-        print(f"report written to {args.json}")
+    if json_path is not None:
+        written = report.write_json(json_path)
+        print(f"report written to {json_path}")
         if len(written) > 1:
             print(f"reproducers written to {written[1].parent}/")
     return 0 if report.ok else 1
 
 
+def _writable(path: str | None) -> Path | None:
+    """``path`` as a ``Path`` if a report can be written there, before the audit runs.
+
+    Raises:
+        OptionError: its folder does not exist or cannot be written, or it is a folder.
+    """
+    from attnref.conformance.options import OptionError
+
+    if path is None:
+        return None
+    p = Path(path)
+    folder = p.parent if str(p.parent) else Path(".")
+    if p.is_dir():
+        raise OptionError(f"--json {path}: is a folder; give a file name")
+    if not folder.is_dir():
+        raise OptionError(f"--json {path}: the folder {folder} does not exist")
+    if not os.access(folder, os.W_OK):
+        raise OptionError(f"--json {path}: the folder {folder} cannot be written")
+    return p
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``attnref`` command; returns the exit code."""
     args = _parser().parse_args(argv)
+    if not sys.stdout.isatty():  # CI logs and pipes see each line as it is printed
+        with contextlib.suppress(AttributeError, ValueError):
+            sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]
     try:
         if args.command == "audit":
             return _audit(args)

@@ -38,13 +38,21 @@ class AuditItem(pytest.Item):
     """One property of one backend in one dtype."""
 
     def __init__(
-        self, *, backend: Any, prop: Any, dtype: Any, settings: AuditSettings, **kwargs: Any
+        self,
+        *,
+        backend: Any,
+        prop: Any,
+        dtype: Any,
+        settings: AuditSettings,
+        executor: Any,
+        **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)
         self.backend = backend
         self.prop = prop
         self.dtype = dtype
         self.settings = settings
+        self.executor = executor
         self.add_marker(pytest.mark.attnref)
 
     def runtest(self) -> None:
@@ -62,6 +70,7 @@ class AuditItem(pytest.Item):
             profile=s.profile,
             seed=s.seed,
             timeout=s.timeout,
+            executor=self.executor,
         )
         self.user_properties.append(("checks", result.checks))
         if result.status == "skip":
@@ -79,8 +88,16 @@ class AuditItem(pytest.Item):
         return "attnref", None, self.name
 
 
+_EXECUTORS: list[Any] = []
+
+
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "attnref: a property audited by attnref's plugin")
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    while _EXECUTORS:
+        _EXECUTORS.pop().close()
 
 
 def pytest_collection_modifyitems(
@@ -97,6 +114,11 @@ def pytest_collection_modifyitems(
         settings = audit_settings(lambda dest: config.getoption(f"attnref_{dest}"))
     except OptionError as e:
         raise pytest.UsageError(f"attnref: {e}") from None
+    import torch
+
+    from attnref.conformance.worker import InProcess, Supervised
+
+    torch.set_num_threads(settings.threads)
     props = [PROPERTIES[n] for n in settings.properties or PROPERTIES]
     if not settings.gradients:
         props = [p for p in props if not p.gradient]
@@ -105,6 +127,12 @@ def pytest_collection_modifyitems(
             backend = load_backend(spec)
         except BackendError as e:
             raise pytest.UsageError(f"--attnref-backend: {e}") from None
+        executor = (
+            Supervised(backend, threads=settings.threads)
+            if settings.isolate
+            else InProcess(backend)
+        )
+        _EXECUTORS.append(executor)  # one worker per backend, for every item
         for prop in props:
             for dtype in settings.dtypes or backend.capabilities.dtypes:
                 items.append(
@@ -115,5 +143,6 @@ def pytest_collection_modifyitems(
                         prop=prop,
                         dtype=dtype,
                         settings=settings,
+                        executor=executor,
                     )
                 )

@@ -3,11 +3,10 @@
 Nothing a backend does (raise, hang, return a list, the wrong shape, dtype or device)
 escapes as an exception other than `Failure` (the backend is wrong) or `Skip` (the
 backend declared it does not support the call). Every call of backend code goes through
-`invoke`: the forward calls of `call` and the gradient property's forward and backward.
+`invoke`, as a `Job` for an executor (`attnref.conformance.worker`): the forward calls of
+`call`, and the gradient property's forward and backward.
 """
 
-import threading
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -18,9 +17,10 @@ from attnref._checking import checked
 from attnref.conformance.backends import Backend
 from attnref.conformance.cases import Inputs
 from attnref.conformance.verdicts import Failure, Skip, one_line
+from attnref.conformance.worker import BackendDied, Executor, InProcess, Job, ModifiedInputs, Raised
 from attnref.masks import causal_mask
 
-__all__ = ["arguments", "backend_call", "call", "call_with_timeout", "invoke", "skip_reason"]
+__all__ = ["arguments", "backend_call", "call", "invoke", "skip_reason"]
 
 
 def backend_call(
@@ -75,29 +75,10 @@ def skip_reason(backend: Backend, inputs: Inputs, kwargs: dict[str, Any]) -> str
     return None
 
 
-def call_with_timeout(fn: Callable[[], Any], timeout: float) -> tuple[Any, BaseException | None]:
-    """Run ``fn`` in a daemon thread; a call still running after ``timeout`` is abandoned."""
-    result: list[Any] = []
-    error: list[BaseException] = []
-
-    def target() -> None:
-        try:
-            result.append(fn())
-        except BaseException as e:  # the backend's failure is data for the report
-            error.append(e)
-
-    thread = threading.Thread(target=target, daemon=True)
-    thread.start()
-    thread.join(timeout)
-    if thread.is_alive():
-        return None, TimeoutError(f"no answer within {timeout:g} s")
-    return (result[0] if result else None), (error[0] if error else None)
-
-
 def raise_for_error(backend: Backend, error: BaseException) -> None:
     """Turn what the backend raised into `Skip` (a declared refusal) or `Failure`."""
-    if isinstance(error, TimeoutError):
-        raise Failure(one_line(error), fatal=True)
+    if isinstance(error, ModifiedInputs):
+        raise Failure(str(error))
     if any(pattern in str(error) for pattern in backend.capabilities.refuses):
         raise Skip(f"refused: {one_line(error)}")
     raise Failure(one_line(error))
@@ -130,30 +111,42 @@ def arguments(
     return args, kwargs
 
 
-def invoke(backend: Backend, run: Callable[[], Any], timeout: float) -> Any:
-    """What ``run()`` (backend code) returns; what it raises becomes `Skip` or `Failure`.
+def invoke(backend: Backend, job: Job, timeout: float, executor: Executor | None = None) -> Any:
+    """What ``job`` (backend code) returns, run by ``executor`` (default: in this process);
+    whatever the backend does becomes `Skip` or `Failure`.
 
     Raises:
         Skip: it refused the call with an error the backend declares as a refusal.
-        Failure: it raised anything else, or hung past ``timeout`` seconds.
+        Failure: it raised anything else, modified its inputs, ended or crashed its
+            process, or hung past ``timeout`` seconds (fatal: the search stops).
     """
-    out, error = call_with_timeout(run, timeout)
-    if error is not None:
-        raise_for_error(backend, error)
-    return out
+    executor = executor or InProcess(backend)
+    try:
+        return executor.run(job, timeout)
+    except Raised as e:
+        raise_for_error(backend, e.error)
+    except BackendDied as e:
+        raise Failure(str(e)) from None
+    except TimeoutError as e:
+        raise Failure(f"TimeoutError: {e}", fatal=True) from None
 
 
 @checked
 def call(
-    backend: Backend, inputs: Inputs, timeout: float, **overrides: Any
+    backend: Backend,
+    inputs: Inputs,
+    timeout: float,
+    executor: Executor | None = None,
+    **overrides: Any,
 ) -> Float[Tensor, "*batch h Tq Dv"]:
     """The backend's output for ``inputs``, checked for type, shape, dtype and device.
 
     Raises:
         Skip: the call is outside what the backend declares, or it refused as declared.
-        Failure: it raised, hung past ``timeout`` seconds, or returned something wrong.
+        Failure: it raised, hung past ``timeout`` seconds, crashed, modified its inputs,
+            or returned something wrong.
     """
     args, kwargs = arguments(backend, inputs, **overrides)
-    out = invoke(backend, lambda: backend(*args, **kwargs), timeout)
+    out = invoke(backend, Job(args, kwargs), timeout, executor)
     expected_shape = (*inputs.query.shape[:-1], inputs.value.shape[-1])
     return check_output(out, expected_shape, inputs).detach()

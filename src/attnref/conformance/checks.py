@@ -29,6 +29,7 @@ from attnref.conformance.calls import arguments, call, invoke
 from attnref.conformance.cases import Case, Inputs, build
 from attnref.conformance.oracle import Expected, close, empty_rows, expect, expect_grads
 from attnref.conformance.verdicts import Failure, Skip
+from attnref.conformance.worker import Executor, Job
 
 __all__ = [
     "Check",
@@ -57,6 +58,8 @@ class Context:
     dtype: torch.dtype
     device: str
     timeout: float = 60.0
+    #: where backend code runs (None: a thread of this process)
+    executor: Executor | None = None
     # the oracle of the inputs a check is working on, by identity: a law compares two
     # calls against the oracles of both, and several laws reuse one base call
     _oracles: dict[int, tuple[Inputs, Expected]] = field(
@@ -72,7 +75,7 @@ class Context:
         return build(case, self.dtype, self.device)
 
     def run(self, inputs: Inputs, **overrides: object) -> Tensor:
-        return call(self.backend, inputs, self.timeout, **overrides)
+        return call(self.backend, inputs, self.timeout, self.executor, **overrides)
 
     def expect(self, inputs: Inputs) -> Expected:
         """The oracle of ``inputs``, computed once per check."""
@@ -118,9 +121,16 @@ def _law(
     """Fail unless ``got ~ transform(base)`` within both calls' bounds on ``sel``.
 
     ``factor`` is how much ``transform`` scales an error; ``delta`` covers the change in
-    the exact answer that rounding the transformed inputs makes.
+    the exact answer that rounding the transformed inputs makes. First, each call must be
+    finite wherever its own oracle is: NaN is not equal to itself, so two NaN outputs
+    never make a law hold, and the message names the call that went wrong.
     """
     eg, eb = ctx.expect(got_inputs), ctx.expect(base_inputs)
+    for call_name, out, exp in (
+        ("the call on the original inputs", base, eb),
+        ("the call on the changed inputs", got, eg),
+    ):
+        _finite_where_the_oracle_is(out, exp.value, f"{what}: {call_name}")
     want = transform(base.to(torch.float64))
     exact = transform(eb.value)
     diff = (eg.value - exact).abs()
@@ -136,6 +146,23 @@ def _law(
         what,
         sel,
     )
+
+
+@checked_internal
+def _finite_where_the_oracle_is(
+    out: Float[Tensor, "*shape"], oracle: Float[Tensor, "*shape"], what: str
+) -> None:
+    bad = ~torch.isfinite(out) & torch.isfinite(oracle)
+    if bool(bad.any()):
+        where = tuple(int(i) for i in bad.nonzero()[0])
+        raise Failure(
+            f"{what} returned {int(bad.sum())} NaN/inf values where the oracle is finite; "
+            f"first at {where}: got {float(out[where])}, the oracle says "
+            f"{float(oracle[where]):.6g}",
+            got=float(out[where]),
+            expected=float(oracle[where]),
+            where=where,
+        )
 
 
 @checked_internal
@@ -158,22 +185,11 @@ def gradient(ctx: Context, case: Case) -> None:
     d_out = torch.randn(
         (*inputs.query.shape[:-1], inputs.value.shape[-1]), generator=_gen(case, 1)
     ).to(device=inputs.query.device, dtype=inputs.query.dtype)
-    q, k, v = (t.detach().requires_grad_(True) for t in (inputs.query, inputs.key, inputs.value))
-    leaves = _with(inputs, query=q, key=k, value=v)
-    args, kwargs = arguments(ctx.backend, leaves)
-
-    def forward_backward() -> tuple[Tensor | None, ...]:
-        out = ctx.backend(*args, **kwargs)
-        if not isinstance(out, Tensor) or not out.requires_grad:
-            raise RuntimeError("the output does not require grad: no gradient reaches Q, K, V")
-        grads: tuple[Tensor | None, ...] = torch.autograd.grad(
-            out, (q, k, v), d_out, allow_unused=True
-        )
-        return grads
-
-    grads = invoke(ctx.backend, forward_backward, ctx.timeout)
+    args, kwargs = arguments(ctx.backend, inputs)  # the job makes Q, K and V leaves
+    grads = invoke(ctx.backend, Job(args, kwargs, d_out), ctx.timeout, ctx.executor)
     expected = expect_grads(inputs, d_out)
-    for name, g, leaf, exp in zip(("dQ", "dK", "dV"), grads, (q, k, v), expected, strict=True):
+    leaves = (inputs.query, inputs.key, inputs.value)
+    for name, g, leaf, exp in zip(("dQ", "dK", "dV"), grads, leaves, expected, strict=True):
         if g is None:
             raise Failure(f"{name} is None: the output does not depend on it")
         if tuple(g.shape) != tuple(leaf.shape):

@@ -68,6 +68,32 @@ def add_audit_options(add: Callable[..., Any], prefix: str = "", *, choices: boo
     )
     option("seed", type=int, default=0, help="seed of the search (default: 0)")
     option("timeout", type=float, default=60.0, help="seconds allowed per call (default: 60)")
+    option(
+        "deadline",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="stop checking after this long; the report is then incomplete (default: none)",
+    )
+    option(
+        "threads",
+        type=int,
+        default=1,
+        help="torch intra-op threads (default: 1, the fastest for the audit's small cases)",
+    )
+    option(
+        "memory-limit",
+        type=float,
+        default=None,
+        metavar="GIB",
+        help="address space the backend's worker may use, in GiB (default: no limit)",
+    )
+    option(
+        "in-process",
+        action="store_true",
+        help="run the backend in this process, not a supervised worker (for debugging; "
+        "an exit or a crash of the backend then ends the audit)",
+    )
     option("no-grad", action="store_true", help="leave out the gradient property")
 
 
@@ -82,6 +108,10 @@ class AuditSettings:
     seed: int
     timeout: float
     gradients: bool
+    deadline: float | None = None
+    threads: int = 1
+    isolate: bool = True
+    memory_limit: float | None = None  # GiB
 
     def audit_kwargs(self) -> dict[str, Any]:
         """Keyword arguments of `attnref.conformance.audit`."""
@@ -93,6 +123,10 @@ class AuditSettings:
             "seed": self.seed,
             "timeout": self.timeout,
             "gradients": self.gradients,
+            "deadline": self.deadline,
+            "threads": self.threads,
+            "isolate": self.isolate,
+            "memory_limit": self.memory_limit,
         }
 
 
@@ -101,7 +135,8 @@ def audit_settings(get: Callable[[str], Any]) -> AuditSettings:
 
     Raises:
         OptionError: an unknown profile, dtype, property or device, CUDA asked for where
-            there is none, a timeout that is not positive.
+            there is none, a timeout or deadline that is not positive, fewer than one
+            thread.
     """
     import torch
 
@@ -124,6 +159,15 @@ def audit_settings(get: Callable[[str], Any]) -> AuditSettings:
     timeout = get("timeout")
     if not timeout > 0:
         raise OptionError(f"--timeout must be > 0 seconds, got {timeout}")
+    deadline = get("deadline")
+    if deadline is not None and not deadline > 0:
+        raise OptionError(f"--deadline must be > 0 seconds, got {deadline}")
+    threads = get("threads")
+    if threads < 1:
+        raise OptionError(f"--threads must be >= 1, got {threads}")
+    memory_limit = get("memory_limit")
+    if memory_limit is not None and not memory_limit > 0:
+        raise OptionError(f"--memory-limit must be > 0 GiB, got {memory_limit}")
     properties = get("property")
     return AuditSettings(
         profile=profile,
@@ -133,6 +177,10 @@ def audit_settings(get: Callable[[str], Any]) -> AuditSettings:
         seed=get("seed"),
         timeout=timeout,
         gradients=not get("no_grad"),
+        deadline=deadline,
+        threads=threads,
+        isolate=not get("in_process"),
+        memory_limit=memory_limit,
     )
 
 

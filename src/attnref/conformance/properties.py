@@ -337,18 +337,31 @@ def get_property(pid: str) -> Property:
 
 
 def check_case(
-    pid: str, backend: Backend, case: Case, dtype: torch.dtype, device: str = "cpu"
+    pid: str,
+    backend: Backend,
+    case: Case,
+    dtype: torch.dtype,
+    device: str = "cpu",
+    *,
+    isolate: bool = True,
+    timeout: float = 60.0,
 ) -> str:
     """Check one case of property ``pid``: ``"pass"``, ``"skip: why"`` or ``"FAIL: why"``.
 
-    What reproducers call.
+    What reproducers call. ``isolate``: the backend runs in a supervised worker, so
+    that a crash is reported as a failure rather than ending the reproducer.
     """
+    from attnref.conformance.worker import InProcess, Supervised
+
+    executor = Supervised(backend) if isolate else InProcess(backend)
     try:
-        get_property(pid).check(Context(backend, dtype, device), case)
+        get_property(pid).check(Context(backend, dtype, device, timeout, executor), case)
     except Skip as s:
         return f"skip: {s}"
     except Failure as f:
         return f"FAIL: {f}"
+    finally:
+        executor.close()
     return "pass"
 
 

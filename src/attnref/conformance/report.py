@@ -9,6 +9,7 @@ JSON schema (``schema_version`` 2)::
       "profile": "quick" | "ci" | "thorough", "seed": int,
       "capabilities": {field of Capabilities: value},
       "started": ISO-8601 str, "seconds": float, "stopped_early": bool,
+      "incomplete": null | str,    # why the audit did not finish (then "ok" is false)
       "summary": {"passed": int, "failed": int, "skipped": int, "checks": int, "ok": bool},
       "results": [
         {"property": str, "dtype": str, "status": "pass" | "fail" | "skip",
@@ -103,19 +104,28 @@ class PropertyResult:
 def reproducer(
     backend: str, pid: str, case: Case, dtype: torch.dtype, device: str, message: str
 ) -> str:
-    """A runnable Python snippet that rebuilds the failing case and checks it again."""
+    """A runnable Python snippet that rebuilds the failing case and checks it again.
+
+    Run from the folder the audit was started in (``module:function`` backends import
+    from there), it prints the verdict and exits 1 while the failure reproduces, 0 once
+    it no longer does: ``git bisect run python REPRODUCER`` can use it.
+    """
     dt = dtype_name(dtype)
     return (
         f"# attnref: property {pid!r} failed for backend {backend!r} ({dt}, {device})\n"
         f"# {message}\n"
+        "import sys\n"
+        "\n"
         "import torch\n"
-        "from attnref.conformance import Case, build, check_case, resolve_backend\n"
+        "\n"
+        "from attnref.conformance import Case, check_case\n"
+        "from attnref.conformance.options import load_backend\n"
         "\n"
         f"case = {case!r}\n"
-        f"inputs = build(case, torch.{dt}, {device!r})  "
-        "# query, key, value, attn_mask of the case\n"
-        f"print(check_case({pid!r}, resolve_backend({backend!r}), case, "
-        f"torch.{dt}, {device!r}))\n"
+        f"verdict = check_case({pid!r}, load_backend({backend!r}), case, torch.{dt}, "
+        f"{device!r})\n"
+        "print(verdict)\n"
+        'sys.exit(1 if verdict.startswith("FAIL") else 0)\n'
     )
 
 
@@ -133,6 +143,8 @@ class AuditReport:
     results: list[PropertyResult] = field(default_factory=list)
     seconds: float = 0.0
     stopped_early: bool = False
+    #: why the audit did not finish ("" when it did): a deadline, an interrupt
+    incomplete: str = ""
     _t0: float = 0.0
 
     @classmethod
@@ -165,8 +177,8 @@ class AuditReport:
 
     @property
     def ok(self) -> bool:
-        """True when nothing failed."""
-        return self.count("fail") == 0
+        """True when the audit finished and nothing failed."""
+        return self.count("fail") == 0 and not self.incomplete
 
     def failed_properties(self) -> set[str]:
         """The ids of the properties that failed in at least one dtype."""
@@ -192,6 +204,7 @@ class AuditReport:
             "started": self.started,
             "seconds": round(self.seconds, 3),
             "stopped_early": self.stopped_early,
+            "incomplete": self.incomplete or None,
             "summary": {
                 "passed": self.count("pass"),
                 "failed": self.count("fail"),
@@ -257,6 +270,8 @@ class AuditReport:
             lines += [f"  {r.property} [{dtype_name(r.dtype)}]: {r.message}" for r in skips]
         if self.stopped_early:
             lines += ["", "stopped at the first failure (--fail-fast)"]
+        if self.incomplete:
+            lines += ["", f"INCOMPLETE: {self.incomplete}"]
         checks = sum(r.checks for r in self.results)
         lines += [
             "",

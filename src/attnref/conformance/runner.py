@@ -7,7 +7,7 @@ backend never crashes or hangs the audit: see `attnref.conformance.calls`.
 """
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +27,7 @@ from attnref.conformance.properties import (
 )
 from attnref.conformance.report import AuditReport, Finding, PropertyResult, Status, reproducer
 from attnref.conformance.verdicts import Failure, Skip
+from attnref.conformance.worker import Executor, InProcess, Supervised
 from attnref.devices import best_device, dtype_name
 
 __all__ = ["audit", "run_property"]
@@ -44,6 +45,7 @@ class _Search:
     failure: tuple[Case, Failure] | None = None
     shrink_until: float | None = None
     stop: bool = False
+    late: bool = False  # stopped by the audit's deadline
 
 
 def run_property(
@@ -55,8 +57,16 @@ def run_property(
     profile: Profile,
     seed: int = 0,
     timeout: float = 60.0,
+    executor: Executor | None = None,
+    stop_at: float | None = None,
 ) -> PropertyResult:
-    """Search for a case on which ``backend`` breaks ``prop`` in ``dtype``; shrink it."""
+    """Search for a case on which ``backend`` breaks ``prop`` in ``dtype``; shrink it.
+
+    ``executor`` runs the backend's code (default: a thread of this process; `audit`
+    passes a supervised worker). Past ``stop_at`` (a `time.perf_counter` reading) no
+    more cases are checked: what was found stands, and a property with no failure by
+    then is a skip, not a pass.
+    """
     start = time.perf_counter()
     caps = backend.capabilities
 
@@ -78,9 +88,11 @@ def run_property(
     reason = prop.requires(caps)
     if reason is not None:
         return done("skip", reason)
-    ctx = Context(backend, dtype, device, timeout)
+    ctx = Context(backend, dtype, device, timeout, executor)
 
     def body(case: Case) -> None:
+        if stop_at is not None and time.perf_counter() > stop_at:
+            search.stop = search.late = True
         if search.stop:
             return  # out of shrink budget (or the backend hangs): keep what we have
         search.checks += 1
@@ -135,6 +147,8 @@ def run_property(
             reproducer(backend.name, prop.id, case, dtype, device, str(failure)),
         )
         return done("fail", str(failure), finding)
+    if search.late:
+        return done("skip", "not finished: the audit's deadline passed")
     if search.checks and search.skipped == search.checks:
         return done("skip", search.skip_reason)
     return done("pass")
@@ -152,6 +166,12 @@ def audit(
     fail_fast: bool = False,
     gradients: bool = True,
     progress: bool = True,
+    isolate: bool = True,
+    threads: int = 1,
+    deadline: float | None = None,
+    memory_limit: float | None = None,
+    on_result: Callable[[AuditReport], None] | None = None,
+    report: AuditReport | None = None,
 ) -> AuditReport:
     """Audit ``backend`` against the float64 oracle: every property in every dtype.
 
@@ -160,6 +180,20 @@ def audit(
     ``fail_fast`` stops after the first failing property. A property the backend
     cannot be held to (an undeclared capability) is skipped and counted. The audit never
     raises because of the backend.
+
+    ``isolate``: the backend's code runs in a supervised worker process
+    (`attnref.conformance.worker.Supervised`), so that an exit, a crash or a hang is a
+    failure of one case; ``False`` runs it in a thread of this process. ``threads``:
+    torch's intra-op threads here and in the worker (the cases are small: one is
+    fastest, and far faster on a loaded machine). After the backend's first timeout,
+    later calls wait at most ten times its slowest answer (at least 1 s).
+    ``deadline``: seconds after which no more cases are checked and the report is
+    marked incomplete (not OK). ``memory_limit``: GiB of address space the worker may
+    use. ``on_result`` is called with the report after each
+    (property, dtype), for a partial report on disk, and once more if Ctrl-C
+    interrupts the audit (which then raises ``KeyboardInterrupt``, the report marked
+    incomplete). ``report``: an empty report to fill (default: a new one), so that a
+    caller keeps what was found when the audit is interrupted.
     """
     prof = get_profile(profile) if isinstance(profile, str) else profile
     device = device or best_device()
@@ -167,24 +201,65 @@ def audit(
     if not gradients:
         chosen = [p for p in chosen if not p.gradient]
     dtype_list = list(dtypes) if dtypes is not None else list(backend.capabilities.dtypes)
-    report = AuditReport.start(
+    report = report or AuditReport.start(
         backend.name, device, [str(d) for d in dtype_list], prof.name, seed, backend.capabilities
     )
     unavailable = backend.available(device)
     work = [(p, d) for p in chosen for d in dtype_list]
+    stop_at = None if deadline is None else time.perf_counter() + deadline
+    threads_before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    limit = None if memory_limit is None else int(memory_limit * 2**30)
+    executor: Executor = (
+        Supervised(backend, threads=threads, memory_limit=limit) if isolate else InProcess(backend)
+    )
+    wait = timeout
     bar = tqdm(work, desc=f"audit {backend.name}", disable=not progress, leave=False)
-    for prop, dtype in bar:
-        bar.set_postfix_str(f"{prop.id} {dtype_name(dtype)}")
-        if unavailable is not None:
-            report.results.append(PropertyResult(prop.id, dtype, "skip", message=unavailable))
-            continue
-        result = run_property(
-            backend, prop, dtype, device=device, profile=prof, seed=seed, timeout=timeout
-        )
-        report.results.append(result)
-        if fail_fast and result.status == "fail":
-            report.stopped_early = True
-            break
-    bar.close()
-    report.finish()
+    try:
+        for prop, dtype in bar:
+            bar.set_postfix_str(f"{prop.id} {dtype_name(dtype)}")
+            if unavailable is not None:
+                report.results.append(PropertyResult(prop.id, dtype, "skip", message=unavailable))
+                continue
+            if stop_at is not None and time.perf_counter() > stop_at:
+                report.incomplete = f"the deadline of {deadline:g} s passed"
+                break
+            result = run_property(
+                backend,
+                prop,
+                dtype,
+                device=device,
+                profile=prof,
+                seed=seed,
+                timeout=wait,
+                executor=executor,
+                stop_at=stop_at,
+            )
+            report.results.append(result)
+            if result.message.startswith("TimeoutError") and wait == timeout:
+                wait = min(timeout, max(1.0, 10 * executor.slowest))
+                bar.write(
+                    f"attnref audit: {backend.name} timed out in {prop.id} "
+                    f"[{dtype_name(dtype)}]; later calls wait at most {wait:.3g} s"
+                )
+            if result.message == "not finished: the audit's deadline passed":
+                report.incomplete = f"the deadline of {deadline:g} s passed"
+            if on_result is not None:
+                on_result(report)
+            if fail_fast and result.status == "fail":
+                report.stopped_early = True
+                break
+            if report.incomplete:
+                break
+    except KeyboardInterrupt:  # Ctrl-C: what was found stands, marked incomplete
+        report.incomplete = "interrupted"
+        report.finish()
+        if on_result is not None:
+            on_result(report)
+        raise
+    finally:
+        bar.close()
+        executor.close()
+        torch.set_num_threads(threads_before)
+        report.finish()
     return report
