@@ -149,9 +149,17 @@ QKV = (torch.randn(2, 4, 3, 8), torch.randn(2, 2, 5, 8), torch.randn(2, 2, 5, 8)
 
 def test_gqa_needs_enable_gqa() -> None:
     with pytest.raises(
-        ValueError, match=r"key and value have 2 heads but query has 4; pass enable_gqa"
+        ValueError, match=r"key and value have 2 heads \(dim -3\) but query has 4; pass enable_gqa"
     ):
         F.scaled_dot_product_attention(*QKV)
+
+
+def test_a_flash_layout_gets_a_hint_not_a_gqa_suggestion() -> None:
+    """(B, T, h, Dh) tensors put T where the heads belong: 7 "heads" against 5."""
+    q, k = torch.randn(2, 7, 4, 8), torch.randn(2, 5, 4, 8)
+    with pytest.raises(ValueError, match=r"has 7; tensors in \(B, T, h, Dh\) layout") as e:
+        F.scaled_dot_product_attention(q, k, k)
+    assert "enable_gqa" not in str(e.value)
 
 
 def test_gqa_heads_must_divide() -> None:

@@ -346,10 +346,14 @@ def _prepare(
     h, Tq = query.shape[-3], query.shape[-2]
     g, Tk = key.shape[-3], key.shape[-2]
     if g != h:
+        layout = (
+            "; tensors in (B, T, h, Dh) layout (FlashAttention's) must be transposed to "
+            "(B, h, T, Dh) first: x.transpose(-3, -2)"
+        )
         if not enable_gqa:
+            gqa = "" if h % g else "; pass enable_gqa=True for grouped-query attention"
             raise ValueError(
-                f"key and value have {g} heads but query has {h}; "
-                "pass enable_gqa=True for grouped-query attention"
+                f"key and value have {g} heads (dim -3) but query has {h}{gqa}{layout}"
             )
         key, value = _repeat_kv_heads(key, h), _repeat_kv_heads(value, h)
     ctype = compute_dtype(query.dtype)
