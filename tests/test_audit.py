@@ -237,6 +237,10 @@ def test_declared_refusals_are_skips() -> None:
     assert "refused" in kinds.message
     assert forward.status == "pass"
     assert forward.skipped > 0
+    # the table says how many drawn cases were refused, not only that it passed
+    checked = forward.checks - forward.skipped
+    assert f"ok {checked}/{forward.checks}" in report.format_table()
+    assert "cases skipped, the last: refused: NotImplementedError" in forward.message
 
 
 # ------------------------------------------------------------- misbehaving backends
