@@ -2,7 +2,7 @@
 
 Registered through the ``pytest11`` entry point, so installing attnref is enough. Without
 ``--attnref-backend`` it adds nothing. With it, the run gains one test per property and
-dtype (``attnref[BACKEND]::PROPERTY[DTYPE]``), reported like any other test, JUnit XML
+dtype (``attnref/BACKEND::PROPERTY[DTYPE]``), reported like any other test, JUnit XML
 included: a failure shows the shrunk case and a runnable reproducer; a property the
 backend does not declare support for is a skip with the reason.
 
@@ -80,12 +80,12 @@ class AuditItem(pytest.Item):
             raise AuditFailure(f"{result.message}\n\n{result.finding.reproducer}")
 
     def repr_failure(self, excinfo: pytest.ExceptionInfo[BaseException], style: Any = None) -> str:
-        if isinstance(excinfo.value, AuditFailure):
-            return f"{self.prop.id}: {self.prop.summary}\n{excinfo.value}"
+        if isinstance(excinfo.value, AuditFailure):  # the failure first: the short summary
+            return f"{excinfo.value}\n(property {self.prop.id}: {self.prop.summary})"
         return str(super().repr_failure(excinfo))
 
     def reportinfo(self) -> tuple[str, int | None, str]:
-        return "attnref", None, self.name
+        return f"attnref/{self.backend.name}", None, self.name
 
 
 _EXECUTORS: list[Any] = []
@@ -122,6 +122,7 @@ def pytest_collection_modifyitems(
     props = [PROPERTIES[n] for n in settings.properties or PROPERTIES]
     if not settings.gradients:
         props = [p for p in props if not p.gradient]
+    audited: list[pytest.Item] = []
     for spec in specs:
         try:
             backend = load_backend(spec)
@@ -135,10 +136,12 @@ def pytest_collection_modifyitems(
         _EXECUTORS.append(executor)  # one worker per backend, for every item
         for prop in props:
             for dtype in settings.dtypes or backend.capabilities.dtypes:
-                items.append(
+                name = f"{prop.id}[{dtype_name(dtype)}]"
+                audited.append(
                     AuditItem.from_parent(
                         session,
-                        name=f"attnref[{spec}]::{prop.id}[{dtype_name(dtype)}]",
+                        name=name,
+                        nodeid=f"attnref/{spec}::{name}",  # like pytest's path::test[param]
                         backend=backend,
                         prop=prop,
                         dtype=dtype,
@@ -146,3 +149,7 @@ def pytest_collection_modifyitems(
                         executor=executor,
                     )
                 )
+    items.extend(audited)
+    # counted like collected items, so the header's "collected N items" includes them
+    report = pytest.CollectReport("attnref", "passed", None, list(audited))
+    config.hook.pytest_collectreport(report=report)
