@@ -146,3 +146,30 @@ def test_a_reproducer_exits_1_while_the_failure_reproduces(tmp_path: Path) -> No
     )
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert proc.stdout.startswith("FAIL: the backend's process was killed by SIGSEGV")
+
+
+def test_the_json_report_is_written_after_every_property_marked_incomplete(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A crash of attnref itself in the middle leaves a valid report that says it is partial."""
+    import attnref.conformance.report as report_module
+
+    path = tmp_path / "r.json"
+    calls = []
+    original = report_module.AuditReport.write_json
+
+    def write_then_crash(self: report_module.AuditReport, p: str | Path) -> list[Path]:
+        out = original(self, p)
+        calls.append(p)
+        if len(calls) == 2:
+            raise RuntimeError("attnref crashed")
+        return out
+
+    monkeypatch.setattr(report_module.AuditReport, "write_json", write_then_crash)
+    args = ["audit", "--property", "forward", "--property", "decode", "--property", "gqa",
+            "--dtype", "float32", "--no-progress", "--json", str(path)]  # fmt: skip
+    assert main(args) == 3  # attnref's own error
+    data = json.loads(path.read_text())
+    assert len(data["results"]) == 2
+    assert data["incomplete"] == "the audit had not finished when this was written"
+    assert data["summary"]["ok"] is False

@@ -225,8 +225,15 @@ def _audit(args: argparse.Namespace) -> int:
     )
 
     def save(partial: AuditReport) -> None:  # after every property: a crash loses nothing
-        if json_path is not None:
+        if json_path is None:
+            return
+        reason = partial.incomplete
+        # until the final write, the file says the audit had not finished
+        partial.incomplete = reason or "the audit had not finished when this was written"
+        try:
             partial.write_json(json_path)
+        finally:
+            partial.incomplete = reason
 
     try:
         audit(
