@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from jaxtyping import Float
+from jaxtyping import Bool, Float
 from torch import Tensor
 
 from attnref import functional as F
@@ -47,7 +47,10 @@ REFERENCE_LIKE = Capabilities(
 )
 
 Kernel = Callable[..., Tensor]
-Inputs4 = tuple[Query, Key, Value, Mask]
+# a misread may change any shape (a key dropped, heads expanded): no dims are bound
+Some = Float[Tensor, "..."]
+SomeMask = Bool[Tensor, "..."] | Float[Tensor, "..."] | None
+Inputs4 = tuple[Some, Some, Some, SomeMask]
 # (query, key, value, attn_mask, scale) -> the inputs as the buggy kernel reads them
 Prepare = Callable[[Tensor, Tensor, Tensor, Tensor | None, float | None], Inputs4]
 
@@ -121,38 +124,35 @@ def _raw(t: Float[Tensor, "*shape"]) -> Float[Tensor, "*shape"]:
     return flat.reshape(t.shape)
 
 
-def _strides_ignored(q: Tensor, k: Tensor, v: Tensor, m: Tensor | None, s: float | None) -> Inputs4:
+@checked_internal
+def _strides_ignored(q: Some, k: Some, v: Some, m: SomeMask, s: float | None) -> Inputs4:
     q, k, v = (t if t.is_contiguous() or 0 in t.stride() else _raw(t) for t in (q, k, v))
     return q, k, v, m
 
 
-def _broadcast_misread(
-    q: Tensor, k: Tensor, v: Tensor, m: Tensor | None, s: float | None
-) -> Inputs4:
+@checked_internal
+def _broadcast_misread(q: Some, k: Some, v: Some, m: SomeMask, s: float | None) -> Inputs4:
     k, v = (_raw(t) if 0 in t.stride() and t.numel() else t for t in (k, v))
     return q, k, v, m
 
 
-def _gqa_decode_tiled(
-    q: Tensor, k: Tensor, v: Tensor, m: Tensor | None, s: float | None
-) -> Inputs4:
+@checked_internal
+def _gqa_decode_tiled(q: Some, k: Some, v: Some, m: SomeMask, s: float | None) -> Inputs4:
     if q.shape[-2] == 1:  # the decode path expands the KV heads tiled
         k, v = kv_heads(k, v, q.shape[-3], tiled=True)
     return q, k, v, m
 
 
-def _gqa_mask_per_kv_head(
-    q: Tensor, k: Tensor, v: Tensor, m: Tensor | None, s: float | None
-) -> Inputs4:
+@checked_internal
+def _gqa_mask_per_kv_head(q: Some, k: Some, v: Some, m: SomeMask, s: float | None) -> Inputs4:
     h, g = q.shape[-3], k.shape[-3]
     if m is not None and h != g and m.dim() >= 3 and m.shape[-3] == h:
         m = m[..., [i // (h // g) for i in range(h)], :, :]
     return q, k, v, m
 
 
-def _heads_folded_by_reshape(
-    q: Tensor, k: Tensor, v: Tensor, m: Tensor | None, s: float | None
-) -> Inputs4:
+@checked_internal
+def _heads_folded_by_reshape(q: Some, k: Some, v: Some, m: SomeMask, s: float | None) -> Inputs4:
     if k.dim() >= 4:
         n, g, Tk = math.prod(k.shape[:-3]), k.shape[-3], k.shape[-2]
         # (batch, head) meant, (head, batch) read
@@ -160,9 +160,8 @@ def _heads_folded_by_reshape(
     return q, k, v, m
 
 
-def _decode_drops_last_key(
-    q: Tensor, k: Tensor, v: Tensor, m: Tensor | None, s: float | None
-) -> Inputs4:
+@checked_internal
+def _decode_drops_last_key(q: Some, k: Some, v: Some, m: SomeMask, s: float | None) -> Inputs4:
     if q.shape[-2] == 1 and k.shape[-2] > 1:
         k, v = k[..., :-1, :], v[..., :-1, :]
         if m is not None and m.shape[-1] > 1:
@@ -170,9 +169,8 @@ def _decode_drops_last_key(
     return q, k, v, m
 
 
-def _index_wraps_16bit(
-    q: Tensor, k: Tensor, v: Tensor, m: Tensor | None, s: float | None
-) -> Inputs4:
+@checked_internal
+def _index_wraps_16bit(q: Some, k: Some, v: Some, m: SomeMask, s: float | None) -> Inputs4:
     def gather(t: Tensor) -> Tensor:
         rows = t.numel() // max(t.shape[-1], 1)
         if rows == 0:
@@ -194,9 +192,8 @@ def _with_grad_hook(
     return t
 
 
-def _grad_tail_block_dropped(
-    q: Tensor, k: Tensor, v: Tensor, m: Tensor | None, s: float | None
-) -> Inputs4:
+@checked_internal
+def _grad_tail_block_dropped(q: Some, k: Some, v: Some, m: SomeMask, s: float | None) -> Inputs4:
     tail = k.shape[-2] - k.shape[-2] % 16
 
     def drop(g: Tensor) -> Tensor:
@@ -207,9 +204,8 @@ def _grad_tail_block_dropped(
     return q, _with_grad_hook(k, drop), _with_grad_hook(v, drop), m
 
 
-def _grad_query_unscaled(
-    q: Tensor, k: Tensor, v: Tensor, m: Tensor | None, s: float | None
-) -> Inputs4:
+@checked_internal
+def _grad_query_unscaled(q: Some, k: Some, v: Some, m: SomeMask, s: float | None) -> Inputs4:
     scale = F.default_scale(q.shape[-1]) if s is None else s
     return _with_grad_hook(q, lambda g: g / scale if scale else g), k, v, m
 
