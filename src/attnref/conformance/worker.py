@@ -31,8 +31,10 @@ from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 import torch
+from jaxtyping import Shaped
 from torch import Tensor
 
+from attnref._checking import checked_internal
 from attnref.conformance.backends import Backend
 
 __all__ = ["BackendDied", "Executor", "InProcess", "Job", "ModifiedInputs", "Raised", "Supervised"]
@@ -62,13 +64,13 @@ class _Packed:
 
     __slots__ = ("data", "dtype", "offset", "shape", "stride")
 
-    def __init__(self, t: Tensor) -> None:
+    def __init__(self, t: Shaped[Tensor, "..."]) -> None:
         storage = t.untyped_storage()
         self.data = ctypes.string_at(storage.data_ptr(), storage.nbytes())
         self.dtype = str(t.dtype).removeprefix("torch.")
         self.shape, self.stride, self.offset = tuple(t.shape), t.stride(), t.storage_offset()
 
-    def tensor(self) -> Tensor:
+    def tensor(self) -> Shaped[Tensor, "..."]:
         dtype = getattr(torch, self.dtype)
         raw = (
             torch.frombuffer(bytearray(self.data), dtype=torch.uint8)
@@ -111,7 +113,8 @@ def _loads(data: bytes) -> Any:
     return _unpack(pickle.loads(data))
 
 
-def _fingerprint(t: Tensor) -> tuple[Any, ...]:
+@checked_internal
+def _fingerprint(t: Shaped[Tensor, "..."]) -> tuple[Any, ...]:
     """Shape, strides, offset and every byte of ``t``: equal only if nothing changed (NaN
     compared as bits, so a NaN left in place is unchanged)."""
     data = t.detach().contiguous().cpu()
