@@ -178,11 +178,13 @@ def _decode(
     return ys
 
 
-def _greedy(log_probs: Tensor) -> tuple[None, Tensor, bool]:
+@checked_internal
+def _greedy(log_probs: Float[Tensor, "N V"]) -> tuple[None, Int[Tensor, "N 1"], bool]:
     return None, log_probs.argmax(dim=-1, keepdim=True), False
 
 
-def _start(src: Tensor, start_symbol: int) -> Tensor:
+@checked_internal
+def _start(src: Int[Tensor, "B Ts"], start_symbol: int) -> Int[Tensor, "B 1"]:
     return torch.full((src.shape[0], 1), start_symbol, dtype=src.dtype, device=src.device)
 
 

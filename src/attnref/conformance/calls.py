@@ -20,7 +20,10 @@ from attnref.conformance.verdicts import Failure, Skip, one_line
 from attnref.conformance.worker import BackendDied, Executor, InProcess, Job, ModifiedInputs, Raised
 from attnref.masks import causal_mask
 
-__all__ = ["arguments", "backend_call", "call", "invoke", "skip_reason"]
+__all__ = ["TIMED_OUT", "arguments", "backend_call", "call", "invoke", "skip_reason"]
+
+#: how the message of a call that never answered begins
+TIMED_OUT = "TimeoutError: "
 
 
 def backend_call(
@@ -128,7 +131,7 @@ def invoke(backend: Backend, job: Job, timeout: float, executor: Executor | None
     except BackendDied as e:
         raise Failure(str(e)) from None
     except TimeoutError as e:
-        raise Failure(f"TimeoutError: {e}", fatal=True) from None
+        raise Failure(f"{TIMED_OUT}{e}", fatal=True) from None
 
 
 @checked

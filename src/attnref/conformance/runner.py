@@ -3,7 +3,9 @@
 Each (property, dtype) pair is one Hypothesis search seeded from the audit's seed. The
 first failure Hypothesis finds is shrunk to a minimal case (within the profile's shrink
 budget), then the property's explicit examples run if the search found nothing. The
-backend never crashes or hangs the audit: see `attnref.conformance.calls`.
+backend never crashes or hangs the audit: its code runs in a supervised worker
+(`attnref.conformance.worker`), and `attnref.conformance.calls` turns whatever it does
+into a verdict.
 """
 
 import time
@@ -16,6 +18,7 @@ from hypothesis import seed as hypothesis_seed
 from tqdm import tqdm
 
 from attnref.conformance.backends import Backend
+from attnref.conformance.calls import TIMED_OUT
 from attnref.conformance.cases import Case
 from attnref.conformance.profiles import Profile, get_profile
 from attnref.conformance.properties import (
@@ -46,6 +49,10 @@ class _Search:
     shrink_until: float | None = None
     stop: bool = False
     late: bool = False  # stopped by the audit's deadline
+
+
+#: the message of a property the audit's deadline cut short
+LATE = "not finished: the audit's deadline passed"
 
 
 def run_property(
@@ -148,7 +155,7 @@ def run_property(
         )
         return done("fail", str(failure), finding)
     if search.late:
-        return done("skip", "not finished: the audit's deadline passed")
+        return done("skip", LATE)
     if search.checks and search.skipped == search.checks:
         return done("skip", search.skip_reason)
     if search.skipped:
@@ -238,13 +245,13 @@ def audit(
                 stop_at=stop_at,
             )
             report.results.append(result)
-            if result.message.startswith("TimeoutError") and wait == timeout:
+            if result.message.startswith(TIMED_OUT) and wait == timeout:
                 wait = min(timeout, max(1.0, 10 * executor.slowest))
                 bar.write(
                     f"attnref audit: {backend.name} timed out in {prop.id} "
                     f"[{dtype_name(dtype)}]; later calls wait at most {wait:.3g} s"
                 )
-            if result.message == "not finished: the audit's deadline passed":
+            if result.message == LATE:
                 report.incomplete = f"the deadline of {deadline:g} s passed"
             if on_result is not None:
                 on_result(report)
