@@ -80,6 +80,46 @@ def uniform_empty_rows(
     return out.to(q.dtype)
 
 
+def empty_rows_by_cause(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    attn_mask: Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    causal_alignment: str = "top_left",
+) -> Tensor:
+    """Correct, with a result for a query that sees no key by what hid its keys, as real
+    kernels have: zeros under a boolean mask (a safe softmax), NaN under a ``-inf`` float
+    mask (a softmax of ``-inf``), the mean of V under its own causal diagonal (a finite
+    fill value). Computes both alignments itself, never with a mask (declared below)."""
+    from attnref.masks import causal_mask
+
+    acc = torch.promote_types(q.dtype, torch.float32)
+    h, Tq, Tk = q.shape[-3], q.shape[-2], k.shape[-2]
+    kk, vv = (t.to(acc).repeat_interleave(h // k.shape[-3], dim=-3) for t in (k, v))
+    s = q.shape[-1] ** -0.5 if q.shape[-1] else 1.0
+    scores = (q.to(acc) @ kk.transpose(-2, -1)) * (s if scale is None else scale)
+    empty = None
+    if is_causal:
+        seen = causal_mask(Tq, Tk, causal_alignment)  # type: ignore[arg-type]
+        scores = scores.masked_fill(~seen, torch.finfo(acc).min / 4)
+    if attn_mask is not None and attn_mask.dtype == torch.bool:
+        empty = ~attn_mask.any(dim=-1, keepdim=True)
+        scores = scores.masked_fill(~attn_mask, float("-inf")).masked_fill(empty, 0.0)
+    elif attn_mask is not None:
+        scores = scores + attn_mask.to(acc)
+    probs = torch.softmax(scores, dim=-1)
+    if q.dtype != acc:  # rounded once before P @ V, as a fused kernel does
+        probs = probs.to(q.dtype).to(acc)
+    out = probs @ vv
+    if empty is not None:
+        out = out.masked_fill(empty, 0.0)
+    return out.to(q.dtype)
+
+
 def no_mask_argument(query: Tensor, key: Tensor, value: Tensor) -> Tensor:
     """Lacks SDPA's keyword arguments."""
     return query
@@ -162,13 +202,18 @@ def allocates_without_bound(*args: Any, **kwargs: Any) -> Tensor:
 
 
 def _declare() -> None:
-    from attnref.conformance import Capabilities
+    from attnref.conformance import Capabilities, EmptyRows
 
     refuses_masks.capabilities = Capabilities(  # type: ignore[attr-defined]
         refuses=("not supported by this kernel",)
     )
     uniform_empty_rows.capabilities = Capabilities(  # type: ignore[attr-defined]
         empty_row="uniform", dropout=False
+    )
+    empty_rows_by_cause.capabilities = Capabilities(  # type: ignore[attr-defined]
+        empty_row=EmptyRows(bool_mask="zero", float_mask="nan", causal="uniform"),
+        causal_alignments=("top_left", "bottom_right"),
+        dropout=False,
     )
 
 

@@ -18,10 +18,13 @@ from attnref.conformance import (
     Backend,
     BackendError,
     Capabilities,
+    EmptyRows,
     audit,
     resolve_backend,
 )
+from attnref.conformance.backends import EmptyRow
 from attnref.conformance.mutants import MUTANTS
+from attnref.masks import Alignment
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 
@@ -214,6 +217,57 @@ def test_declared_empty_row_policies_are_held_to() -> None:
     assert not run(zeros, properties=["empty_rows"], dtypes=(torch.float32,)).ok
 
 
+def test_empty_row_policies_may_be_declared_per_cause() -> None:
+    # zeros under a bool mask, NaN under a -inf float mask, the mean of V under its own
+    # causal diagonal: declared as such, it passes every property that meets empty rows
+    props = ["empty_rows", "forward", "masked_keys", "mask_kinds", "value_affine", "gradient"]
+    report = run("tests.planted:empty_rows_by_cause", properties=props, dtypes=(torch.float32,))
+    assert report.ok, report.format_table()
+    # one policy for every cause is wrong for two of the three, and the message says
+    # which cause the failing row has and what was declared for it
+    fn = resolve_backend("tests.planted:empty_rows_by_cause").fn
+    both: tuple[Alignment, ...] = ("top_left", "bottom_right")
+    cases: list[tuple[EmptyRow | EmptyRows, str]] = [
+        ("zero", "the causal diagonal the backend applies"),
+        (EmptyRows("zero", "zero", "uniform"), "-inf in a float mask"),
+        (EmptyRows("nan", "nan", "uniform"), "a boolean mask"),
+    ]
+    for declared, cause in cases:
+        caps = Capabilities(empty_row=declared, causal_alignments=both, dropout=False)
+        (result,) = run(
+            Backend("mislabelled", fn, "", caps), properties=["empty_rows"], dtypes=(torch.float32,)
+        ).results
+        assert result.status == "fail", declared
+        assert "sees no key" in result.message
+        assert cause in result.message, result.message
+
+
+def test_empty_row_causes_follow_the_call_the_backend_gets() -> None:
+    from attnref.conformance.cases import Case, build
+    from attnref.conformance.oracle import empty_row_causes
+
+    def causes(case: Case, native: bool) -> dict[str, list[int]]:
+        found = empty_row_causes(build(case, torch.float32), native)
+        return {c: rows[0, 0, :, 0].nonzero().flatten().tolist() for c, rows in found.items()}
+
+    # bottom-right with Tq = 4 > Tk = 2: queries 0 and 1 see no key
+    causal = Case("c", batch=(1,), h=1, g=1, Tq=4, Tk=2, causal="bottom_right")
+    assert causes(causal, native=True) == {"bool_mask": [], "causal": [0, 1]}
+    # not computed by the backend: the diagonal reaches it as a boolean mask
+    assert causes(causal, native=False) == {"bool_mask": [0, 1], "causal": []}
+    # a float mask that hides every key of queries 0 and 3, with the diagonal on top:
+    # rows the mask alone empties are the mask's, the other empty rows the diagonal's
+    masked = replace(causal, mask="float_empty_rows")
+    rows = build(masked, torch.float32)
+    assert rows.attn_mask is not None
+    assert rows.attn_mask.is_floating_point()
+    found = causes(masked, native=True)
+    assert {0, 3} <= set(found["float_mask"])
+    assert 0 not in found["causal"]  # the diagonal hides query 0's keys too: the mask's
+    assert 1 in found["causal"]
+    assert not set(found["causal"]) & set(found["float_mask"])
+
+
 def test_undeclared_capabilities_are_skipped_and_counted() -> None:
     caps = Capabilities(dtypes=(torch.float32,), gqa=False, float_mask=False, gradients=False)
     backend = Backend("narrow", torch.nn.functional.scaled_dot_product_attention, "", caps)
@@ -236,11 +290,14 @@ def test_declared_refusals_are_skips() -> None:
     assert kinds.status == "skip"
     assert "refused" in kinds.message
     assert forward.status == "pass"
-    assert forward.skipped > 0
     # the table says how many drawn cases were refused, not only that it passed
-    checked = forward.checks - forward.skipped
-    assert f"ok {checked}/{forward.checks}" in report.format_table()
-    assert "cases skipped, the last: refused: NotImplementedError" in forward.message
+    assert forward.refused > 0
+    assert forward.skipped == 0
+    checked = forward.checks - forward.refused
+    assert f"ok {checked} r{forward.refused}" in report.format_table()
+    assert f"{forward.refused} cases refused, the last: refused: NotImplementedError" in (
+        forward.message
+    )
 
 
 # ------------------------------------------------------------- misbehaving backends
@@ -331,11 +388,12 @@ def test_builtin_names_are_listed() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"empty_row": "zeros"}, "empty_row must be one of zero, nan, uniform, got 'zeros'"),
+        ({"empty_row": "zeros"}, "empty_row must be one of zero, nan, uniform or an EmptyRows"),
+        ({"empty_row": {"bool_mask": "zero"}}, "or an EmptyRows (one per cause), got {'bool_mask"),
         ({"masked_nan": "maybe"}, "masked_nan must be one of contained, propagates"),
         ({"causal_alignments": ("diagonal",)}, "unknown alignment 'diagonal'"),
     ],
 )
 def test_a_bad_declaration_is_a_clear_error(kwargs: dict[str, object], message: str) -> None:
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(ValueError, match=re.escape(message)):
         Capabilities(**kwargs)  # type: ignore[arg-type]

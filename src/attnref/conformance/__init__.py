@@ -17,6 +17,7 @@ if TYPE_CHECKING:
         Backend,
         BackendError,
         Capabilities,
+        EmptyRows,
         resolve_backend,
     )
     from attnref.conformance.cases import Case, Inputs, build, fixed_grid
@@ -28,7 +29,14 @@ if TYPE_CHECKING:
     from attnref.conformance.verdicts import Failure, Skip
 
 _WHERE = {
-    "backends": ("BUILTIN_BACKENDS", "Backend", "BackendError", "Capabilities", "resolve_backend"),
+    "backends": (
+        "BUILTIN_BACKENDS",
+        "Backend",
+        "BackendError",
+        "Capabilities",
+        "EmptyRows",
+        "resolve_backend",
+    ),
     "cases": ("Case", "Inputs", "build", "fixed_grid"),
     "oracle": ("expect", "reference"),
     "profiles": ("PROFILES", "Profile"),
@@ -48,6 +56,7 @@ __all__ = [
     "BackendError",
     "Capabilities",
     "Case",
+    "EmptyRows",
     "Failure",
     "Inputs",
     "Profile",

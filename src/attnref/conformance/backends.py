@@ -25,6 +25,7 @@ __all__ = [
     "Backend",
     "BackendError",
     "Capabilities",
+    "EmptyRows",
     "resolve_backend",
 ]
 
@@ -36,6 +37,43 @@ EmptyRow = Literal["zero", "nan", "uniform"]
 MaskedNaN = Literal["contained", "propagates"]
 # the arguments every backend is called with, by name, as torch SDPA takes them
 REQUIRED_PARAMETERS = ("attn_mask", "dropout_p", "is_causal", "scale")
+
+
+#: what hid every key from a query, as the backend was called: a boolean mask, ``-inf``
+#: in a float mask, or the causal diagonal the backend applied itself (``is_causal``)
+Cause = Literal["bool_mask", "float_mask", "causal"]
+
+
+@dataclass(frozen=True)
+class EmptyRows:
+    """The output for a query with no visible key, by what hid the keys from it.
+
+    Real kernels differ by cause: one returns zeros under a boolean mask, NaN under a
+    ``-inf`` float mask (a softmax of ``-inf``) and the mean of V when only its own
+    causal diagonal empties the row (a finite fill value). ``causal`` applies only when
+    the backend computes the alignment itself; an alignment it does not declare reaches
+    it as a boolean mask. A row that a mask alone empties is the mask's; one that the
+    diagonal empties, alone or together with a mask, is ``causal``.
+    """
+
+    bool_mask: EmptyRow = "zero"
+    float_mask: EmptyRow = "zero"
+    causal: EmptyRow = "zero"
+
+    def __post_init__(self) -> None:
+        for cause in get_args(Cause):
+            if getattr(self, cause) not in get_args(EmptyRow):
+                raise ValueError(
+                    f"EmptyRows.{cause} must be one of {', '.join(get_args(EmptyRow))}, "
+                    f"got {getattr(self, cause)!r}"
+                )
+
+    def of(self, cause: Cause) -> EmptyRow:
+        policy: EmptyRow = getattr(self, cause)
+        return policy
+
+    def policies(self) -> set[EmptyRow]:
+        return {self.of(c) for c in get_args(Cause)}
 
 
 class BackendError(Exception):
@@ -55,7 +93,8 @@ class Capabilities:
     # other alignment reaches it as an explicit boolean mask
     causal_alignments: tuple[Alignment, ...] = ("top_left",)
     causal_with_mask: bool = False  # may `is_causal=True` be combined with `attn_mask`?
-    empty_row: EmptyRow = "zero"  # output for a query with no visible key
+    # output for a query with no visible key: one policy, or one per cause (`EmptyRows`)
+    empty_row: EmptyRow | EmptyRows = "zero"
     masked_nan: MaskedNaN = "propagates"  # may NaN/inf at hidden keys reach the output?
     gradients: bool = True  # backward through the output gives dQ, dK, dV
     dropout: bool = True  # takes dropout_p (only dropout_p = 0 is audited)
@@ -64,12 +103,15 @@ class Capabilities:
     refuses: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        for name, kind in (("empty_row", EmptyRow), ("masked_nan", MaskedNaN)):
-            allowed = get_args(kind)
-            if getattr(self, name) not in allowed:
+        for name, kind, other in (
+            ("empty_row", EmptyRow, " or an EmptyRows (one per cause)"),
+            ("masked_nan", MaskedNaN, ""),
+        ):
+            value = getattr(self, name)
+            if value not in get_args(kind) and not (other and isinstance(value, EmptyRows)):
                 raise ValueError(
-                    f"Capabilities.{name} must be one of {', '.join(allowed)}, "
-                    f"got {getattr(self, name)!r}"
+                    f"Capabilities.{name} must be one of {', '.join(get_args(kind))}{other}, "
+                    f"got {value!r}"
                 )
         for alignment in self.causal_alignments:
             if alignment not in get_args(Alignment):
@@ -77,6 +119,13 @@ class Capabilities:
                     f"Capabilities.causal_alignments: unknown alignment {alignment!r} "
                     "(use top_left, bottom_right)"
                 )
+
+    @property
+    def empty_rows(self) -> EmptyRows:
+        """The empty-row policy of every cause (one policy declared: the same for all)."""
+        if isinstance(self.empty_row, EmptyRows):
+            return self.empty_row
+        return EmptyRows(self.empty_row, self.empty_row, self.empty_row)
 
 
 @dataclass(frozen=True)

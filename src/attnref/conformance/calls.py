@@ -14,16 +14,33 @@ from jaxtyping import Float
 from torch import Tensor
 
 from attnref._checking import checked
-from attnref.conformance.backends import Backend
+from attnref.conformance.backends import Backend, Capabilities
 from attnref.conformance.cases import Inputs
 from attnref.conformance.verdicts import Failure, Skip, one_line
 from attnref.conformance.worker import BackendDied, Executor, InProcess, Job, ModifiedInputs, Raised
 from attnref.masks import causal_mask
 
-__all__ = ["TIMED_OUT", "arguments", "backend_call", "call", "invoke", "skip_reason"]
+__all__ = [
+    "TIMED_OUT",
+    "arguments",
+    "backend_call",
+    "call",
+    "invoke",
+    "native_causal",
+    "skip_reason",
+]
 
 #: how the message of a call that never answered begins
 TIMED_OUT = "TimeoutError: "
+
+
+def native_causal(caps: Capabilities, inputs: Inputs) -> bool:
+    """Whether the backend applies the causal diagonal of ``inputs`` itself (``is_causal``),
+    rather than receiving it folded into a boolean mask."""
+    return inputs.causal is not None and (
+        inputs.causal in caps.causal_alignments
+        and (inputs.attn_mask is None or caps.causal_with_mask)
+    )
 
 
 def backend_call(
@@ -35,14 +52,12 @@ def backend_call(
     mask, where it cannot take both) reaches it as an explicit boolean mask, so that every
     case runs on every backend.
     """
-    caps = backend.capabilities
     mask = inputs.attn_mask
     kwargs: dict[str, Any] = {"dropout_p": 0.0, "is_causal": False, "scale": inputs.scale}
     if inputs.enable_gqa:
         kwargs["enable_gqa"] = True
     if inputs.causal is not None:
-        native = inputs.causal in caps.causal_alignments and (mask is None or caps.causal_with_mask)
-        if native:
+        if native_causal(backend.capabilities, inputs):
             kwargs["is_causal"] = True
             if inputs.causal != "top_left":
                 kwargs["causal_alignment"] = inputs.causal
@@ -83,7 +98,7 @@ def raise_for_error(backend: Backend, error: BaseException) -> None:
     if isinstance(error, ModifiedInputs):
         raise Failure(str(error))
     if any(pattern in str(error) for pattern in backend.capabilities.refuses):
-        raise Skip(f"refused: {one_line(error)}")
+        raise Skip(f"refused: {one_line(error)}", refused=True)
     raise Failure(one_line(error))
 
 

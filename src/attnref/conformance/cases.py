@@ -18,7 +18,9 @@ from attnref.masks import Alignment, causal_mask
 __all__ = ["Case", "Inputs", "Layout", "MaskKind", "Poison", "build", "fixed_grid"]
 
 #: every mask kind `build` knows, simplest first (see `Case`)
-MaskKind = Literal["none", "bool", "padding", "columns", "bool_full", "float", "empty_rows"]
+MaskKind = Literal[
+    "none", "bool", "padding", "columns", "bool_full", "float", "empty_rows", "float_empty_rows"
+]
 #: how the tensors are laid out in memory (see `Case`)
 Layout = Literal["contiguous", "transposed", "sliced", "broadcast", "broadcast_heads"]
 #: what is planted in K and V at keys no query sees (see `Case`)
@@ -32,7 +34,8 @@ class Case:
     ``mask``: ``none``; ``bool`` (random, broadcast over heads); ``bool_full`` (one per
     head); ``float`` (random offsets with some ``-inf``); ``padding`` (``(B, 1, 1, Tk)``
     from random lengths); ``columns`` (random keys hidden from every query of a sample);
-    ``empty_rows`` (random, with some queries seeing nothing).
+    ``empty_rows`` (random, with some queries seeing nothing); ``float_empty_rows`` (the
+    same as a float mask: random offsets, ``-inf`` where a key is hidden).
     ``causal``: ``None``, ``"top_left"`` or ``"bottom_right"``. ``layout``:
     ``contiguous``, ``transposed`` (query stored ``Dh``-major), ``sliced`` (key and value
     cut from a wider tensor, with a storage offset), ``broadcast`` (key and value
@@ -211,10 +214,12 @@ def _make_mask(
         return torch.rand((*B, 1, Tq, Tk), generator=gen) < 0.7
     if case.mask == "bool_full":
         return torch.rand((*B, case.h, Tq, Tk), generator=gen) < 0.6
-    if case.mask == "empty_rows":
+    if case.mask in ("empty_rows", "float_empty_rows"):
         mask = torch.rand((*B, 1, Tq, Tk), generator=gen) < 0.6
         mask[..., ::3, :] = False  # every third query sees no key
-        return mask
+        if case.mask == "empty_rows":
+            return mask
+        return torch.randn(mask.shape, generator=gen).masked_fill(~mask, float("-inf"))
     if case.mask == "float":
         offsets = torch.randn((*B, 1, Tq, Tk), generator=gen)
         return offsets.masked_fill(torch.rand(offsets.shape, generator=gen) < 0.3, float("-inf"))
@@ -266,5 +271,6 @@ def fixed_grid() -> list[Case]:
         Case("no_batch_dims", batch=(), Tq=6, Tk=10),
         Case("two_batch_dims", batch=(2, 3), h=2, g=2, Tq=5, Tk=7),
         Case("nan_in_padding", mask="padding", batch=(3,), poison="nan"),
+        Case("float_empty_rows", mask="float_empty_rows", Tq=10, Tk=13),
     ]
     return [replace(c, seed=i) for i, c in enumerate(cases)]

@@ -15,7 +15,8 @@ A check takes a `Context` and a `Case`; it raises `Failure` (with a one-line mes
 cases it runs on.
 """
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -24,10 +25,18 @@ from torch import Tensor
 
 from attnref import functional as F
 from attnref._checking import checked_internal
-from attnref.conformance.backends import Backend, Capabilities
-from attnref.conformance.calls import arguments, call, invoke
+from attnref.conformance.backends import Backend, Capabilities, EmptyRow
+from attnref.conformance.calls import arguments, call, invoke, native_causal
 from attnref.conformance.cases import Case, Inputs, build
-from attnref.conformance.oracle import Expected, close, empty_rows, expect, expect_grads
+from attnref.conformance.oracle import (
+    Expected,
+    close,
+    empty_row_causes,
+    empty_rows,
+    expect,
+    expect_grads,
+    policy_rows,
+)
 from attnref.conformance.verdicts import Failure, Skip
 from attnref.conformance.worker import Executor, Job
 
@@ -81,19 +90,63 @@ class Context:
         """The oracle of ``inputs``, computed once per check."""
         hit = self._oracles.get(id(inputs))
         if hit is None or hit[0] is not inputs:
-            hit = (inputs, expect(inputs, self.caps.empty_row))
+            native = native_causal(self.caps, inputs)
+            hit = (inputs, expect(inputs, self.caps.empty_row, native))
             self._oracles[id(inputs)] = hit
         return hit[1]
+
+    def empty(self, inputs: Inputs, policy: EmptyRow) -> Tensor:
+        """``(*batch, h, Tq, 1)``: the queries with no visible key that the declaration
+        gives ``policy`` (zero, nan, uniform), for the call ``inputs`` make."""
+        rows = policy_rows(inputs, self.caps.empty_row, native_causal(self.caps, inputs))
+        return rows[policy] if policy in rows else torch.zeros_like(empty_rows(inputs))
 
     def agree(self, inputs: Inputs, what: str = "output") -> Tensor:
         """Call the backend on ``inputs`` and fail unless it matches the oracle."""
         out = self.run(inputs)
         exp = self.expect(inputs)
-        close(out.to(torch.float64), exp.value, *exp.bounds(), what)
+        with self.naming_the_row(inputs):
+            close(out.to(torch.float64), exp.value, *exp.bounds(), what)
         return out
+
+    def row(self, inputs: Inputs, where: tuple[int, ...]) -> str:
+        """What the oracle says of the output row at index ``where``: how many keys its
+        query sees or, for one that sees none, what hid them and the declared policy."""
+        index = where[:-1]
+        visible = inputs.visible()[index]
+        query = f"query {where[-2]}"
+        if bool(visible.any()):
+            return f"{query} sees {int(visible.sum())} of {visible.numel()} keys"
+        causes = empty_row_causes(inputs, native_causal(self.caps, inputs))
+        cause = next(c for c, rows in causes.items() if bool(rows[index].any()))
+        policy = self.caps.empty_rows.of(cause)
+        return f"{query} sees no key ({_CAUSES[cause]}; declared policy {policy!r})"
+
+    @contextlib.contextmanager
+    def naming_the_row(self, inputs: Inputs) -> Iterator[None]:
+        """Add `row`'s account of the failing output row to a `Failure` raised inside."""
+        try:
+            yield
+        except Failure as f:
+            if f.where is None or len(f.where) != inputs.query.dim():
+                raise
+            raise Failure(
+                f"{f}; {self.row(inputs, f.where)}",
+                got=f.got,
+                expected=f.expected,
+                where=f.where,
+                fatal=f.fatal,
+            ) from None
 
 
 Check = Callable[[Context, Case], None]
+
+#: how a row's keys were hidden, by `attnref.conformance.oracle.empty_row_causes`
+_CAUSES = {
+    "bool_mask": "a boolean mask hides them",
+    "float_mask": "-inf in a float mask hides them",
+    "causal": "the causal diagonal the backend applies hides them",
+}
 
 
 def _gen(case: Case, salt: int) -> torch.Generator:
@@ -126,9 +179,11 @@ def _law(
     never make a law hold, and the message names the call that went wrong.
     """
     eg, eb = ctx.expect(got_inputs), ctx.expect(base_inputs)
-    _finite_where_the_oracle_is(base, eb.value, f"{what}: the call on the original inputs")
+    with ctx.naming_the_row(base_inputs):
+        _finite_where_the_oracle_is(base, eb.value, f"{what}: the call on the original inputs")
     oracle = eg.value if sel is None else torch.where(sel, eg.value, torch.nan)  # sel only
-    _finite_where_the_oracle_is(got, oracle, f"{what}: the call on the changed inputs")
+    with ctx.naming_the_row(got_inputs):
+        _finite_where_the_oracle_is(got, oracle, f"{what}: the call on the changed inputs")
     want = transform(base.to(torch.float64))
     exact = transform(eb.value)
     diff = (eg.value - exact).abs()
@@ -136,14 +191,15 @@ def _law(
     delta = float(diff[usable].max()) if usable.any() else 0.0
     gmax, gmean = eg.bounds(sel)
     bmax, bmean = eb.bounds(sel)
-    close(
-        got.to(torch.float64),
-        want,
-        gmax + abs(factor) * bmax + delta,
-        gmean + abs(factor) * bmean + delta,
-        what,
-        sel,
-    )
+    with ctx.naming_the_row(got_inputs):
+        close(
+            got.to(torch.float64),
+            want,
+            gmax + abs(factor) * bmax + delta,
+            gmean + abs(factor) * bmean + delta,
+            what,
+            sel,
+        )
 
 
 @checked_internal
@@ -178,8 +234,10 @@ def forward(ctx: Context, case: Case) -> None:
 
 def gradient(ctx: Context, case: Case) -> None:
     inputs = ctx.build(case)
-    if ctx.caps.empty_row != "zero" and bool(empty_rows(inputs).any()):
-        raise Skip(f"gradients of rows with no visible key under policy {ctx.caps.empty_row!r}")
+    policies: tuple[EmptyRow, ...] = ("nan", "uniform")
+    for policy in policies:
+        if bool(ctx.empty(inputs, policy).any()):
+            raise Skip(f"gradients of rows with no visible key under policy {policy!r}")
     d_out = torch.randn(
         (*inputs.query.shape[:-1], inputs.value.shape[-1]), generator=_gen(case, 1)
     ).to(device=inputs.query.device, dtype=inputs.query.dtype)
@@ -206,7 +264,8 @@ def masked_keys(ctx: Context, case: Case) -> None:
     clean_inputs = ctx.build(replace(case, poison="none"))
     clean = ctx.run(clean_inputs)
     dirty = ctx.run(dirty_inputs)
-    sel = _rows(~empty_rows(clean_inputs).squeeze(-1)) if ctx.caps.empty_row == "uniform" else None
+    uniform = ctx.empty(clean_inputs, "uniform")
+    sel = ~uniform if bool(uniform.any()) else None
     _law(
         ctx,
         dirty,
@@ -380,4 +439,16 @@ def mask_kinds(ctx: Context, case: Case) -> None:
     assert mask.dtype == torch.bool
     additive = torch.zeros(mask.shape, dtype=inputs.query.dtype, device=mask.device)
     as_float = _with(inputs, attn_mask=additive.masked_fill(~mask, float("-inf")))
-    _law(ctx, ctx.run(as_float), as_float, ctx.run(inputs), inputs, "float mask against bool mask")
+    # a backend may declare a different result for an empty row under each kind of mask
+    policies = ctx.caps.empty_rows
+    differ = policies.bool_mask != policies.float_mask
+    sel = _rows(~empty_rows(inputs).squeeze(-1)) if differ else None
+    _law(
+        ctx,
+        ctx.run(as_float),
+        as_float,
+        ctx.run(inputs),
+        inputs,
+        "float mask against bool mask",
+        sel=sel,
+    )

@@ -11,12 +11,12 @@ has no NaN or inf where the oracle is finite. Gradients follow the same rule wit
 ``GRAD_FUDGE`` and a floor set by the size of the terms each gradient entry sums
 (`expect_grads`). Constants and the reasoning behind the floors: `attnref.tolerances`.
 
-Rows of a query with no visible key hold what the backend's declared policy says:
-zeros, NaN, or the mean of V.
+Rows of a query with no visible key hold what the backend's declared policy says for
+what hid the keys (`empty_row_causes`): zeros, NaN, or the mean of V.
 """
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from jaxtyping import Bool, Float, Float64
@@ -24,6 +24,7 @@ from torch import Tensor
 
 from attnref import functional as F
 from attnref._checking import checked, checked_internal
+from attnref.conformance.backends import Cause, EmptyRow, EmptyRows
 from attnref.conformance.cases import Inputs
 from attnref.conformance.verdicts import Failure
 from attnref.tolerances import (
@@ -35,7 +36,16 @@ from attnref.tolerances import (
     tolerance,
 )
 
-__all__ = ["Expected", "close", "error_floor", "expect", "expect_grads", "reference"]
+__all__ = [
+    "Expected",
+    "close",
+    "empty_row_causes",
+    "error_floor",
+    "expect",
+    "expect_grads",
+    "policy_rows",
+    "reference",
+]
 
 
 @checked
@@ -92,23 +102,62 @@ def empty_rows(inputs: Inputs) -> Bool[Tensor, "*batch h Tq 1"]:
     return ~inputs.visible().any(dim=-1, keepdim=True)
 
 
-def expect(inputs: Inputs, empty_row: str = "zero") -> Expected:
-    """The oracle for ``inputs`` under the empty-row policy ``empty_row``, with its bounds.
+@checked
+def empty_row_causes(
+    inputs: Inputs, native_causal: bool
+) -> dict[Cause, Bool[Tensor, "*batch h Tq 1"]]:
+    """The queries that see no key, by cause (`attnref.conformance.EmptyRows`).
 
-    Raises:
-        ValueError: an unknown policy.
+    ``native_causal``: the backend applies the causal diagonal itself; otherwise the
+    diagonal reaches it folded into the mask (a boolean one when there is no mask), and
+    every empty row is the mask's. Otherwise a row that the mask alone empties is the
+    mask's, and one that the diagonal empties, alone or with the mask, is ``causal``:
+    the backend's own causal masking finished hiding it (x-transformers' ``Attend``, for
+    one, zeroes the rows its mask empties and averages V in the others).
+    """
+    mask = inputs.attn_mask
+    kind: Cause = "float_mask" if mask is not None and mask.is_floating_point() else "bool_mask"
+    empty = empty_rows(inputs)
+    none = torch.zeros_like(empty)
+    if inputs.causal is None or not native_causal:
+        return {kind: empty, "causal": none}
+    by_mask = ~replace(inputs, causal=None).visible().any(dim=-1, keepdim=True)
+    return {kind: by_mask, "causal": empty & ~by_mask}
+
+
+@checked
+def policy_rows(
+    inputs: Inputs, empty_row: EmptyRow | EmptyRows = "zero", native_causal: bool = False
+) -> dict[EmptyRow, Bool[Tensor, "*batch h Tq 1"]]:
+    """``(*batch, h, Tq, 1)`` booleans: the queries that see no key, by the policy that
+    the declaration gives them (policies no row falls under are left out)."""
+    policy = empty_row if isinstance(empty_row, EmptyRows) else EmptyRows(*(empty_row,) * 3)
+    rows: dict[EmptyRow, Bool[Tensor, "*batch h Tq 1"]] = {}
+    for cause, sel in empty_row_causes(inputs, native_causal).items():
+        if bool(sel.any()):
+            p = policy.of(cause)
+            rows[p] = rows[p] | sel if p in rows else sel
+    return rows
+
+
+def expect(
+    inputs: Inputs, empty_row: EmptyRow | EmptyRows = "zero", native_causal: bool = False
+) -> Expected:
+    """The oracle for ``inputs`` under the declared empty-row policy, with its bounds.
+
+    ``native_causal``: whether the backend is called with ``is_causal`` (which decides
+    the cause of a causally empty row, see `empty_row_causes`).
     """
     oracle = reference(inputs.to(torch.float64))
     ref_err = (reference(inputs).to(torch.float64) - oracle).abs()
-    empty = empty_rows(inputs)
-    if empty.any() and empty_row != "zero":
-        if empty_row == "nan":
+    for name, empty in policy_rows(inputs, empty_row, native_causal).items():
+        if name == "zero":
+            continue  # the reference's own policy
+        if name == "nan":
             policy = torch.full_like(oracle, math.nan)
-        elif empty_row == "uniform":
+        else:  # "uniform": the mean of every V
             v = F.expand_kv_heads(inputs.value.to(torch.float64), inputs.query.shape[-3])
             policy = v.mean(dim=-2, keepdim=True).expand_as(oracle)
-        else:
-            raise ValueError(f"unknown empty-row policy {empty_row!r}: use zero, nan or uniform")
         oracle = torch.where(empty, policy, oracle)
         ref_err = ref_err.masked_fill(empty, 0.0)
     return Expected(oracle, torch.nan_to_num(ref_err, nan=0.0), error_floor(inputs))

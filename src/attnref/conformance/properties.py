@@ -235,7 +235,10 @@ PROPERTIES: dict[str, Property] = {
             (1, 2),
             lambda p, c: st.one_of(
                 case_strategy(
-                    "empty_rows", p, c, mask=st.sampled_from(masks_for(c, ("empty_rows",)))
+                    "empty_rows",
+                    p,
+                    c,
+                    mask=st.sampled_from(masks_for(c, ("empty_rows", "float_empty_rows"))),
                 ),
                 case_strategy(
                     "empty_rows",

@@ -15,6 +15,7 @@ JSON schema (``schema_version`` 2)::
         {"property": str, "dtype": str, "status": "pass" | "fail" | "skip",
          "checks": int,            # cases checked, shrinking included
          "skipped": int,           # of which outside the backend's declaration
+         "refused": int,           # of which refused with an error declared as a refusal
          "seconds": float,
          "message": str,           # the failure's one-line summary, or why it was skipped
          "failure": null | {
@@ -84,6 +85,7 @@ class PropertyResult:
     status: Status
     checks: int = 0
     skipped: int = 0
+    refused: int = 0
     seconds: float = 0.0
     message: str = ""
     finding: Finding | None = None
@@ -95,6 +97,7 @@ class PropertyResult:
             "status": self.status,
             "checks": self.checks,
             "skipped": self.skipped,
+            "refused": self.refused,
             "seconds": round(self.seconds, 4),
             "message": self.message,
             "failure": None if self.finding is None else self.finding.to_dict(),
@@ -244,7 +247,8 @@ class AuditReport:
                 names.append(r.property)
             cells[(r.property, dtype_name(r.dtype))] = r
         width = max([len("property"), *map(len, names)])
-        header = f"{'property':<{width}}  " + "  ".join(f"{d:>10}" for d in self.dtypes)
+        cw = max([10, *(len(_cell(r)) for r in cells.values())])
+        header = f"{'property':<{width}}  " + "  ".join(f"{d:>{cw}}" for d in self.dtypes)
         lines = [
             f"attnref audit: backend {self.backend} on {self.device}, profile {self.profile}, "
             f"seed {self.seed}, torch {torch.__version__}",
@@ -253,12 +257,12 @@ class AuditReport:
         ]
         for name in names:
             row = [f"{name:<{width}}"]
-            row += [f"{_cell(cells.get((name, d))):>10}" for d in self.dtypes]
+            row += [f"{_cell(cells.get((name, d))):>{cw}}" for d in self.dtypes]
             lines.append("  ".join(row))
-        if any(r.status == "pass" and r.skipped for r in self.results):
+        if any(r.status == "pass" and (r.skipped or r.refused) for r in self.results):
             lines.append(
-                "(ok N/M: N of M drawn cases checked; the rest were outside what the "
-                "backend declares, or refused as declared: -v lists why)"
+                "(ok N sK rJ: N drawn cases checked, K skipped as outside what the backend "
+                "declares, J refused with an error it declares: -v lists why)"
             )
         failures = [r for r in self.results if r.status == "fail"]
         if failures:
@@ -269,7 +273,7 @@ class AuditReport:
                 if r.finding is not None and (verbose or r.property not in shown):
                     shown.add(r.property)
                     lines += ["    " + x for x in r.finding.reproducer.rstrip().splitlines()]
-        skips = [r for r in self.results if r.status == "skip" or r.skipped]
+        skips = [r for r in self.results if r.status == "skip" or r.skipped or r.refused]
         if skips and verbose:
             lines += ["", "skipped:"]
             lines += [f"  {r.property} [{dtype_name(r.dtype)}]: {r.message}" for r in skips]
@@ -294,6 +298,9 @@ def _cell(r: PropertyResult | None) -> str:
         return "skip"
     if r.status == "fail":
         return "FAIL"
-    if r.skipped:  # some drawn cases were outside the declaration, or refused
-        return f"ok {r.checks - r.skipped}/{r.checks}"
-    return f"ok {r.checks}"
+    cell = f"ok {r.checks - r.skipped - r.refused}"
+    if r.skipped:  # some drawn cases were outside the declaration
+        cell += f" s{r.skipped}"
+    if r.refused:  # some were refused as declared
+        cell += f" r{r.refused}"
+    return cell

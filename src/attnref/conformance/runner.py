@@ -44,6 +44,7 @@ class _Found(Exception):  # noqa: N818 (a signal to Hypothesis)
 class _Search:
     checks: int = 0
     skipped: int = 0
+    refused: int = 0
     skip_reason: str = ""
     failure: tuple[Case, Failure] | None = None
     shrink_until: float | None = None
@@ -84,6 +85,7 @@ def run_property(
             status,
             checks=search.checks,
             skipped=search.skipped,
+            refused=search.refused,
             seconds=time.perf_counter() - start,
             message=message,
             finding=finding,
@@ -106,7 +108,10 @@ def run_property(
         try:
             prop.check(ctx, case)
         except Skip as s:
-            search.skipped += 1
+            if s.refused:
+                search.refused += 1
+            else:
+                search.skipped += 1
             search.skip_reason = str(s)
             return
         except Failure as f:
@@ -156,10 +161,16 @@ def run_property(
         return done("fail", str(failure), finding)
     if search.late:
         return done("skip", LATE)
-    if search.checks and search.skipped == search.checks:
+    unchecked = search.skipped + search.refused
+    if search.checks and unchecked == search.checks:
         return done("skip", search.skip_reason)
-    if search.skipped:
-        return done("pass", f"{search.skipped} cases skipped, the last: {search.skip_reason}")
+    if unchecked:
+        counts = [
+            f"{n} cases {what}"
+            for n, what in ((search.skipped, "skipped"), (search.refused, "refused"))
+            if n
+        ]
+        return done("pass", f"{', '.join(counts)}, the last: {search.skip_reason}")
     return done("pass")
 
 

@@ -15,10 +15,12 @@ from attnref.conformance.backends import Capabilities
 from attnref.conformance.cases import Case, Layout, MaskKind
 from attnref.conformance.profiles import Profile
 
-__all__ = ["LAYOUTS", "MASKS", "case_strategy", "lengths", "masks_for"]
+__all__ = ["FLOAT_MASKS", "LAYOUTS", "MASKS", "case_strategy", "lengths", "masks_for"]
 
 #: every mask kind `build` knows, simplest first
 MASKS: tuple[MaskKind, ...] = get_args(MaskKind)
+#: the mask kinds `build` makes as float masks (the others are boolean)
+FLOAT_MASKS: tuple[MaskKind, ...] = ("float", "float_empty_rows")
 #: non-contiguous layouts `build` knows (class 6 and 7)
 LAYOUTS: tuple[Layout, ...] = get_args(Layout)[1:]
 #: small primes and odd lengths: none is a multiple of a common tile size
@@ -59,9 +61,9 @@ def masks_for(caps: Capabilities, kinds: tuple[str, ...] = MASKS) -> tuple[str, 
     """The mask kinds of ``kinds`` that a backend with ``caps`` accepts."""
     ok = []
     for kind in kinds:
-        if kind == "float" and not caps.float_mask:
+        if kind in FLOAT_MASKS and not caps.float_mask:
             continue
-        if kind not in ("none", "float") and not caps.bool_mask:
+        if kind not in ("none", *FLOAT_MASKS) and not caps.bool_mask:
             continue
         ok.append(kind)
     return tuple(ok) or ("none",)

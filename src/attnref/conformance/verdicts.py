@@ -30,7 +30,12 @@ class Failure(Exception):  # noqa: N818 (a verdict on the backend, not an error 
 
 
 class Skip(Exception):  # noqa: N818 (a signal, like pytest.skip)
-    """The backend declares it does not support this call (or refused it as declared)."""
+    """The backend declares it does not support this call, or (``refused``) it raised an
+    error its declaration names as a refusal."""
+
+    def __init__(self, message: str, *, refused: bool = False) -> None:
+        super().__init__(message)
+        self.refused = refused
 
 
 def one_line(e: BaseException) -> str:

@@ -147,8 +147,10 @@ class Job:
         if self.d_out is not None:
             if not isinstance(out, Tensor) or not out.requires_grad:
                 raise RuntimeError("the output does not require grad: no gradient reaches Q, K, V")
-            grads = torch.autograd.grad(out, args[:3], self.d_out, allow_unused=True)
-            out = tuple(None if g is None else g.detach() for g in grads)
+            # backward() as a training loop calls it (torch.autograd.grad would refuse a
+            # reentrant torch.utils.checkpoint inside the backend)
+            torch.autograd.backward(out, self.d_out)
+            out = tuple(None if t.grad is None else t.grad.detach() for t in args[:3])
         changed = [
             name
             for (name, t), b in zip(tensors, before, strict=True)
