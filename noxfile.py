@@ -1,5 +1,5 @@
 """Developer sessions: ``nox -s tests``, ``slow``, ``typecheck``, ``lint``, ``docs``,
-``bench``, ``bench_gpu``, ``audit_gpu``.
+``bench``, ``bench_gpu``, ``audit_gpu``, ``peers``.
 
 Every session forwards ``session.posargs`` (``nox -s tests -- -k masks``). torch is
 pinned to the CPU build that lies on this project's machines; an unpinned ``torch`` would
@@ -8,7 +8,7 @@ pull a multi-GB CUDA build.
 
 import nox
 
-# slow, bench, bench_gpu and audit_gpu on request
+# slow, bench, bench_gpu, audit_gpu and peers on request
 nox.options.sessions = ["tests", "typecheck", "lint", "docs"]
 nox.options.reuse_existing_virtualenvs = True
 
@@ -83,3 +83,26 @@ def audit_gpu(session: nox.Session) -> None:
     ci`` forwards options to tools/gpu_audit.py.
     """
     session.run("python", "tools/gpu_audit.py", *session.posargs)
+
+
+@nox.session
+def peers(session: nox.Session) -> None:
+    """Install the third-party attention libraries of examples/adapters (pinned, torch
+    included, by examples/adapters/constraints.txt), check the adapters, audit each.
+
+    The reports go to ``peer-reports/``; docs/adapters.md lists what they find.
+    ``nox -s peers -- --profile ci`` forwards options to the audits.
+    """
+    constraints = "examples/adapters/constraints.txt"
+    session.install(TORCH)
+    session.install("-c", constraints, "-e", ".[test]")
+    session.install(
+        "-c",
+        constraints,
+        "transformers",
+        "x-transformers",
+        "memory-efficient-attention-pytorch",
+        "jax[cpu]",
+    )
+    session.run("pytest", "-m", "", "tests/test_adapters.py")
+    session.run("python", "-m", "examples.adapters.audit_all", *session.posargs)

@@ -1,0 +1,53 @@
+"""Audit every adapter of the cookbook: ``python -m examples.adapters.audit_all [--out DIR]``.
+
+What ``nox -s peers`` runs once the libraries are installed. Each adapter gets the quick
+audit on the CPU (JSON report and reproducers under ``--out``); a library that is not
+installed is reported and left out. Exit code 0 when every installed adapter was audited
+to the end (their FAILs are the findings of docs/adapters.md), 1 otherwise.
+"""
+
+import argparse
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+#: (adapter, the module its library provides)
+ADAPTERS = [
+    ("examples.adapters.hf_transformers:sdpa", "transformers"),
+    ("examples.adapters.hf_transformers:eager", "transformers"),
+    ("examples.adapters.x_transformers:attend", "x_transformers"),
+    ("examples.adapters.x_transformers:attend_flash", "x_transformers"),
+    ("examples.adapters.memory_efficient:chunked", "memory_efficient_attention_pytorch"),
+    ("examples.adapters.memory_efficient:plain", "memory_efficient_attention_pytorch"),
+    ("examples.adapters.jax_attention:attention", "jax"),
+]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--out", default="peer-reports", help="folder for the JSON reports")
+    parser.add_argument("--profile", default="quick")
+    args, extra = parser.parse_known_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    unfinished = []
+    for spec, library in ADAPTERS:
+        if importlib.util.find_spec(library) is None:
+            print(f"{spec}: {library} is not installed, left out", flush=True)
+            continue
+        report = out / (spec.split(".")[-1].replace(":", "-") + ".json")
+        cmd = [sys.executable, "-m", "attnref", "audit", "--backend", spec]
+        cmd += ["--profile", args.profile, "--json", str(report), *extra]
+        print("$", " ".join(cmd), flush=True)
+        code = subprocess.run(cmd, check=False).returncode
+        if code not in (0, 1):  # 1: findings; anything else: the audit did not run
+            unfinished.append(f"{spec} (exit {code})")
+    if unfinished:
+        print("not audited:", ", ".join(unfinished))
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

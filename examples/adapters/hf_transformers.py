@@ -1,0 +1,107 @@
+"""HF transformers' attention functions behind torch SDPA's signature.
+
+Tested with transformers 5.24. Two of the functions a model's ``config._attn_implementation``
+selects:
+
+- `sdpa`: ``transformers.integrations.sdpa_attention.sdpa_attention_forward``, which
+  prepares the call (GQA, ``is_causal``) and calls torch's SDPA;
+- `eager`: Llama's ``eager_attention_forward``, the materialised path: an additive
+  float mask, softmax in float32, ``P @ V`` in the inputs' dtype.
+
+Both take ``(B, h, T, D)`` and return ``(B, T, h, D)``; a model passes them a module
+whose ``num_key_value_groups`` (and ``is_causal``) they read.
+"""
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from examples.adapters import as_4d, declare, expand_mask, no_dropout, unflatten
+
+
+class _Module(torch.nn.Module):
+    """What the functions read from the attention layer that calls them."""
+
+    def __init__(self, groups: int, is_causal: bool) -> None:
+        super().__init__()
+        self.num_key_value_groups = groups
+        self.is_causal = is_causal
+        self.training = False
+
+
+def sdpa(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attn_mask: Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> Tensor:
+    """``sdpa_attention_forward``: the mask and ``is_causal`` passed as a model passes them."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    no_dropout(dropout_p)
+    q, k, v = as_4d(query), as_4d(key), as_4d(value)
+    module = _Module(q.shape[1] // k.shape[1], is_causal)
+    out: Any
+    out, _ = sdpa_attention_forward(
+        module,
+        q,
+        k,
+        v,
+        expand_mask(attn_mask, query, key),
+        dropout=0.0,
+        scaling=scale,
+        is_causal=is_causal,
+    )
+    return unflatten(out.transpose(1, 2), query, value.shape[-1])
+
+
+def eager(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attn_mask: Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> Tensor:
+    """Llama's ``eager_attention_forward``. A model gives it an additive float mask with
+    ``torch.finfo(dtype).min`` at hidden keys (transformers' mask utilities), so a boolean
+    mask is turned into that; a float mask is passed as it is."""
+    from transformers.models.llama.modeling_llama import eager_attention_forward
+
+    no_dropout(dropout_p)
+    if is_causal:
+        raise NotImplementedError("the eager path takes causality as a mask")
+    q, k, v = as_4d(query), as_4d(key), as_4d(value)
+    mask = expand_mask(attn_mask, query, key)
+    if mask is not None and mask.dtype == torch.bool:
+        hidden = torch.finfo(q.dtype).min
+        mask = torch.zeros(mask.shape, dtype=q.dtype).masked_fill(~mask, hidden)
+    s = (q.shape[-1] ** -0.5 if q.shape[-1] else 1.0) if scale is None else scale
+    module = _Module(q.shape[1] // k.shape[1], False)
+    out: Any
+    out, _ = eager_attention_forward(module, q, k, v, mask, scaling=s, dropout=0.0)
+    return unflatten(out.transpose(1, 2), query, value.shape[-1])
+
+
+def _declare() -> None:
+    from attnref.conformance import EmptyRows
+
+    # torch's SDPA underneath: its semantics (zeros for an empty row on the CPU)
+    declare(sdpa, dropout=False)
+    declare(
+        eager,
+        dropout=False,
+        causal_alignments=(),  # every causal case reaches it as a mask
+        # a finfo.min fill averages V; -inf in a float mask is a softmax of -inf
+        empty_row=EmptyRows(bool_mask="uniform", float_mask="nan", causal="uniform"),
+    )
+
+
+_declare()

@@ -1,0 +1,112 @@
+"""``jax.nn.dot_product_attention`` behind torch SDPA's signature.
+
+Tested with jax 0.10 on the CPU (``implementation=None``: XLA). It takes ``(B, T, N, H)``
+arrays (time before heads), ``(B, S, K, H)`` keys and values with ``N`` a multiple of
+``K`` (GQA), a boolean ``mask`` (True: attend) or an additive ``bias``, both
+broadcastable to ``(B, N, T, S)``, ``scale`` and ``is_causal``. Keys and values share one
+shape, so ``Dv`` must equal ``Dh``. The adapter moves tensors through NumPy (bfloat16
+through ``ml_dtypes``) and calls the function jitted, as a JAX model does.
+"""
+
+import functools
+import math
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from examples.adapters import declare, no_dropout
+
+#: the adapter's error for a call JAX's signature cannot express (declared as a refusal)
+REFUSAL = "jax.nn.dot_product_attention needs"
+
+
+def _to_jax(t: Tensor) -> Any:
+    import jax.numpy as jnp
+
+    if t.dtype == torch.bfloat16:
+        import ml_dtypes
+
+        return jnp.asarray(t.float().numpy().astype(ml_dtypes.bfloat16))
+    return jnp.asarray(t.detach().numpy())
+
+
+def _to_torch(a: Any, dtype: torch.dtype) -> Tensor:
+    return torch.from_numpy(
+        np.asarray(a, dtype=np.float32 if dtype == torch.bfloat16 else None).copy()
+    ).to(dtype)
+
+
+@functools.cache
+def _jitted(is_causal: bool, scale: float | None) -> Callable[..., Any]:
+    import jax
+
+    def fn(q: Any, k: Any, v: Any, mask: Any, bias: Any) -> Any:
+        return jax.nn.dot_product_attention(
+            q, k, v, bias=bias, mask=mask, scale=scale, is_causal=is_causal
+        )
+
+    jitted: Callable[..., Any] = jax.jit(fn)
+    return jitted
+
+
+def attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attn_mask: Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> Tensor:
+    """``jax.jit(jax.nn.dot_product_attention)`` on the inputs moved to JAX."""
+    import jax
+
+    jax.config.update("jax_enable_x64", True)  # float64 stays float64
+    no_dropout(dropout_p)
+    if value.shape[-1] != key.shape[-1]:
+        raise NotImplementedError(f"{REFUSAL} values shaped like keys (Dv = Dh)")
+    batch = query.shape[:-3]
+    B = math.prod(batch)
+    # (*batch, h, T, D) -> (B, T, h, D)
+    q, k, v = (
+        _to_jax(t.reshape(B, *t.shape[-3:]).transpose(1, 2).contiguous())
+        for t in (query, key, value)
+    )
+    mask = bias = None
+    if attn_mask is not None:
+        full = attn_mask.expand(
+            *batch,
+            attn_mask.shape[-3] if attn_mask.dim() >= 3 else 1,
+            query.shape[-2],
+            key.shape[-2],
+        )
+        full = full.reshape(B, *full.shape[-3:])
+        if full.dtype == torch.bool:
+            mask = _to_jax(full)
+        else:
+            bias = _to_jax(full)
+    out = _jitted(is_causal, scale)(q, k, v, mask, bias)
+    t = _to_torch(out, query.dtype).transpose(1, 2)  # (B, h, Tq, D)
+    return t.reshape(*query.shape[:-1], value.shape[-1])
+
+
+def _declare() -> None:
+    from attnref.conformance import EmptyRows
+
+    declare(
+        attention,
+        dropout=False,
+        gradients=False,  # JAX differentiates its own arrays, not torch's
+        # the errors XLA's CPU backend raises for half-precision dot products
+        refuses=(REFUSAL, "is not supported by dot_general on CPU", "Algorithm not supported"),
+        # hidden logits get -0.7 * finfo.max (a row that sees nothing averages V); -inf in
+        # the bias is a softmax of -inf; is_causal is top-left (jnp.tril)
+        empty_row=EmptyRows(bool_mask="uniform", float_mask="nan", causal="uniform"),
+    )
+
+
+_declare()

@@ -1,0 +1,42 @@
+"""The adapter cookbook (examples/adapters): each adapter imports and declares valid
+capabilities when its library is installed (``nox -s peers`` installs them all)."""
+
+import importlib.util
+import warnings
+
+import pytest
+import torch
+from examples.adapters.audit_all import ADAPTERS
+
+from attnref.conformance import Capabilities, check_case
+from attnref.conformance.cases import Case
+from attnref.conformance.options import load_backend
+
+
+@pytest.mark.parametrize(("spec", "library"), ADAPTERS, ids=[s for s, _ in ADAPTERS])
+def test_each_adapter_imports_and_declares_valid_capabilities(spec: str, library: str) -> None:
+    if importlib.util.find_spec(library) is None:
+        pytest.skip(f"{library} is not installed (nox -s peers installs it)")
+    backend = load_backend(spec)
+    assert isinstance(backend.capabilities, Capabilities)
+    assert backend.capabilities.dtypes
+    # one plain case runs end to end and agrees with the oracle
+    case = Case("smoke", batch=(2,), h=2, g=2, Tq=5, Tk=7)
+    with warnings.catch_warnings():  # the libraries' own deprecation warnings
+        warnings.simplefilter("ignore")
+        assert check_case("forward", backend, case, torch.float32, isolate=False) == "pass"
+
+
+def test_the_adapters_helpers_keep_batch_dimensions() -> None:
+    from examples.adapters import as_4d, expand_mask, unflatten
+
+    q = torch.randn(2, 3, 4, 5, 8)
+    assert as_4d(q).shape == (6, 4, 5, 8)
+    assert unflatten(as_4d(q), q, 8).shape == q.shape
+    mask = torch.ones(2, 1, 1, 5, 7, dtype=torch.bool)
+    k = torch.randn(2, 3, 4, 7, 8)
+    full = expand_mask(mask, q, k)
+    assert full is not None
+    assert full.shape == (6, 1, 5, 7)
+    empty = torch.randn(0, 4, 5, 0)  # no element: the batch size is not inferred
+    assert as_4d(empty).shape == (0, 4, 5, 0)
