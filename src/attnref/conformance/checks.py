@@ -130,8 +130,12 @@ class Context:
         except Failure as f:
             if f.where is None or len(f.where) != inputs.query.dim():
                 raise
+            try:
+                row = self.row(inputs, f.where)
+            except (IndexError, StopIteration):  # an index the inputs do not explain
+                raise f from None
             raise Failure(
-                f"{f}; {self.row(inputs, f.where)}",
+                f"{f}; {row}",
                 got=f.got,
                 expected=f.expected,
                 where=f.where,
