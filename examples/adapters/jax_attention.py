@@ -9,7 +9,6 @@ through ``ml_dtypes``) and calls the function jitted, as a JAX model does.
 """
 
 import functools
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -17,7 +16,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from examples.adapters import declare, no_dropout
+from examples.adapters import as_4d, declare, expand_mask, no_dropout, unflatten
 
 #: the adapter's error for a call JAX's signature cannot express (declared as a refusal)
 REFUSAL = "jax.nn.dot_product_attention needs"
@@ -69,29 +68,16 @@ def attention(
     no_dropout(dropout_p)
     if value.shape[-1] != key.shape[-1]:
         raise NotImplementedError(f"{REFUSAL} values shaped like keys (Dv = Dh)")
-    batch = query.shape[:-3]
-    B = math.prod(batch)
     # (*batch, h, T, D) -> (B, T, h, D)
-    q, k, v = (
-        _to_jax(t.reshape(B, *t.shape[-3:]).transpose(1, 2).contiguous())
-        for t in (query, key, value)
-    )
+    q, k, v = (_to_jax(as_4d(t).transpose(1, 2).contiguous()) for t in (query, key, value))
+    full = expand_mask(attn_mask, query, key)
     mask = bias = None
-    if attn_mask is not None:
-        full = attn_mask.expand(
-            *batch,
-            attn_mask.shape[-3] if attn_mask.dim() >= 3 else 1,
-            query.shape[-2],
-            key.shape[-2],
-        )
-        full = full.reshape(B, *full.shape[-3:])
-        if full.dtype == torch.bool:
-            mask = _to_jax(full)
-        else:
-            bias = _to_jax(full)
+    if full is not None and full.dtype == torch.bool:
+        mask = _to_jax(full)
+    elif full is not None:
+        bias = _to_jax(full)
     out = _jitted(is_causal, scale)(q, k, v, mask, bias)
-    t = _to_torch(out, query.dtype).transpose(1, 2)  # (B, h, Tq, D)
-    return t.reshape(*query.shape[:-1], value.shape[-1])
+    return unflatten(_to_torch(out, query.dtype).transpose(1, 2), query, value.shape[-1])
 
 
 def _declare() -> None:
