@@ -219,11 +219,10 @@ def jax_float64_softmax_is_float32() -> bool:
 def jax_bfloat16_jit_aborts() -> bool:
     """The jitted bfloat16 call on the CPU ends the process with SIGABRT (an XLA
     ``Check failed`` in the CPU emitter) rather than raising; run in a child process."""
-    code = (
+    code = (  # the case the audit shrank to: key_permutation, bfloat16, Tq = Tk = 255, D = 1
         "import jax, jax.numpy as jnp, ml_dtypes, numpy as np\n"
-        "x = jnp.asarray(np.ones((1, 3, 2, 8), dtype=ml_dtypes.bfloat16))\n"
-        "m = jnp.asarray(np.ones((1, 2, 3, 3), dtype=bool))\n"
-        "jax.jit(jax.nn.dot_product_attention)(x, x, x, mask=m).block_until_ready()\n"
+        "x = jnp.asarray(np.ones((1, 255, 1, 1), dtype=ml_dtypes.bfloat16))\n"
+        "jax.jit(jax.nn.dot_product_attention)(x, x, x).block_until_ready()\n"
     )
     child = subprocess.run([sys.executable, "-c", code], capture_output=True, check=False)
     return child.returncode == -6
@@ -240,11 +239,10 @@ FINDINGS: list[tuple[str, Callable[[], bool]]] = [
     ("memory_efficient_attention_pytorch", mea_masked_bucket_gives_nan),
     ("memory_efficient_attention_pytorch", mea_chunked_and_plain_align_differently),
     ("jax", jax_float64_softmax_is_float32),
-]
-#: seen once in an audit, not yet rebuilt from a small case: tried, reported, not counted
-SEEN_ONCE: list[tuple[str, Callable[[], bool]]] = [
     ("jax", jax_bfloat16_jit_aborts),
 ]
+#: seen once in an audit, not yet rebuilt from a small case: tried, reported, not counted
+SEEN_ONCE: list[tuple[str, Callable[[], bool]]] = []
 
 
 def main() -> int:
