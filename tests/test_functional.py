@@ -1,6 +1,7 @@
 """Worked examples and edge cases of the functional API, and its errors on bad input."""
 
 import math
+from typing import Any
 
 import pytest
 import torch
@@ -211,3 +212,77 @@ def test_head_split_errors() -> None:
         ValueError, match=r"leading dim \(6\) must be a multiple of num_heads \(4\)"
     ):
         F.transpose_output(torch.randn(6, 2, 3), 4)
+
+
+# ---------------------------------------------------------------- variants: bad input
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"window": (-2, 0)}, r"window must be \(left, right\), two ints >= -1"),
+        ({"softcap": -1.0}, r"softcap must be a finite number >= 0 \(0: off\), got -1.0"),
+        ({"softcap": math.inf}, r"softcap must be a finite number >= 0"),
+        ({"alibi_slopes": torch.ones(3, dtype=torch.float16)}, "alibi_slopes must be float32"),
+    ],
+)
+def test_bad_variant_values_are_named(kwargs: dict[str, Any], message: str) -> None:
+    q = torch.randn(2, 3, 5, 4)
+    with pytest.raises(ValueError, match=message):
+        F.scaled_dot_product_attention(q, q, q, **kwargs)
+    with pytest.raises(ValueError, match=message):
+        F.chunked_attention(q, q, q, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"alibi_slopes": torch.ones(4)},
+        {"alibi_slopes": torch.ones(2, 5)},
+        {"sinks": torch.ones(2)},
+        {"window": (3,)},
+        {"window": (1.5, 0)},
+    ],
+)
+def test_variant_arguments_of_the_wrong_type_or_shape_are_refused(
+    kwargs: dict[str, Any],
+) -> None:
+    """The annotations (jaxtyping, beartype) refuse these, naming the argument."""
+    q = torch.randn(2, 3, 5, 4)
+    with pytest.raises(Exception, match=r"alibi_slopes|sinks|window"):
+        F.scaled_dot_product_attention(q, q, q, **kwargs)
+
+
+def test_merge_refuses_flash_attention_2s_plus_inf() -> None:
+    out = torch.zeros(1, 2, 3, 4)
+    lse = torch.zeros(1, 2, 3)
+    bad = lse.clone()
+    bad[0, 0, 0] = math.inf
+    with pytest.raises(ValueError, match=r"lse2 holds 1 NaN or \+inf values"):
+        F.merge_attention(out, lse, out, bad)
+
+
+def test_an_empty_part_drops_out_of_a_merge_even_as_nan() -> None:
+    out = torch.randn(1, 2, 3, 4)
+    lse = torch.randn(1, 2, 3)
+    nan = torch.full_like(out, math.nan)
+    empty = torch.full_like(lse, -math.inf)
+    merged, merged_lse = F.merge_attention(out, lse, nan, empty)
+    torch.testing.assert_close(merged, out)
+    torch.testing.assert_close(merged_lse, lse)
+    none, none_lse = F.merge_attention(nan, empty, nan, empty)
+    assert bool((none == 0).all())
+    assert bool(torch.isneginf(none_lse).all())
+
+
+def test_a_row_with_no_visible_key_has_lse_minus_inf_and_output_zero_with_a_sink() -> None:
+    q = torch.randn(1, 2, 4, 3)
+    k = torch.randn(1, 2, 2, 3)
+    # bottom-right with Tq > Tk: the first two queries see no key
+    out, lse = F.scaled_dot_product_attention(
+        q, k, k, is_causal=True, causal_alignment="bottom_right", sinks=torch.ones(2),
+        return_lse=True,
+    )  # fmt: skip
+    assert bool((out[..., :2, :] == 0).all())
+    assert bool(torch.isneginf(lse[..., :2]).all())
+    assert bool(torch.isfinite(lse[..., 2:]).all())

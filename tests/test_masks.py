@@ -79,3 +79,22 @@ def test_additive_mask() -> None:
     assert m.tolist() == [0.0, float("-inf")]
     with pytest.raises(ValueError, match="floating-point dtype"):
         masks.additive_mask(torch.tensor([True]), torch.int64)
+
+
+def test_a_sliding_window_is_inclusive_at_both_ends() -> None:
+    from attnref.masks import sliding_window_mask
+
+    # bottom-right, Tq = 2, Tk = 6: the queries sit at positions 4 and 5
+    mask = sliding_window_mask(2, 6, (2, 0))
+    assert mask.tolist() == [
+        [False, False, True, True, True, False],
+        [False, False, False, True, True, True],
+    ]
+    assert sliding_window_mask(3, 3, (0, 1), "top_left").tolist() == [
+        [True, True, False],
+        [False, True, True],
+        [False, False, True],
+    ]
+    assert bool(sliding_window_mask(4, 7, (-1, -1)).all())
+    with pytest.raises(ValueError, match="window must be"):
+        sliding_window_mask(2, 2, (-3, 0))

@@ -29,22 +29,27 @@ from torch import Tensor
 from attnref._checking import checked, checked_internal
 from attnref.masks import (
     Alignment,
+    Window,
     causal_block,
     causal_offset,
     check_alignment,
     check_valid_lens,
+    check_window,
     sequence_mask,
+    window_block,
 )
 
 __all__ = [
     "D2L_MASK_VALUE",
     "additive_scores",
+    "apply_sinks",
     "chunked_attention",
     "compute_dtype",
     "default_scale",
     "dot_product_scores",
     "expand_kv_heads",
     "masked_softmax",
+    "merge_attention",
     "merge_heads",
     "nadaraya_watson",
     "safe_softmax",
@@ -295,8 +300,18 @@ class _Problem:
     v: Tensor  # (*batch, h, Tk, Dv), compute dtype, kv heads expanded
     bool_mask: Tensor | None  # broadcastable to (*batch, h, Tq, Tk), True = visible
     float_mask: Tensor | None  # broadcastable, added to scores, compute dtype
-    causal_offset: int | None  # query i sees key j iff j <= i + offset
+    causal: bool  # query i sees key j only if j <= i + offset
+    offset: int  # query i sits at key position i + offset (the alignment)
+    window: Window | None  # (left, right) around the query's position; None: no window
+    softcap: float  # scores become softcap * tanh(score / softcap); 0: off
+    alibi: Tensor | None  # (*#batch, h, 1, 1) slopes, compute dtype
+    sinks: Tensor | None  # (h, 1, 1) sink logits, compute dtype
     out_dtype: torch.dtype
+
+    @property
+    def positional(self) -> bool:
+        """Whether a score depends on where its query and key sit (causal, window, ALiBi)."""
+        return self.causal or self.window is not None or self.alibi is not None
 
 
 @checked_internal
@@ -336,8 +351,19 @@ def _prepare(
     scale: float | None,
     enable_gqa: bool,
     causal_alignment: str,
+    window: Window | None = None,
+    softcap: float = 0.0,
+    alibi_slopes: Float[Tensor, " h"] | Float[Tensor, "*batch h"] | None = None,
+    sinks: Float[Tensor, " h"] | None = None,
 ) -> _Problem:
     check_alignment(causal_alignment)
+    if window is not None:
+        check_window(window)
+        window = None if tuple(window) == (-1, -1) else (int(window[0]), int(window[1]))
+    if not (isinstance(softcap, int | float) and math.isfinite(softcap) and softcap >= 0):
+        raise ValueError(f"softcap must be a finite number >= 0 (0: off), got {softcap!r}")
+    if alibi_slopes is not None and alibi_slopes.dtype not in (torch.float32, torch.float64):
+        raise ValueError(f"alibi_slopes must be float32 (or float64), got {alibi_slopes.dtype}")
     if not (query.dtype == key.dtype == value.dtype):
         raise ValueError(
             "query, key and value must share a dtype, got "
@@ -372,7 +398,12 @@ def _prepare(
         v=_as(value, ctype),
         bool_mask=bool_mask,
         float_mask=float_mask,
-        causal_offset=causal_offset(Tq, Tk, causal_alignment) if is_causal else None,
+        causal=is_causal,
+        offset=causal_offset(Tq, Tk, causal_alignment),
+        window=window,
+        softcap=float(softcap),
+        alibi=None if alibi_slopes is None else alibi_slopes.to(ctype)[..., None, None],
+        sinks=None if sinks is None else sinks.to(ctype)[:, None, None],
         out_dtype=query.dtype,
     )
 
@@ -393,12 +424,20 @@ def _masked_scores(
 ) -> tuple[Float[Tensor, "*batch h Tq Tb"], Bool[Tensor, "*#hbatch #Tq #Tb"] | None]:
     """Scores of every query against the ``Tb`` keys ``start:stop``, hidden ones ``-inf``.
 
-    Returns the scores and the ``hidden`` mask (``True`` = hidden, broadcastable to the
-    scores), or ``None`` when nothing is hidden.
+    In the order of docs/variants.md: the scaled score, then the softcap, then ALiBi,
+    then a float mask; then every key the masks, the causal diagonal or the window hide
+    becomes ``-inf``. Returns the scores and the ``hidden`` mask (``True`` = hidden,
+    broadcastable to the scores), or ``None`` when nothing is hidden.
     """
     Tq, Tk = p.q.shape[-2], p.k.shape[-2]
     k = _key_rows(p.k, start, stop)
     scores = p.q @ k.transpose(-2, -1)  # (*batch, h, Tq, block); q is pre-scaled
+    if p.softcap:
+        scores = p.softcap * torch.tanh(scores / p.softcap)
+    if p.alibi is not None:
+        pos = torch.arange(Tq, device=scores.device).unsqueeze(-1) + p.offset  # (Tq, 1)
+        cols = torch.arange(start, stop, device=scores.device)
+        scores = scores - p.alibi * (pos - cols).abs().to(scores.dtype)  # -m_h |i + off - j|
     hidden: Tensor | None = None
     if p.float_mask is not None:
         fm = _key_block(p.float_mask, start, stop, Tk)
@@ -407,17 +446,57 @@ def _masked_scores(
     if p.bool_mask is not None:
         bm = ~_key_block(p.bool_mask, start, stop, Tk)
         hidden = bm if hidden is None else hidden | bm
-    if p.causal_offset is not None and stop - 1 > p.causal_offset:
+    if p.causal and stop - 1 > p.offset:
         # (when even the first query sees the block's last key, the diagonal hides
         # nothing here: one query decoded against a cache, bottom-right)
-        cm = ~causal_block(Tq, start, stop, p.causal_offset, device=scores.device)
+        cm = ~causal_block(Tq, start, stop, p.offset, device=scores.device)
         hidden = cm if hidden is None else hidden | cm
+    if p.window is not None:
+        wm = ~window_block(Tq, start, stop, p.offset, p.window, device=scores.device)
+        hidden = wm if hidden is None else hidden | wm
     if hidden is not None:
         # masked_fill (not +(-inf)) so a NaN or inf score at a hidden key is replaced too;
         # in place: `scores` is this function's own tensor, and matmul's backward needs
         # only its inputs
         scores.masked_fill_(hidden, _NEG_INF)
     return scores, hidden
+
+
+@checked_internal
+def _weights(
+    p: _Problem,
+    scores: Float[Tensor, "*batch h Tq Tk"],
+    hidden: Bool[Tensor, "*#hbatch #Tq #Tk"] | None,
+) -> Float[Tensor, "*batch h Tq Tk"]:
+    """The softmax over keys; with sinks, over the keys and one sink per head.
+
+    A sink is a key with a logit of its own and no value:
+    ``w_ij = exp(s_ij) / (exp(sigma_h) + sum_k exp(s_ik))``. A row with no visible key
+    gets zeros either way.
+    """
+    if p.sinks is None:
+        return _softmax_rows(scores, hidden)
+    sink = p.sinks.expand(*scores.shape[:-1], 1)  # (*batch, h, Tq, 1)
+    full = torch.cat([scores, sink], dim=-1)
+    none_hidden = torch.zeros(scores.shape, dtype=torch.bool, device=scores.device)
+    keys_hidden = none_hidden if hidden is None else hidden.expand(scores.shape)
+    # a row whose keys are all hidden stays empty (zeros) however large its sink
+    empty = keys_hidden.all(dim=-1, keepdim=True)
+    full_hidden = torch.cat([keys_hidden, empty | (sink == _NEG_INF)], dim=-1)
+    return _softmax_rows(full, full_hidden)[..., :-1]
+
+
+@checked_internal
+def _lse(
+    scores: Float[Tensor, "*batch h Tq Tk"], hidden: Bool[Tensor, "*#hbatch #Tq #Tk"] | None
+) -> Float[Tensor, "*batch h Tq"]:
+    """``log sum_j exp(s_ij)`` over the visible keys (sinks not included); ``-inf`` for a
+    row with no visible key (computed from finite scores, so no NaN reaches a backward)."""
+    if hidden is None:
+        return torch.logsumexp(scores, dim=-1)
+    empty = hidden.expand(scores.shape).all(dim=-1, keepdim=True)  # (*batch, h, Tq, 1)
+    lse = torch.logsumexp(scores.masked_fill(empty, 0.0), dim=-1)
+    return lse.masked_fill(empty.squeeze(-1), _NEG_INF)
 
 
 @checked_internal
@@ -465,6 +544,26 @@ def _check_dropout_p(dropout_p: float) -> None:
         raise ValueError(f"dropout_p must lie in [0, 1], got {dropout_p}")
 
 
+_VARIANT_ARGS = """
+        window: a sliding window ``(left, right)`` around each query's position under
+            ``causal_alignment``: query ``i`` at position ``p`` sees keys
+            ``p - left .. p + right``, both ends inclusive, ``-1`` unbounded on that side
+            (FlashAttention's ``window_size``); combined with ``is_causal``, a key must
+            pass both. ``(-1, -1)`` is no window.
+        softcap: ``c > 0`` caps each scaled score as ``c * tanh(s / c)`` (Gemma 2); ``0``
+            is off.
+        alibi_slopes: ALiBi slopes ``m`` of shape ``(h,)`` or ``(*batch, h)``, float32:
+            adds ``-m_h * |p - j|`` to the score of query position ``p`` and key ``j``,
+            after the softcap and before ``attn_mask``.
+        sinks: one logit ``sigma_h`` per query head (gpt-oss): the softmax denominator
+            gains ``exp(sigma_h)`` and the sink carries no value, so
+            ``out = out_plain * sigmoid(lse - sigma_h)``.
+        return_lse: also return ``lse = log sum_j exp(s_ij)`` over the visible keys,
+            natural log, after softcap, ALiBi and the mask, the sink not included:
+            ``(*batch, h, Tq)`` in float32 (float64 for float64 inputs), ``-inf`` for a
+            query with no visible key."""
+
+
 @overload
 def scaled_dot_product_attention(
     query: Tensor,
@@ -480,6 +579,11 @@ def scaled_dot_product_attention(
     return_weights: Literal[False] = ...,
     generator: torch.Generator | None = ...,
     dropout_mask: Tensor | None = ...,
+    window: Window | None = ...,
+    softcap: float = ...,
+    alibi_slopes: Tensor | None = ...,
+    sinks: Tensor | None = ...,
+    return_lse: Literal[False] = ...,
 ) -> Tensor: ...
 
 
@@ -498,7 +602,58 @@ def scaled_dot_product_attention(
     return_weights: Literal[True],
     generator: torch.Generator | None = ...,
     dropout_mask: Tensor | None = ...,
+    window: Window | None = ...,
+    softcap: float = ...,
+    alibi_slopes: Tensor | None = ...,
+    sinks: Tensor | None = ...,
+    return_lse: Literal[False] = ...,
 ) -> tuple[Tensor, Tensor]: ...
+
+
+@overload
+def scaled_dot_product_attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attn_mask: Tensor | None = ...,
+    dropout_p: float = ...,
+    is_causal: bool = ...,
+    scale: float | None = ...,
+    enable_gqa: bool = ...,
+    *,
+    causal_alignment: Alignment = ...,
+    return_weights: Literal[False] = ...,
+    generator: torch.Generator | None = ...,
+    dropout_mask: Tensor | None = ...,
+    window: Window | None = ...,
+    softcap: float = ...,
+    alibi_slopes: Tensor | None = ...,
+    sinks: Tensor | None = ...,
+    return_lse: Literal[True],
+) -> tuple[Tensor, Tensor]: ...
+
+
+@overload
+def scaled_dot_product_attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attn_mask: Tensor | None = ...,
+    dropout_p: float = ...,
+    is_causal: bool = ...,
+    scale: float | None = ...,
+    enable_gqa: bool = ...,
+    *,
+    causal_alignment: Alignment = ...,
+    return_weights: Literal[True],
+    generator: torch.Generator | None = ...,
+    dropout_mask: Tensor | None = ...,
+    window: Window | None = ...,
+    softcap: float = ...,
+    alibi_slopes: Tensor | None = ...,
+    sinks: Tensor | None = ...,
+    return_lse: Literal[True],
+) -> tuple[Tensor, Tensor, Tensor]: ...
 
 
 @checked
@@ -516,11 +671,23 @@ def scaled_dot_product_attention(
     return_weights: bool = False,
     generator: torch.Generator | None = None,
     dropout_mask: Bool[Tensor, "*#batch #h #Tq #Tk"] | None = None,
+    window: Window | None = None,
+    softcap: float = 0.0,
+    alibi_slopes: Float[Tensor, " h"] | Float[Tensor, "*batch h"] | None = None,
+    sinks: Float[Tensor, " h"] | None = None,
+    return_lse: bool = False,
 ) -> (
     Float[Tensor, "*batch h Tq Dv"]
     | tuple[Float[Tensor, "*batch h Tq Dv"], Float[Tensor, "*batch h Tq Tk"]]
+    | tuple[Float[Tensor, "*batch h Tq Dv"], Float[Tensor, "*batch h Tq"]]
+    | tuple[
+        Float[Tensor, "*batch h Tq Dv"],
+        Float[Tensor, "*batch h Tq Tk"],
+        Float[Tensor, "*batch h Tq"],
+    ]
 ):
-    """Scaled dot-product attention: a drop-in for torch's ``scaled_dot_product_attention``.
+    """Scaled dot-product attention: a drop-in for torch's ``scaled_dot_product_attention``,
+    with the variants production kernels ship (docs/variants.md).
 
     ``out = dropout(softmax(Q K^T * scale + M)) V``, softmax over keys, where ``M`` hides
     every key the masks hide. See the module docstring for the semantics it pins down.
@@ -539,32 +706,98 @@ def scaled_dot_product_attention(
         enable_gqa: allow ``g < h`` key/value heads (``h % g == 0``), head ``i`` reading
             key/value head ``i // (h // g)``.
         causal_alignment: ``"top_left"`` (torch's ``is_causal``) or ``"bottom_right"``
-            (query ``i`` at position ``Tk - Tq + i``).
+            (query ``i`` at position ``Tk - Tq + i``); it places the window and ALiBi too.
         return_weights: also return the attention weights (before dropout).
         generator: random stream for dropout, so a run can be replayed.
         dropout_mask: explicit keep-mask for dropout (``True`` = keep), overriding the
-            random draw.
+            random draw.{variants}
 
     Returns:
         The output ``(*batch, h, Tq, Dv)`` in the input dtype; with ``return_weights``
         also the weights ``(*batch, h, Tq, Tk)``: the probability that query ``i`` reads
-        key ``j``, 0 for hidden keys, rows summing to 1 (or all 0 with no visible key).
+        key ``j``, 0 for hidden keys, rows summing to 1 (or all 0 with no visible key;
+        less than 1 with a sink); with ``return_lse`` then the log-sum-exp.
 
     Raises:
         ValueError: mismatched dtypes, ``g`` not dividing ``h`` (or ``g != h`` without
-            ``enable_gqa``), a mask that does not broadcast, an unknown alignment, or
-            ``dropout_p`` outside ``[0, 1]``.
+            ``enable_gqa``), a mask that does not broadcast, an unknown alignment,
+            ``dropout_p`` outside ``[0, 1]``, a window side below ``-1``, a negative
+            softcap, or ALiBi slopes that are not float32.
     """
     _check_dropout_p(dropout_p)
-    p = _prepare(query, key, value, attn_mask, is_causal, scale, enable_gqa, causal_alignment)
+    p = _prepare(
+        query,
+        key,
+        value,
+        attn_mask,
+        is_causal,
+        scale,
+        enable_gqa,
+        causal_alignment,
+        window,
+        softcap,
+        alibi_slopes,
+        sinks,
+    )
     Tk = p.k.shape[-2]
     scores, hidden = _masked_scores(p, 0, Tk)  # (*batch, h, Tq, Tk)
-    weights = _softmax_rows(scores, hidden)
+    weights = _weights(p, scores, hidden)
     dropped = _dropout(weights, dropout_p, generator, dropout_mask)
     out = _as(dropped @ _values_block(p, 0, Tk, hidden), p.out_dtype)  # (*batch, h, Tq, Dv)
+    if return_weights and return_lse:
+        return out, _as(weights, p.out_dtype), _lse(scores, hidden)
     if return_weights:
         return out, _as(weights, p.out_dtype)
+    if return_lse:
+        return out, _lse(scores, hidden)
     return out
+
+
+scaled_dot_product_attention.__doc__ = (scaled_dot_product_attention.__doc__ or "").replace(
+    "{variants}", _VARIANT_ARGS
+)
+
+
+@overload
+def chunked_attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attn_mask: Tensor | None = ...,
+    dropout_p: float = ...,
+    is_causal: bool = ...,
+    scale: float | None = ...,
+    enable_gqa: bool = ...,
+    *,
+    causal_alignment: Alignment = ...,
+    block_size: int = ...,
+    window: Window | None = ...,
+    softcap: float = ...,
+    alibi_slopes: Tensor | None = ...,
+    sinks: Tensor | None = ...,
+    return_lse: Literal[False] = ...,
+) -> Tensor: ...
+
+
+@overload
+def chunked_attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attn_mask: Tensor | None = ...,
+    dropout_p: float = ...,
+    is_causal: bool = ...,
+    scale: float | None = ...,
+    enable_gqa: bool = ...,
+    *,
+    causal_alignment: Alignment = ...,
+    block_size: int = ...,
+    window: Window | None = ...,
+    softcap: float = ...,
+    alibi_slopes: Tensor | None = ...,
+    sinks: Tensor | None = ...,
+    return_lse: Literal[True],
+) -> tuple[Tensor, Tensor]: ...
 
 
 @checked
@@ -580,7 +813,15 @@ def chunked_attention(
     *,
     causal_alignment: Alignment = "top_left",
     block_size: int = 512,
-) -> Float[Tensor, "*batch h Tq Dv"]:
+    window: Window | None = None,
+    softcap: float = 0.0,
+    alibi_slopes: Float[Tensor, " h"] | Float[Tensor, "*batch h"] | None = None,
+    sinks: Float[Tensor, " h"] | None = None,
+    return_lse: bool = False,
+) -> (
+    Float[Tensor, "*batch h Tq Dv"]
+    | tuple[Float[Tensor, "*batch h Tq Dv"], Float[Tensor, "*batch h Tq"]]
+):
     """`scaled_dot_product_attention` computed over blocks of keys (online softmax).
 
     Keys are visited ``block_size`` at a time. A running row max ``m``, running
@@ -591,8 +832,9 @@ def chunked_attention(
         l' = a * l + rowsum(P);     acc' = a * acc + P V_b;   out = acc / l
 
     so memory grows with ``Tq * block_size`` rather than ``Tq * Tk``. Same semantics as the
-    materialised function (empty rows give 0, hidden keys never matter); dropout is not
-    supported.
+    materialised function, variants included (empty rows give 0, hidden keys never
+    matter); the log-sum-exp is ``m + log l``, and a sink joins the denominator once,
+    after the last block: ``out = acc / (l + exp(sigma - m))``. Dropout is not supported.
 
     Raises:
         ValueError: as `scaled_dot_product_attention`; ``block_size < 1``;
@@ -602,7 +844,20 @@ def chunked_attention(
         raise ValueError(f"block_size must be >= 1, got {block_size}")
     if dropout_p != 0.0:
         raise ValueError(f"chunked_attention does not implement dropout, got dropout_p={dropout_p}")
-    p = _prepare(query, key, value, attn_mask, is_causal, scale, enable_gqa, causal_alignment)
+    p = _prepare(
+        query,
+        key,
+        value,
+        attn_mask,
+        is_causal,
+        scale,
+        enable_gqa,
+        causal_alignment,
+        window,
+        softcap,
+        alibi_slopes,
+        sinks,
+    )
     Tk = p.k.shape[-2]
     stats_shape = (*p.q.shape[:-1], 1)  # (*batch, h, Tq, 1)
     row_max = p.q.new_full(stats_shape, _NEG_INF)
@@ -618,7 +873,71 @@ def chunked_attention(
         denom = rescale * denom + probs.sum(dim=-1, keepdim=True)
         acc = rescale * acc + probs @ _values_block(p, start, stop, hidden)
         row_max = new_max
-    return (acc / denom.masked_fill(denom == 0, 1.0)).to(p.out_dtype)
+    seen = denom > 0  # (*batch, h, Tq, 1): the row saw a key
+    total = denom
+    if p.sinks is not None:  # once, after every block; an empty row stays empty
+        sink = torch.exp(p.sinks - row_max.masked_fill(~seen, 0.0))
+        total = torch.where(seen, denom + sink, denom)
+    out = (acc / total.masked_fill(~seen, 1.0)).to(p.out_dtype)
+    if not return_lse:
+        return out
+    lse = torch.where(seen, row_max + torch.log(denom.masked_fill(~seen, 1.0)), _NEG_INF)
+    return out, lse.squeeze(-1)
+
+
+@checked
+def merge_attention(
+    out1: Float[Tensor, "*batch h Tq Dv"],
+    lse1: Float[Tensor, "*batch h Tq"],
+    out2: Float[Tensor, "*batch h Tq Dv"],
+    lse2: Float[Tensor, "*batch h Tq"],
+) -> tuple[Float[Tensor, "*batch h Tq Dv"], Float[Tensor, "*batch h Tq"]]:
+    """Attention over two disjoint sets of keys, combined from each set's output and LSE.
+
+    ``lse = logaddexp(lse1, lse2)``, ``out = exp(lse1 - lse) out1 + exp(lse2 - lse) out2``
+    (split-KV decoding, ring attention, prefix sharing). A part in which a query saw no
+    key (``lse = -inf``) drops out whatever its output holds (0, or NaN from ``0 / 0``);
+    a query that saw no key in either part gets 0 and ``-inf``. Apply sinks after the
+    merge (`apply_sinks`): counted in each part they would be counted twice.
+
+    Raises:
+        ValueError: an LSE holds ``+inf`` or NaN (FlashAttention 2 returns ``+inf`` for a
+            row with no visible key: map it to ``-inf`` first).
+    """
+    for name, lse in (("lse1", lse1), ("lse2", lse2)):
+        bad = torch.isnan(lse) | torch.isposinf(lse)
+        if bool(bad.any()):
+            raise ValueError(
+                f"{name} holds {int(bad.sum())} NaN or +inf values; a row with no visible "
+                "key must have lse -inf (map FlashAttention 2's +inf to -inf first)"
+            )
+    ctype = torch.promote_types(torch.promote_types(lse1.dtype, lse2.dtype), torch.float32)
+    a, b = lse1.to(ctype), lse2.to(ctype)
+    lse = torch.logaddexp(a, b)
+    safe = lse.masked_fill(lse == _NEG_INF, 0.0)
+    w1, w2 = torch.exp(a - safe).unsqueeze(-1), torch.exp(b - safe).unsqueeze(-1)
+
+    def part(w: Tensor, out: Tensor) -> Tensor:
+        return torch.where(w > 0, w * out.to(ctype), 0.0)  # an empty part drops out
+
+    out = part(w1, out1) + part(w2, out2)
+    return out.to(out1.dtype), lse
+
+
+@checked
+def apply_sinks(
+    out: Float[Tensor, "*batch h Tq Dv"],
+    lse: Float[Tensor, "*batch h Tq"],
+    sinks: Float[Tensor, " h"],
+) -> Float[Tensor, "*batch h Tq Dv"]:
+    """Attention without sinks made attention with one: ``out * sigmoid(lse - sigma_h)``.
+
+    The sink adds ``exp(sigma_h)`` to the denominator and nothing to the numerator, so
+    every weight shrinks by ``l / (l + exp(sigma)) = sigmoid(lse - sigma)``. A row with no
+    visible key (``lse = -inf``) stays 0.
+    """
+    factor = torch.sigmoid(lse.to(torch.float64) - sinks.to(torch.float64).unsqueeze(-1))
+    return (out.to(torch.float64) * factor.unsqueeze(-1)).to(out.dtype)
 
 
 # ------------------------------------------------------------------ Nadaraya-Watson

@@ -28,11 +28,14 @@ __all__ = [
     "causal_offset",
     "check_alignment",
     "check_valid_lens",
+    "check_window",
     "make_std_mask",
     "padding_mask",
     "sequence_mask",
+    "sliding_window_mask",
     "subsequent_mask",
     "valid_lens_to_mask",
+    "window_block",
 ]
 
 Alignment = Literal["top_left", "bottom_right"]
@@ -68,6 +71,75 @@ def causal_block(
     rows = torch.arange(num_queries, device=device).unsqueeze(-1)  # (Tq, 1)
     cols = torch.arange(start, stop, device=device)  # (stop - start,)
     return cols <= rows + offset
+
+
+#: a sliding window ``(left, right)``: query ``i`` at position ``p`` sees keys
+#: ``p - left .. p + right``, both ends inclusive; ``-1`` leaves that side unbounded
+Window = tuple[int, int]
+
+
+def check_window(window: object) -> None:
+    """Raise ``ValueError`` unless ``window`` is ``(left, right)``, two ints ``>= -1``."""
+    ok = (
+        isinstance(window, tuple | list)
+        and len(window) == 2
+        and all(isinstance(w, int) and not isinstance(w, bool) and w >= -1 for w in window)
+    )
+    if not ok:
+        raise ValueError(
+            f"window must be (left, right), two ints >= -1 (-1: unbounded), got {window!r}"
+        )
+
+
+@checked
+def window_block(
+    num_queries: int,
+    start: int,
+    stop: int,
+    offset: int,
+    window: Window,
+    device: torch.device | str | None = None,
+) -> Bool[Tensor, "Tq Tk"]:
+    """Sliding-window visibility of every query against the keys ``start .. stop - 1``.
+
+    The one place the window is computed. Query ``i`` sits at position ``p = i + offset``
+    (`causal_offset` of the alignment) and sees key ``j`` iff
+    ``p - left <= j <= p + right``, both ends inclusive (FlashAttention's
+    ``window_size``); ``-1`` leaves that side unbounded.
+    """
+    check_window(window)
+    left, right = window
+    pos = torch.arange(num_queries, device=device).unsqueeze(-1) + offset  # (Tq, 1)
+    cols = torch.arange(start, stop, device=device)  # (stop - start,)
+    seen = torch.ones((num_queries, stop - start), dtype=torch.bool, device=device)
+    if left >= 0:
+        seen = seen & (cols >= pos - left)
+    if right >= 0:
+        seen = seen & (cols <= pos + right)
+    return seen
+
+
+@checked
+def sliding_window_mask(
+    num_queries: int,
+    num_keys: int,
+    window: Window,
+    alignment: Alignment = "bottom_right",
+    device: torch.device | str | None = None,
+) -> Bool[Tensor, "Tq Tk"]:
+    """The keys each query sees through the sliding window ``(left, right)``.
+
+    ``alignment`` places query ``i`` at position ``i`` (``top_left``) or
+    ``Tk - Tq + i`` (``bottom_right``, FlashAttention's). A causal sliding window of
+    ``w`` keys, the query's own included, is ``(w - 1, 0)``.
+
+    Raises:
+        ValueError: a bad window, an unknown alignment or a negative length.
+    """
+    if num_queries < 0 or num_keys < 0:
+        raise ValueError(f"lengths must be >= 0, got Tq={num_queries}, Tk={num_keys}")
+    offset = causal_offset(num_queries, num_keys, alignment)
+    return window_block(num_queries, 0, num_keys, offset, window, device)
 
 
 @checked
