@@ -175,6 +175,17 @@ def returns_nan(*args: Any, **kwargs: Any) -> Tensor:
     return torch.full_like(_sdpa(*args, **kwargs), float("nan"))
 
 
+def returns_nan_everywhere(*args: Any, **kwargs: Any) -> Any:
+    """Declares every variant and the LSE, and returns NaN for the output and the LSE."""
+    lse = kwargs.pop("return_lse", False)
+    from attnref import functional as F
+
+    out = torch.full_like(F.scaled_dot_product_attention(*args, **kwargs), float("nan"))
+    if lse:
+        return out, torch.full(out.shape[:-1], float("nan"))
+    return out
+
+
 def returns_inf(*args: Any, **kwargs: Any) -> Tensor:
     """The right shape and dtype, every value +inf."""
     return torch.full_like(_sdpa(*args, **kwargs), float("inf"))
@@ -214,6 +225,14 @@ def _declare() -> None:
         empty_row=EmptyRows(bool_mask="zero", float_mask="nan", causal="uniform"),
         causal_alignments=("top_left", "bottom_right"),
         dropout=False,
+    )
+    returns_nan_everywhere.capabilities = Capabilities(  # type: ignore[attr-defined]
+        causal_alignments=("top_left", "bottom_right"),
+        window=True,
+        softcap=True,
+        alibi=True,
+        sinks=True,
+        lse=True,
     )
 
 

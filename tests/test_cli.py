@@ -75,7 +75,7 @@ def test_unknown_property(capsys: pytest.CaptureFixture[str]) -> None:
     ("backend", "message"),
     [
         ("nope", "unknown backend 'nope'"),
-        ("tests.planted:no_mask_argument", "lacks the keyword arguments"),
+        ("tests.planted:no_mask_argument", "it lacks attn_mask"),
         ("mutant.nope", "unknown mutant"),
         ("no_such_module_xyz:f", "cannot import module"),
     ],
@@ -173,3 +173,21 @@ def test_demo_reverse_trains_bahdanau_and_saves_its_alignment(
     assert last < 0.5 * first
     assert out.count("  decoded [") == 3
     assert (tmp_path / "bahdanau-alignment.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_audit_a_flash_convention_kernel_with_api_flash(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    args = ["audit", "--no-progress", "--dtype", "float32", "--property", "variants",
+            "--property", "lse", "--api", "flash"]  # fmt: skip
+    assert main([*args, "--backend", "attnref.conformance.backends:flash_reference"]) == 0
+    out = capsys.readouterr().out
+    assert "variants" in out
+    assert out.rstrip().endswith("OK")
+    assert main([*args, "--backend", "mutant.lse_base2"]) == 1
+    assert "log-sum-exp" in capsys.readouterr().out
+
+
+def test_an_unknown_api_family_is_a_clear_message(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["audit", "--api", "cudnn"]) == 2
+    assert "unknown API family 'cudnn': use one of sdpa, flash" in capsys.readouterr().err

@@ -73,3 +73,16 @@ def test_a_bad_backend_is_a_usage_error(pytester: pytest.Pytester) -> None:
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--attnref-backend=nope")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines(["*--attnref-backend: unknown backend 'nope'*"])
+
+
+def test_a_flash_convention_kernel_with_attnref_api(pytester: pytest.Pytester) -> None:
+    result = pytester.runpytest_subprocess(
+        "-p",
+        "no:cacheprovider",
+        "--attnref-backend=attnref.conformance.backends:flash_reference",
+        "--attnref-api=flash",
+        "--attnref-property=window_none",
+        "--attnref-property=merge",
+        "--attnref-dtype=float32",
+    )
+    result.assert_outcomes(passed=2)

@@ -75,7 +75,7 @@ def test_every_hostile_backend_fails_with_a_report_naming_its_fault(
 def test_an_all_nan_backend_fails_every_property() -> None:
     """Laws compare the backend with itself: NaN must never equal NaN there."""
     report = audit(
-        resolve_backend("tests.planted:returns_nan"),
+        resolve_backend("tests.planted:returns_nan_everywhere"),
         dtypes=(torch.float32,),
         device="cpu",
         progress=False,

@@ -184,10 +184,10 @@ def _list_backends() -> None:
     from attnref.conformance.mutants import MUTANTS
 
     for name, b in BUILTIN_BACKENDS.items():
-        print(f"{name:<32} {b.description}")
+        print(f"{name:<32} {b.api:<6} {b.description}")
     print()
     for name, m in MUTANTS.items():
-        print(f"{'mutant.' + name:<32} class {m.bug_class:>2}: {m.summary}")
+        print(f"{'mutant.' + name:<32} {m.api:<6} class {m.bug_class:>2}: {m.summary}")
 
 
 def _list_properties() -> None:
@@ -211,7 +211,7 @@ def _audit(args: argparse.Namespace) -> int:
     try:
         settings = audit_settings(lambda dest: getattr(args, dest))
         json_path = _writable(args.json)
-        backend = load_backend(args.backend)
+        backend = load_backend(args.backend, settings.api)
     except (BackendError, OptionError) as e:
         print(f"attnref audit: {e}", file=sys.stderr)
         return 2
@@ -222,6 +222,7 @@ def _audit(args: argparse.Namespace) -> int:
         settings.profile.name,
         settings.seed,
         backend.capabilities,
+        backend.api,
     )
 
     def save(partial: AuditReport) -> None:  # after every property: a crash loses nothing

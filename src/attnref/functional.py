@@ -435,9 +435,11 @@ def _masked_scores(
     if p.softcap:
         scores = p.softcap * torch.tanh(scores / p.softcap)
     if p.alibi is not None:
-        pos = torch.arange(Tq, device=scores.device).unsqueeze(-1) + p.offset  # (Tq, 1)
-        cols = torch.arange(start, stop, device=scores.device)
-        scores = scores - p.alibi * (pos - cols).abs().to(scores.dtype)  # -m_h |i + off - j|
+        # positions in the scores' dtype (exact below 2**24): one (Tq, block) temporary
+        pos = torch.arange(Tq, device=scores.device, dtype=scores.dtype).unsqueeze(-1)
+        cols = torch.arange(start, stop, device=scores.device, dtype=scores.dtype)
+        distance = (pos + p.offset - cols).abs_()  # (Tq, block)
+        scores = scores - p.alibi * distance  # -m_h |i + off - j|
     hidden: Tensor | None = None
     if p.float_mask is not None:
         fm = _key_block(p.float_mask, start, stop, Tk)
@@ -873,6 +875,7 @@ def chunked_attention(
         denom = rescale * denom + probs.sum(dim=-1, keepdim=True)
         acc = rescale * acc + probs @ _values_block(p, start, stop, hidden)
         row_max = new_max
+        del scores, probs  # before the next block's: memory stays at one block's worth
     seen = denom > 0  # (*batch, h, Tq, 1): the row saw a key
     total = denom
     if p.sinks is not None:  # once, after every block; an empty row stays empty
@@ -936,7 +939,9 @@ def apply_sinks(
     every weight shrinks by ``l / (l + exp(sigma)) = sigmoid(lse - sigma)``. A row with no
     visible key (``lse = -inf``) stays 0.
     """
-    factor = torch.sigmoid(lse.to(torch.float64) - sinks.to(torch.float64).unsqueeze(-1))
+    lse64 = lse.to(torch.float64)
+    factor = torch.sigmoid(lse64 - sinks.to(torch.float64).unsqueeze(-1))
+    factor = factor.masked_fill(lse64 == -math.inf, 0.0)  # (a sink of -inf: NaN otherwise)
     return (out.to(torch.float64) * factor.unsqueeze(-1)).to(out.dtype)
 
 

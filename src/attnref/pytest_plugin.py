@@ -125,7 +125,7 @@ def pytest_collection_modifyitems(
     audited: list[pytest.Item] = []
     for spec in specs:
         try:
-            backend = load_backend(spec)
+            backend = load_backend(spec, settings.api)
         except BackendError as e:
             raise pytest.UsageError(f"--attnref-backend: {e}") from None
         executor = (

@@ -8,35 +8,44 @@ visible key, every float dtype, boolean and float masks, GQA through ``enable_gq
 import contextlib
 import functools
 import importlib
+import importlib.util
 import inspect
 import math
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal, get_args
 
 import torch
 from torch import Tensor
 
 from attnref import functional as F
+from attnref.conformance.adapt import flash_form
 from attnref.masks import Alignment
 
 __all__ = [
     "BUILTIN_BACKENDS",
+    "FLASH_ATTN_2",
+    "VARIANTS",
     "Backend",
     "BackendError",
     "Capabilities",
+    "EmptyLse",
     "EmptyRows",
     "resolve_backend",
 ]
 
-SDPA = Callable[..., Tensor]
+#: a backend's function: it returns a tensor, or a tuple when asked for the LSE
+SDPA = Callable[..., Any]
 #: the output for a query with no visible key: zeros, NaN, or the mean of V
 EmptyRow = Literal["zero", "nan", "uniform"]
 #: "contained": NaN/inf in K/V at keys no query sees never reaches the output;
 #: "propagates": it may (0 * NaN = NaN in a materialised P @ V, as torch's CPU kernels)
 MaskedNaN = Literal["contained", "propagates"]
-# the arguments every backend is called with, by name, as torch SDPA takes them
-REQUIRED_PARAMETERS = ("attn_mask", "dropout_p", "is_causal", "scale")
+#: the log-sum-exp of a query with no visible key: the mathematical ``-inf``, or
+#: FlashAttention 2's ``+inf`` (outside split-KV)
+EmptyLse = Literal["-inf", "+inf"]
+#: the variants a backend may declare (docs/variants.md), each a flag of `Capabilities`
+VARIANTS = ("window", "softcap", "alibi", "sinks")
 
 
 #: what hid every key from a query, as the backend was called: a boolean mask, ``-inf``
@@ -99,13 +108,24 @@ class Capabilities:
     gradients: bool = True  # backward through the output gives dQ, dK, dV
     dropout: bool = True  # takes dropout_p (only dropout_p = 0 is audited)
     zero_head_dim: bool = True  # Dqk = 0 (scores all zero: the mean of V)
+    max_head_dim: int | None = None  # the largest Dqk (and Dv) taken; None: any
+    distinct_value_dim: bool = True  # may Dv differ from Dqk?
     # substrings of an error message that mean "refused this input" (a skip, not a failure)
     refuses: tuple[str, ...] = ()
+    # the variants of docs/variants.md, each as the API family spells it
+    window: bool = False  # a sliding window (left, right)
+    softcap: bool = False  # softcap * tanh(score / softcap)
+    alibi: bool = False  # ALiBi slopes, (h,) or (B, h)
+    sinks: bool = False  # one sink logit per query head
+    lse: bool = False  # returns the log-sum-exp on request
+    empty_lse: EmptyLse = "-inf"  # the log-sum-exp of a query with no visible key
+    combined_variants: bool = True  # may several variants be on in one call?
 
     def __post_init__(self) -> None:
         for name, kind, other in (
             ("empty_row", EmptyRow, " or an EmptyRows (one per cause)"),
             ("masked_nan", MaskedNaN, ""),
+            ("empty_lse", EmptyLse, ""),
         ):
             value = getattr(self, name)
             if value not in get_args(kind) and not (other and isinstance(value, EmptyRows)):
@@ -119,6 +139,14 @@ class Capabilities:
                     f"Capabilities.causal_alignments: unknown alignment {alignment!r} "
                     "(use top_left, bottom_right)"
                 )
+        if self.max_head_dim is not None and self.max_head_dim < 1:
+            raise ValueError(
+                f"Capabilities.max_head_dim must be >= 1 or None, got {self.max_head_dim!r}"
+            )
+
+    def variants(self) -> tuple[str, ...]:
+        """The variants declared (`VARIANTS`)."""
+        return tuple(v for v in VARIANTS if getattr(self, v))
 
     @property
     def empty_rows(self) -> EmptyRows:
@@ -140,9 +168,15 @@ class Backend:
     context: Callable[[], contextlib.AbstractContextManager[None]] = contextlib.nullcontext
     # try a small call first: a backend that cannot run at all here is skipped, not failed
     probe: bool = False
+    #: the calling convention (`attnref.conformance.families.FAMILIES`)
+    api: str = "sdpa"
+    #: a module the backend needs; without it the backend is skipped with the reason
+    needs: str | None = None
 
     def available(self, device: str) -> str | None:
         """``None`` if the backend can run on ``device``, else why not."""
+        if self.needs is not None and importlib.util.find_spec(self.needs) is None:
+            return f"{self.name} needs the {self.needs} package, which is not installed here"
         if device not in self.capabilities.devices:
             return f"{self.name} does not run on {device}"
         if device == "cuda" and not torch.cuda.is_available():
@@ -156,17 +190,16 @@ class Backend:
                 return f"{self.name} is unavailable on {device}: {first}"
         return None
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Tensor:
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
         with self.context():
             return self.fn(*args, **kwargs)
 
 
-def _reference(*args: Any, **kwargs: Any) -> Tensor:
-    out: Tensor = F.scaled_dot_product_attention(*args, **kwargs)
-    return out
+def _reference(*args: Any, **kwargs: Any) -> Any:
+    return F.scaled_dot_product_attention(*args, **kwargs)
 
 
-def _reference_chunked(*args: Any, **kwargs: Any) -> Tensor:
+def _reference_chunked(*args: Any, **kwargs: Any) -> Any:
     return F.chunked_attention(*args, **kwargs, block_size=4)
 
 
@@ -179,19 +212,21 @@ def _naive(
     is_causal: bool = False,
     scale: float | None = None,
     enable_gqa: bool = False,
-) -> Tensor:
+    **variants: Any,
+) -> Any:
     """Textbook attention materialised with plain torch ops, in the inputs' dtype.
 
     ``softmax(Q K^T * scale + mask) V``: `attnref.conformance.kernels.materialised` with
     every switch off (scores and softmax in float32, probabilities rounded to the inputs'
-    dtype before ``P @ V``, zeros for a query with no visible key).
+    dtype before ``P @ V``, zeros for a query with no visible key), and the variants
+    (``causal_alignment``, ``window``, ``softcap``, ``alibi_slopes``, ``sinks``,
+    ``return_lse``) as keywords.
     """
     if dropout_p != 0.0:
         raise ValueError("the naive backend has no dropout")
     from attnref.conformance.kernels import materialised
 
-    out: Tensor = materialised(query, key, value, attn_mask, 0.0, is_causal, scale, enable_gqa)
-    return out
+    return materialised(query, key, value, attn_mask, 0.0, is_causal, scale, enable_gqa, **variants)
 
 
 @functools.cache
@@ -212,41 +247,88 @@ def _flex(
     is_causal: bool = False,
     scale: float | None = None,
     enable_gqa: bool = False,
-) -> Tensor:
-    """FlexAttention with the mask as a ``score_mod``: eager on the CPU, compiled on CUDA."""
+    *,
+    causal_alignment: Alignment = "top_left",
+    window: tuple[int, int] | None = None,
+    softcap: float = 0.0,
+    alibi_slopes: Tensor | None = None,
+    sinks: Tensor | None = None,
+    return_lse: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """FlexAttention: the mask, softcap and ALiBi as a ``score_mod``, the causal diagonal
+    and the window as a ``mask_mod`` (a block mask); eager on the CPU, compiled on CUDA.
+    Its log-sum-exp comes from ``return_aux``; sinks are applied from it afterwards
+    (`attnref.functional.apply_sinks`).
+
+    Every setting reaches the two functions as a tensor, and both always apply every
+    modifier (a neutral one when off): FlexAttention traces them with Dynamo even in
+    eager mode, and a Python number or a new branch in them would trace again on every
+    call with a new value (about a second each on a CPU).
+    """
     import warnings
 
-    from torch.nn.attention.flex_attention import flex_attention
+    from torch.nn.attention.flex_attention import AuxRequest, create_block_mask, flex_attention
 
     if dropout_p != 0.0:
         raise ValueError("FlexAttention has no dropout")
     batch = query.shape[:-3]
     h, Tq, Tk = query.shape[-3], query.shape[-2], key.shape[-2]
     B = math.prod(batch)
+    device = query.device
     q, k, v = (t.reshape(B, *t.shape[-3:]) for t in (query, key, value))
-    bias = None
-    if attn_mask is not None:
+    ctype = torch.promote_types(query.dtype, torch.float32)  # what the scores are in
+    if attn_mask is None:
+        bias = torch.zeros((1, 1, 1, 1), device=device, dtype=ctype)
+    else:
         full = attn_mask.expand(*batch, h, Tq, Tk).reshape(B, h, Tq, Tk)
         bias = (
-            torch.zeros(full.shape, device=full.device).masked_fill(~full, -math.inf)
+            torch.zeros(full.shape, device=device, dtype=ctype).masked_fill(~full, -math.inf)
             if full.dtype == torch.bool
-            else full.float()
+            else full.to(ctype)
         )
+    masked = attn_mask is not None  # a branch fixed for the mask's lifetime
+    slopes = torch.zeros((B, h), device=device, dtype=ctype)
+    if alibi_slopes is not None:  # in the scores' dtype: m * |i - j| is not rounded
+        slopes = alibi_slopes.to(ctype).reshape(-1, h).expand(B, h)
+    offset = torch.tensor(0 if causal_alignment == "top_left" else Tk - Tq, device=device)
+    cap = torch.tensor(float(softcap), device=device)
+    left, right = (torch.tensor(w, device=device) for w in (window or (-1, -1)))
+    causal = torch.tensor(is_causal, device=device)
 
     def score_mod(score: Tensor, b: Tensor, hh: Tensor, qi: Tensor, kj: Tensor) -> Tensor:
-        if bias is not None:
+        capped = cap * torch.tanh(score / torch.where(cap > 0, cap, 1.0))
+        score = torch.where(cap > 0, capped, score)
+        score = score - slopes[b, hh] * (qi + offset - kj).abs()
+        if masked:
             score = score + bias[b, hh, qi, kj]
-        if is_causal:
-            score = torch.where(qi >= kj, score, -math.inf)
         return score
 
-    fn: Callable[..., Tensor] = flex_attention
-    if query.device.type == "cuda":
+    def mask_mod(b: Tensor, hh: Tensor, qi: Tensor, kj: Tensor) -> Tensor:
+        pos = qi + offset
+        seen = ~causal | (kj <= pos)
+        return seen & ((left < 0) | (kj >= pos - left)) & ((right < 0) | (kj <= pos + right))
+
+    fn: Callable[..., Any] = flex_attention
+    if device.type == "cuda":
         fn = _compiled_flex()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # eager FlexAttention warns that it is unfused
-        out = fn(q, k, v, score_mod=score_mod, scale=scale, enable_gqa=h != k.shape[-3])
-    return out.reshape(*batch, h, Tq, value.shape[-1])
+        block_mask = create_block_mask(mask_mod, None, None, Tq, Tk, device=device)
+        out, aux = fn(
+            q,
+            k,
+            v,
+            score_mod=score_mod,
+            block_mask=block_mask,
+            scale=scale,
+            enable_gqa=h != k.shape[-3],
+            return_aux=AuxRequest(lse=True),
+        )
+    out = out.reshape(*batch, h, Tq, value.shape[-1])
+    lse = aux.lse.reshape(*batch, h, Tq)
+    if sinks is not None:
+        out = F.apply_sinks(out, lse, sinks)
+    return (out, lse) if return_lse else out
 
 
 def _force(
@@ -269,15 +351,87 @@ def _force(
 
 # a forced kernel may refuse inputs it does not handle ("No available kernel"): a skip
 _FORCED_CAPS = Capabilities(refuses=("No available kernel",))
+#: every variant, and the log-sum-exp with -inf for a query with no visible key
+_ALL_VARIANTS: dict[str, Any] = {
+    "window": True,
+    "softcap": True,
+    "alibi": True,
+    "sinks": True,
+    "lse": True,
+}
 # eager FlexAttention has no backward on the CPU, and says so
 # and divides by sqrt(Dqk) in Python, so Dqk = 0 raises ZeroDivisionError
 _FLEX_CAPS = Capabilities(
-    dropout=False, zero_head_dim=False, refuses=("does not support backward on CPU",)
+    dropout=False,
+    zero_head_dim=False,
+    refuses=("does not support backward on CPU",),
+    causal_alignments=("top_left", "bottom_right"),
+    **_ALL_VARIANTS,
+)
+_REFERENCE_CAPS = Capabilities(
+    causal_alignments=("top_left", "bottom_right"),
+    causal_with_mask=True,
+    masked_nan="contained",
+    **_ALL_VARIANTS,
+)
+_NAIVE_CAPS = Capabilities(
+    dropout=False, causal_alignments=("top_left", "bottom_right"), **_ALL_VARIANTS
 )
 
-_REFERENCE_CAPS = Capabilities(
-    causal_alignments=("top_left", "bottom_right"), causal_with_mask=True, masked_nan="contained"
+
+def _flash_caps(caps: Capabilities) -> Capabilities:
+    """``caps`` as a flash-convention backend declares them: no masks, bottom-right."""
+    return replace(
+        caps,
+        bool_mask=False,
+        float_mask=False,
+        causal_alignments=("bottom_right",),
+        causal_with_mask=False,
+    )
+
+
+#: what FlashAttention 2 documents for flash_attn_func (its README and docstring):
+#: fp16 and bf16, head dims up to 256 with Dv = Dqk, bottom-right causal, a window,
+#: softcap, ALiBi, the log-sum-exp (+inf for a query with no visible key), no sinks, no
+#: masks. The default of an undeclared ``--api flash`` function.
+FLASH_ATTN_2 = Capabilities(
+    dtypes=(torch.float16, torch.bfloat16),
+    bool_mask=False,
+    float_mask=False,
+    causal_alignments=("bottom_right",),
+    zero_head_dim=False,
+    max_head_dim=256,
+    distinct_value_dim=False,
+    window=True,
+    softcap=True,
+    alibi=True,
+    lse=True,
+    empty_lse="+inf",
 )
+
+
+def _flash_attn(*args: Any, **kwargs: Any) -> Any:
+    """FlashAttention 2's ``flash_attn_func`` (the ``flash_attn`` package, CUDA only)."""
+    from flash_attn import flash_attn_func
+
+    return flash_attn_func(*args, **kwargs)
+
+
+def _declared(fn: Callable[..., Any], caps: Capabilities) -> Callable[..., Any]:
+    fn.capabilities = caps  # type: ignore[attr-defined]
+    return fn
+
+
+#: the reference, FlexAttention and the naive kernel in the flash convention, as plain
+#: functions with their declarations: ``attnref audit --api flash --backend
+#: attnref.conformance.backends:flash_reference`` audits one as a user's kernel
+flash_reference = _declared(flash_form(_reference, "flash_reference"), _flash_caps(_REFERENCE_CAPS))
+flash_reference_chunked = _declared(
+    flash_form(_reference_chunked, "flash_reference_chunked"),
+    _flash_caps(replace(_REFERENCE_CAPS, dropout=False)),
+)
+flash_naive = _declared(flash_form(_naive, "flash_naive"), _flash_caps(_NAIVE_CAPS))
+flash_flex = _declared(flash_form(_flex, "flash_flex"), _flash_caps(_FLEX_CAPS))
 
 
 def _builtin() -> dict[str, Backend]:
@@ -328,7 +482,38 @@ def _builtin() -> dict[str, Backend]:
                 "naive",
                 _naive,
                 "textbook softmax(QK^T * scale + mask) V, materialised in the inputs' dtype",
-                Capabilities(dropout=False),
+                _NAIVE_CAPS,
+            ),
+            # the flash convention (FlashAttention 2's flash_attn_func)
+            *(
+                Backend(name, fn, description, fn.capabilities, api="flash")  # type: ignore[attr-defined]
+                for name, fn, description in (
+                    (
+                        "flash-reference",
+                        flash_reference,
+                        "attnref's reference in the flash convention",
+                    ),
+                    (
+                        "flash-reference-chunked",
+                        flash_reference_chunked,
+                        "attnref's chunked attention (blocks of 4 keys), flash convention",
+                    ),
+                    ("flash-naive", flash_naive, "the naive kernel in the flash convention"),
+                    (
+                        "flash-flex",
+                        flash_flex,
+                        "FlexAttention in the flash convention (mask_mod for causal and "
+                        "window, score_mod for softcap and ALiBi)",
+                    ),
+                )
+            ),
+            Backend(
+                "flash-attn",
+                _flash_attn,
+                "FlashAttention 2's flash_attn_func (skipped where flash_attn is absent)",
+                replace(FLASH_ATTN_2, devices=("cuda",)),
+                api="flash",
+                needs="flash_attn",
             ),
         ]
     }
@@ -337,54 +522,42 @@ def _builtin() -> dict[str, Backend]:
 BUILTIN_BACKENDS: dict[str, Backend] = _builtin()
 
 
-def _check_signature(fn: object, spec: str) -> SDPA:
-    if not callable(fn):
-        raise BackendError(f"{spec} is not callable (it is a {type(fn).__name__})")
-    try:
-        sig = inspect.signature(fn)
-    except (TypeError, ValueError):
-        return fn  # a builtin without a signature: trust it, calls will tell
-    params = sig.parameters
-    takes_kwargs = any(p.kind is p.VAR_KEYWORD for p in params.values())
-    positional = [
-        p for p in params.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
-    ]
-    takes_args = any(p.kind is p.VAR_POSITIONAL for p in params.values())
-    if len(positional) < 3 and not takes_args:
-        raise BackendError(
-            f"{spec} must take (query, key, value, attn_mask=None, dropout_p=0.0, "
-            f"is_causal=False, scale=None) like torch SDPA; its signature is {sig}"
-        )
-    missing = [n for n in REQUIRED_PARAMETERS if n not in params and not takes_kwargs]
-    if missing:
-        raise BackendError(
-            f"{spec} lacks the keyword arguments {', '.join(missing)} of torch SDPA; "
-            f"its signature is {sig}"
-        )
-    return fn
-
-
-def resolve_backend(spec: str) -> Backend:
+def resolve_backend(spec: str, api: str | None = None) -> Backend:
     """A built-in backend by name, ``mutant.NAME``, or ``module:function`` for any
-    SDPA-compatible callable.
+    callable with the signature of API family ``api`` (default ``sdpa``: torch SDPA's;
+    ``flash``: FlashAttention's ``flash_attn_func``, see
+    `attnref.conformance.families`).
 
     A callable may carry a ``capabilities`` attribute (`Capabilities`) declaring
-    what it supports.
+    what it supports; without one it is taken to claim the family's defaults. A
+    built-in or a mutant has an API of its own: ``api`` must match it (``--api flash
+    --backend reference`` names ``flash-reference``).
 
     Raises:
-        BackendError: unknown name, import error, missing attribute, not callable, or a
-            signature that cannot take SDPA's arguments.
+        BackendError: unknown name or family, import error, missing attribute, not
+            callable, or a signature that cannot take the family's arguments.
     """
+    from attnref.conformance.families import get_family
+
+    family = get_family(api or "sdpa")
+    builtin: Backend | None = None
     if spec in BUILTIN_BACKENDS:
-        return BUILTIN_BACKENDS[spec]
-    if spec.startswith("mutant."):
+        builtin = BUILTIN_BACKENDS[spec]
+    elif spec.startswith("mutant."):
         from attnref.conformance.mutants import MUTANTS
 
-        if spec.removeprefix("mutant.") in MUTANTS:
-            return MUTANTS[spec.removeprefix("mutant.")].backend()
-        raise BackendError(
-            f"unknown mutant {spec!r}: give one of mutant.{', mutant.'.join(MUTANTS)}"
-        )
+        if spec.removeprefix("mutant.") not in MUTANTS:
+            raise BackendError(
+                f"unknown mutant {spec!r}: give one of mutant.{', mutant.'.join(MUTANTS)}"
+            )
+        builtin = MUTANTS[spec.removeprefix("mutant.")].backend()
+    if builtin is not None:
+        if api is None or builtin.api == api:
+            return builtin
+        other = f"{api}-{spec}"
+        if other in BUILTIN_BACKENDS:
+            return BUILTIN_BACKENDS[other]
+        raise BackendError(f"{spec} is a backend of the {builtin.api!r} API family, not {api!r}")
     if ":" not in spec:
         known = ", ".join(sorted(BUILTIN_BACKENDS))
         raise BackendError(f"unknown backend {spec!r}: give one of {known}, or module:function")
@@ -399,9 +572,9 @@ def resolve_backend(spec: str) -> Backend:
             obj = getattr(obj, part)
         except AttributeError:
             raise BackendError(f"module {module_name!r} has no attribute {attr!r}") from None
-    fn = _check_signature(obj, spec)
-    caps = getattr(fn, "capabilities", Capabilities())
+    fn = family.check(obj, spec)
+    caps = getattr(fn, "capabilities", family.defaults)
     if not isinstance(caps, Capabilities):
         raise BackendError(f"{spec}.capabilities must be an attnref Capabilities, got {caps!r}")
     doc = (inspect.getdoc(fn) or "").split("\n")[0]
-    return Backend(spec, fn, doc or spec, caps)
+    return Backend(spec, fn, doc or spec, caps, api=family.name)

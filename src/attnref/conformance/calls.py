@@ -18,13 +18,14 @@ from attnref.conformance.backends import Backend, Capabilities
 from attnref.conformance.cases import Inputs
 from attnref.conformance.verdicts import Failure, Skip, one_line
 from attnref.conformance.worker import BackendDied, Executor, InProcess, Job, ModifiedInputs, Raised
-from attnref.masks import causal_mask
 
 __all__ = [
     "TIMED_OUT",
     "arguments",
     "backend_call",
     "call",
+    "call_lse",
+    "check_lse",
     "invoke",
     "native_causal",
     "skip_reason",
@@ -34,45 +35,27 @@ __all__ = [
 TIMED_OUT = "TimeoutError: "
 
 
-def native_causal(caps: Capabilities, inputs: Inputs) -> bool:
-    """Whether the backend applies the causal diagonal of ``inputs`` itself (``is_causal``),
-    rather than receiving it folded into a boolean mask."""
-    return inputs.causal is not None and (
-        inputs.causal in caps.causal_alignments
-        and (inputs.attn_mask is None or caps.causal_with_mask)
-    )
+def native_causal(caps: Capabilities, inputs: Inputs, api: str = "sdpa") -> bool:
+    """Whether a backend of API family ``api`` applies the causal diagonal of ``inputs``
+    itself, rather than receiving it folded into a boolean mask."""
+    from attnref.conformance.families import get_family
+
+    return get_family(api).native_causal(caps, inputs)
 
 
 def backend_call(
-    backend: Backend, inputs: Inputs, **overrides: Any
+    backend: Backend, inputs: Inputs, lse: bool = False, **overrides: Any
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """The arguments to call ``backend`` with for ``inputs`` (``overrides`` replace keywords).
+    """The arguments to call ``backend`` with for ``inputs``, as its API family spells
+    them (``overrides`` replace keywords); ``lse``: ask for the log-sum-exp too.
 
-    A causal alignment the backend does not compute itself (or causal combined with a
-    mask, where it cannot take both) reaches it as an explicit boolean mask, so that every
-    case runs on every backend.
+    Raises:
+        Skip: the family cannot express the call, or the backend does not declare a
+            variant it needs.
     """
-    mask = inputs.attn_mask
-    kwargs: dict[str, Any] = {"dropout_p": 0.0, "is_causal": False, "scale": inputs.scale}
-    if inputs.enable_gqa:
-        kwargs["enable_gqa"] = True
-    if inputs.causal is not None:
-        if native_causal(backend.capabilities, inputs):
-            kwargs["is_causal"] = True
-            if inputs.causal != "top_left":
-                kwargs["causal_alignment"] = inputs.causal
-        else:
-            Tq, Tk = inputs.query.shape[-2], inputs.key.shape[-2]
-            visible = causal_mask(Tq, Tk, inputs.causal, device=inputs.query.device)
-            if mask is None:
-                mask = visible
-            elif mask.dtype == torch.bool:
-                mask = mask & visible
-            else:
-                mask = mask.masked_fill(~visible, float("-inf"))
-    kwargs["attn_mask"] = mask
-    kwargs.update(overrides)
-    return (inputs.query, inputs.key, inputs.value), kwargs
+    from attnref.conformance.families import family_of
+
+    return family_of(backend).call(backend, inputs, lse, **overrides)
 
 
 def skip_reason(backend: Backend, inputs: Inputs, kwargs: dict[str, Any]) -> str | None:
@@ -81,7 +64,7 @@ def skip_reason(backend: Backend, inputs: Inputs, kwargs: dict[str, Any]) -> str
     dtype = inputs.query.dtype
     if dtype not in caps.dtypes:
         return f"dtype {dtype} not declared"
-    mask = kwargs["attn_mask"]
+    mask = kwargs.get("attn_mask")
     if mask is not None and mask.dtype == torch.bool and not caps.bool_mask:
         return "boolean masks not declared"
     if mask is not None and mask.is_floating_point() and not caps.float_mask:
@@ -90,6 +73,11 @@ def skip_reason(backend: Backend, inputs: Inputs, kwargs: dict[str, Any]) -> str
         return "GQA not declared"
     if inputs.query.shape[-1] == 0 and not caps.zero_head_dim:
         return "head dim 0 not declared"
+    Dh, Dv = inputs.query.shape[-1], inputs.value.shape[-1]
+    if caps.max_head_dim is not None and max(Dh, Dv) > caps.max_head_dim:
+        return f"head dim {max(Dh, Dv)} above the declared {caps.max_head_dim}"
+    if Dv != Dh and not caps.distinct_value_dim:
+        return "Dv != Dqk not declared"
     return None
 
 
@@ -119,10 +107,12 @@ def check_output(
 
 
 def arguments(
-    backend: Backend, inputs: Inputs, **overrides: Any
+    backend: Backend, inputs: Inputs, lse: bool = False, **overrides: Any
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """`backend_call`'s arguments, or `Skip` if the call is outside the declaration."""
-    args, kwargs = backend_call(backend, inputs, **overrides)
+    if lse and not backend.capabilities.lse:
+        raise Skip("the log-sum-exp not declared")
+    args, kwargs = backend_call(backend, inputs, lse, **overrides)
     reason = skip_reason(backend, inputs, kwargs)
     if reason is not None:
         raise Skip(reason)
@@ -164,7 +154,52 @@ def call(
         Failure: it raised, hung past ``timeout`` seconds, crashed, modified its inputs,
             or returned something wrong.
     """
-    args, kwargs = arguments(backend, inputs, **overrides)
-    out = invoke(backend, Job(args, kwargs), timeout, executor)
+    out, _ = call_lse(backend, inputs, timeout, executor, lse=False, **overrides)
+    return out
+
+
+@checked
+def call_lse(
+    backend: Backend,
+    inputs: Inputs,
+    timeout: float,
+    executor: Executor | None = None,
+    *,
+    lse: bool = True,
+    **overrides: Any,
+) -> tuple[Float[Tensor, "*batch h Tq Dv"], Float[Tensor, "*batch h Tq"] | None]:
+    """The backend's output and (with ``lse``) its log-sum-exp, in the audit's layouts
+    ``(*batch, h, Tq, Dv)`` and ``(*batch, h, Tq)``, each checked.
+
+    Raises:
+        Skip: as `call`, or the log-sum-exp is not declared.
+        Failure: as `call`, or the log-sum-exp is missing, of the wrong shape or not
+            floating point.
+    """
+    from attnref.conformance.families import family_of
+
+    family = family_of(backend)
+    args, kwargs = arguments(backend, inputs, lse, **overrides)
+    raw = invoke(backend, Job(args, kwargs), timeout, executor)
+    out, lse_out = family.read(raw, inputs, lse)
     expected_shape = (*inputs.query.shape[:-1], inputs.value.shape[-1])
-    return check_output(out, expected_shape, inputs).detach()
+    checked_out = check_output(out, expected_shape, inputs).detach()
+    if not lse:
+        return checked_out, None
+    return checked_out, check_lse(lse_out, inputs)
+
+
+@checked
+def check_lse(lse: object, inputs: Inputs) -> Float[Tensor, "*batch h Tq"]:
+    """``lse`` if it is a floating-point tensor of shape ``(*batch, h, Tq)`` on the
+    inputs' device, else `Failure`."""
+    expected = tuple(inputs.query.shape[:-1])
+    if not isinstance(lse, Tensor):
+        raise Failure(f"returned a log-sum-exp that is a {type(lse).__name__}, not a tensor")
+    if tuple(lse.shape) != expected:
+        raise Failure(f"returned a log-sum-exp of shape {tuple(lse.shape)}, expected {expected}")
+    if not lse.is_floating_point():
+        raise Failure(f"returned a log-sum-exp of dtype {lse.dtype}, not floating point")
+    if lse.device != inputs.query.device:
+        raise Failure(f"returned a log-sum-exp on {lse.device}, expected {inputs.query.device}")
+    return lse.detach()

@@ -13,9 +13,19 @@ from jaxtyping import Bool, Float, Float32
 from torch import Tensor
 
 from attnref._checking import checked_internal
-from attnref.masks import Alignment, causal_mask
+from attnref.masks import Alignment, Window, causal_mask, check_window, sliding_window_mask
 
-__all__ = ["Case", "Inputs", "Layout", "MaskKind", "Poison", "build", "fixed_grid"]
+__all__ = [
+    "Alibi",
+    "Case",
+    "Inputs",
+    "Layout",
+    "MaskKind",
+    "Poison",
+    "build",
+    "fixed_grid",
+    "variant_grid",
+]
 
 #: every mask kind `build` knows, simplest first (see `Case`)
 MaskKind = Literal[
@@ -25,6 +35,8 @@ MaskKind = Literal[
 Layout = Literal["contiguous", "transposed", "sliced", "broadcast", "broadcast_heads"]
 #: what is planted in K and V at keys no query sees (see `Case`)
 Poison = Literal["none", "garbage", "nan", "inf"]
+#: ALiBi slopes: none, one per head ``(h,)``, or one per sample and head ``(*batch, h)``
+Alibi = Literal["none", "heads", "batch_heads"]
 
 
 @dataclass(frozen=True)
@@ -42,7 +54,13 @@ class Case:
     expanded over the first dimension, stride 0) or ``broadcast_heads`` (expanded over
     the KV heads). ``poison``: ``none``, or ``garbage`` (large
     finite values), ``nan`` or ``inf`` planted in K and V at keys that no query of the
-    sample sees (through the mask or the causal diagonal).
+    sample sees (through the mask, the causal diagonal or the window).
+
+    The variants (docs/variants.md): ``window`` ``(left, right)`` or ``None``;
+    ``softcap`` (0: off); ``alibi`` slopes (FlashAttention's geometric ones, times a
+    random factor per sample for ``batch_heads``); ``sinks`` (one random logit per query
+    head). Window and ALiBi place query ``i`` at ``i`` under a ``top_left`` causal case,
+    and at ``Tk - Tq + i`` otherwise (bottom-right, the flash convention).
     """
 
     name: str
@@ -60,6 +78,10 @@ class Case:
     scale: float | None = None
     poison: Poison = "none"  # what to plant in K and V at keys no query sees
     seed: int = 0
+    window: Window | None = None
+    softcap: float = 0.0
+    alibi: Alibi = "none"
+    sinks: bool = False
 
     def __post_init__(self) -> None:
         for name, kind in (
@@ -67,6 +89,7 @@ class Case:
             ("causal", Alignment),
             ("layout", Layout),
             ("poison", Poison),
+            ("alibi", Alibi),
         ):
             allowed: tuple[object, ...] = get_args(kind) + ((None,) if name == "causal" else ())
             if getattr(self, name) not in allowed:
@@ -74,6 +97,22 @@ class Case:
                     f"Case.{name} must be one of {', '.join(map(repr, allowed))}, "
                     f"got {getattr(self, name)!r}"
                 )
+
+        if self.window is not None:
+            check_window(self.window)
+        if not self.softcap >= 0:
+            raise ValueError(f"Case.softcap must be >= 0 (0: off), got {self.softcap!r}")
+
+    @property
+    def variants(self) -> tuple[str, ...]:
+        """The variants this case turns on (docs/variants.md)."""
+        on = (
+            ("window", self.window is not None),
+            ("softcap", self.softcap > 0),
+            ("alibi", self.alibi != "none"),
+            ("sinks", self.sinks),
+        )
+        return tuple(name for name, is_on in on if is_on)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -89,14 +128,34 @@ class Inputs:
     attn_mask: Tensor | None
     causal: Alignment | None
     scale: float | None
+    window: Window | None = None
+    softcap: float = 0.0
+    alibi_slopes: Tensor | None = None  # (h,) or (*batch, h), float32
+    sinks: Tensor | None = None  # (h,), float32
 
     @property
     def enable_gqa(self) -> bool:
         return bool(self.query.shape[-3] != self.key.shape[-3])
 
+    @property
+    def alignment(self) -> Alignment:
+        """Where query ``i`` sits for the causal diagonal, the window and ALiBi."""
+        return self.causal or "bottom_right"
+
+    @property
+    def variants(self) -> tuple[str, ...]:
+        on = (
+            ("window", self.window is not None),
+            ("softcap", self.softcap > 0),
+            ("alibi", self.alibi_slopes is not None),
+            ("sinks", self.sinks is not None),
+        )
+        return tuple(name for name, is_on in on if is_on)
+
     def visible(self) -> Tensor:
-        """``(*batch, h, Tq, Tk)`` booleans: which keys each query sees (mask and causal)."""
-        return _visible(self.query, self.key, self.attn_mask, self.causal)
+        """``(*batch, h, Tq, Tk)`` booleans: which keys each query sees (mask, causal
+        diagonal and window)."""
+        return _visible(self.query, self.key, self.attn_mask, self.causal, self.window)
 
     def to(self, dtype: torch.dtype) -> "Inputs":
         """The same inputs upcast (or cast) to ``dtype``; masks keep their kind."""
@@ -156,7 +215,27 @@ def build(case: Case, dtype: torch.dtype, device: str | torch.device = "cpu") ->
         v = v[..., :1, :, :].expand(v_shape)
     if mask is not None:
         mask = mask.to(device=device, dtype=dtype if mask.is_floating_point() else torch.bool)
-    return Inputs(q, k, v, mask, case.causal, case.scale)
+    slopes = sinks = None
+    if case.alibi != "none":
+        # FlashAttention's geometric slopes 2^(-8 (i + 1) / h), times a factor per sample
+        heads = torch.arange(1, case.h + 1, dtype=torch.float32)
+        slopes = torch.exp2(-8.0 * heads / case.h)
+        if case.alibi == "batch_heads":
+            slopes = slopes * (0.5 + torch.rand((*B, 1), generator=gen))
+    if case.sinks:
+        sinks = 2 * torch.randn(case.h, generator=gen)
+    return Inputs(
+        q,
+        k,
+        v,
+        mask,
+        case.causal,
+        case.scale,
+        case.window,
+        case.softcap,
+        None if slopes is None else slopes.to(device),
+        None if sinks is None else sinks.to(device),
+    )
 
 
 POISONS = ("none", "garbage", "nan", "inf")
@@ -168,6 +247,7 @@ def _visible(
     k: Float[Tensor, "*batch g Tk Dh"],
     mask: Bool[Tensor, "*#mbatch #Tq #Tk"] | Float[Tensor, "*#mbatch #Tq #Tk"] | None,
     causal: Alignment | None,
+    window: Window | None = None,
 ) -> Bool[Tensor, "*batch h Tq Tk"]:
     Tq, Tk = q.shape[-2], k.shape[-2]
     shape = (*q.shape[:-1], Tk)
@@ -176,6 +256,8 @@ def _visible(
         seen = seen & (mask if mask.dtype == torch.bool else mask > float("-inf"))
     if causal is not None:
         seen = seen & causal_mask(Tq, Tk, causal, device=q.device)
+    if window is not None:
+        seen = seen & sliding_window_mask(Tq, Tk, window, causal or "bottom_right", q.device)
     return seen
 
 
@@ -191,7 +273,7 @@ def _plant(
     """Plant ``case.poison`` in K and V at the keys no query of a sample sees."""
     if case.poison not in POISONS:
         raise ValueError(f"case {case.name}: unknown poison {case.poison!r}")
-    hidden = ~_visible(q, k, mask, case.causal).any(dim=-2).any(dim=-2)  # (*batch, Tk)
+    hidden = ~_visible(q, k, mask, case.causal, case.window).any(dim=-2).any(dim=-2)  # (*batch, Tk)
     hidden = hidden.unsqueeze(-2).unsqueeze(-1)  # (*batch, 1, Tk, 1): hidden from all heads
     k, v = k.contiguous(), v.contiguous()  # a broadcast K/V is written per sample
     if case.poison == "garbage":
@@ -274,3 +356,42 @@ def fixed_grid() -> list[Case]:
         Case("float_empty_rows", mask="float_empty_rows", Tq=10, Tk=13),
     ]
     return [replace(c, seed=i) for i, c in enumerate(cases)]
+
+
+def variant_grid(caps: Any, *, lse: bool = False) -> list[Case]:
+    """Fixed cases for the variants ``caps`` declares (a `Capabilities`): where each
+    class-22-25 bug shows, run after the search. ``lse``: the cases for the LSE
+    (causal ones, where a later split of the keys is empty for early queries)."""
+    cases: list[Case] = []
+    if getattr(caps, "window", False):
+        cases += [
+            Case("window_causal", Tq=13, Tk=13, causal="bottom_right", window=(3, 0)),
+            Case("window_decode", batch=(1,), Tq=1, Tk=29, window=(4, 0)),
+            Case("window_prefill", Tq=7, Tk=19, window=(2, 3)),
+            Case("window_causal_wide", Tq=9, Tk=21, causal="bottom_right", window=(5, -1)),
+        ]
+    if getattr(caps, "softcap", False):
+        cases += [Case("softcap_hot", amp=6.0, Dh=32, Dv=32, softcap=5.0)]
+    if getattr(caps, "alibi", False):
+        cases += [
+            Case("alibi_prefill", Tq=5, Tk=17, alibi="heads"),
+            Case("alibi_causal", Tq=11, Tk=11, causal="bottom_right", alibi="batch_heads"),
+        ]
+    if getattr(caps, "sinks", False):
+        cases += [
+            Case("sinks", Tq=9, Tk=14, sinks=True),
+            Case("sinks_causal", Tq=12, Tk=12, causal="bottom_right", sinks=True),
+        ]
+        if getattr(caps, "window", False):
+            cases += [
+                Case("sinks_window_decode", batch=(1,), Tq=2, Tk=24, window=(3, 0), sinks=True)
+            ]
+    if lse:  # queries with no visible key too: through the diagonal, and a mask
+        cases = [
+            Case("lse_plain", Tq=9, Tk=14),
+            Case("lse_causal", Tq=12, Tk=12, causal="bottom_right"),
+            Case("lse_causal_empty_rows", Tq=11, Tk=4, causal="bottom_right"),
+            Case("lse_masked_empty_rows", Tq=10, Tk=13, mask="empty_rows"),
+            *cases,
+        ]
+    return [replace(c, seed=100 + i) for i, c in enumerate(cases)]

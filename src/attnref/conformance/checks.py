@@ -16,6 +16,7 @@ cases it runs on.
 """
 
 import contextlib
+import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 
@@ -26,8 +27,9 @@ from torch import Tensor
 from attnref import functional as F
 from attnref._checking import checked_internal
 from attnref.conformance.backends import Backend, Capabilities, EmptyRow
-from attnref.conformance.calls import arguments, call, invoke, native_causal
+from attnref.conformance.calls import arguments, call, call_lse, invoke, native_causal
 from attnref.conformance.cases import Case, Inputs, build
+from attnref.conformance.families import family_of
 from attnref.conformance.oracle import (
     Expected,
     close,
@@ -35,7 +37,9 @@ from attnref.conformance.oracle import (
     empty_rows,
     expect,
     expect_grads,
+    expect_lse,
     policy_rows,
+    reference_lse,
 )
 from attnref.conformance.verdicts import Failure, Skip
 from attnref.conformance.worker import Executor, Job
@@ -51,11 +55,17 @@ __all__ = [
     "gqa",
     "gradient",
     "key_permutation",
+    "lse",
     "mask_kinds",
     "masked_keys",
+    "merge",
     "row_independence",
     "shift_invariance",
+    "sink_law",
+    "softcap_bound",
     "value_affine",
+    "window_keys",
+    "window_none",
 ]
 
 
@@ -79,6 +89,10 @@ class Context:
     def caps(self) -> Capabilities:
         return self.backend.capabilities
 
+    def native(self, inputs: Inputs) -> bool:
+        """Whether the backend applies the causal diagonal of ``inputs`` itself."""
+        return native_causal(self.caps, inputs, self.backend.api)
+
     def build(self, case: Case) -> Inputs:
         self._oracles.clear()  # a new case: the oracles of the last one are not needed
         return build(case, self.dtype, self.device)
@@ -86,19 +100,24 @@ class Context:
     def run(self, inputs: Inputs, **overrides: object) -> Tensor:
         return call(self.backend, inputs, self.timeout, self.executor, **overrides)
 
+    def run_lse(self, inputs: Inputs) -> tuple[Tensor, Tensor]:
+        """The backend's output and log-sum-exp (`Skip` unless it declares the LSE)."""
+        out, lse = call_lse(self.backend, inputs, self.timeout, self.executor)
+        assert lse is not None
+        return out, lse
+
     def expect(self, inputs: Inputs) -> Expected:
         """The oracle of ``inputs``, computed once per check."""
         hit = self._oracles.get(id(inputs))
         if hit is None or hit[0] is not inputs:
-            native = native_causal(self.caps, inputs)
-            hit = (inputs, expect(inputs, self.caps.empty_row, native))
+            hit = (inputs, expect(inputs, self.caps.empty_row, self.native(inputs)))
             self._oracles[id(inputs)] = hit
         return hit[1]
 
     def empty(self, inputs: Inputs, policy: EmptyRow) -> Tensor:
         """``(*batch, h, Tq, 1)``: the queries with no visible key that the declaration
         gives ``policy`` (zero, nan, uniform), for the call ``inputs`` make."""
-        rows = policy_rows(inputs, self.caps.empty_row, native_causal(self.caps, inputs))
+        rows = policy_rows(inputs, self.caps.empty_row, self.native(inputs))
         return rows[policy] if policy in rows else torch.zeros_like(empty_rows(inputs))
 
     def agree(self, inputs: Inputs, what: str = "output") -> Tensor:
@@ -117,7 +136,7 @@ class Context:
         query = f"query {where[-2]}"
         if bool(visible.any()):
             return f"{query} sees {int(visible.sum())} of {visible.numel()} keys"
-        causes = empty_row_causes(inputs, native_causal(self.caps, inputs))
+        causes = empty_row_causes(inputs, self.native(inputs))
         cause = next(c for c, rows in causes.items() if bool(rows[index].any()))
         policy = self.caps.empty_rows.of(cause)
         return f"{query} sees no key ({_CAUSES[cause]}; declared policy {policy!r})"
@@ -128,10 +147,11 @@ class Context:
         try:
             yield
         except Failure as f:
-            if f.where is None or len(f.where) != inputs.query.dim():
+            if f.where is None or len(f.where) not in (inputs.query.dim() - 1, inputs.query.dim()):
                 raise
             try:
-                row = self.row(inputs, f.where)
+                where = f.where if len(f.where) == inputs.query.dim() else (*f.where, 0)
+                row = self.row(inputs, where)
             except (IndexError, StopIteration):  # an index the inputs do not explain
                 raise f from None
             raise Failure(
@@ -246,15 +266,20 @@ def gradient(ctx: Context, case: Case) -> None:
         (*inputs.query.shape[:-1], inputs.value.shape[-1]), generator=_gen(case, 1)
     ).to(device=inputs.query.device, dtype=inputs.query.dtype)
     args, kwargs = arguments(ctx.backend, inputs)  # the job makes Q, K and V leaves
-    grads = invoke(ctx.backend, Job(args, kwargs, d_out), ctx.timeout, ctx.executor)
+    family = family_of(ctx.backend)
+    job = Job(args, kwargs, family.to_layout(d_out, inputs))
+    grads = invoke(ctx.backend, job, ctx.timeout, ctx.executor)
     expected = expect_grads(inputs, d_out)
     leaves = (inputs.query, inputs.key, inputs.value)
-    for name, g, leaf, exp in zip(("dQ", "dK", "dV"), grads, leaves, expected, strict=True):
+    for name, g, arg, leaf, exp in zip(
+        ("dQ", "dK", "dV"), grads, args, leaves, expected, strict=True
+    ):
         if g is None:
             raise Failure(f"{name} is None: the output does not depend on it")
-        if tuple(g.shape) != tuple(leaf.shape):
-            raise Failure(f"{name} has shape {tuple(g.shape)}, expected {tuple(leaf.shape)}")
-        close(g.detach().to(torch.float64), exp.value, *exp.bounds(), name)
+        if tuple(g.shape) != tuple(arg.shape):
+            raise Failure(f"{name} has shape {tuple(g.shape)}, expected {tuple(arg.shape)}")
+        back = family.from_layout(g.detach(), leaf)
+        close(back.to(torch.float64), exp.value, *exp.bounds(), name)
 
 
 # ------------------------------------------------------------------------------ laws
@@ -305,26 +330,27 @@ def row_independence(ctx: Context, case: Case) -> None:
     _law(ctx, ctx.run(other), other, ctx.run(inputs), inputs, "unchanged queries", sel=keep)
 
 
+def _unseen_keys(
+    ctx: Context, inputs: Inputs, start: int, stop: int, gen: torch.Generator, what: str
+) -> None:
+    """Fresh K and V at keys ``start:stop`` leave every row that sees none of them as
+    it was (the causal diagonal, a window, a mask)."""
+    k, v = inputs.key, inputs.value
+    Tk = k.shape[-2]
+    block = ((torch.arange(Tk) >= start) & (torch.arange(Tk) < stop)).to(k.device).unsqueeze(-1)
+    new_k = torch.where(block, torch.randn(k.shape, generator=gen).to(k), k)
+    new_v = torch.where(block, torch.randn(v.shape, generator=gen).to(v), v)
+    changed = _with(inputs, key=new_k, value=new_v)
+    blind = ~inputs.visible()[..., start:stop].any(dim=-1)  # rows that see none of them
+    _law(ctx, ctx.run(changed), changed, ctx.run(inputs), inputs, what, sel=_rows(blind))
+
+
 def causality(ctx: Context, case: Case) -> None:
     inputs = ctx.build(case)
     gen = _gen(case, 4)
     Tk = inputs.key.shape[-2]
     cut = int(torch.randint(0, Tk + 1, (), generator=gen))
-    k, v = inputs.key, inputs.value
-    later = (torch.arange(Tk) >= cut).to(k.device).unsqueeze(-1)
-    new_k = torch.where(later, torch.randn(k.shape, generator=gen).to(k), k)
-    new_v = torch.where(later, torch.randn(v.shape, generator=gen).to(v), v)
-    future = _with(inputs, key=new_k, value=new_v)
-    blind = ~inputs.visible()[..., cut:].any(dim=-1)  # rows that see no key at or after cut
-    _law(
-        ctx,
-        ctx.run(future),
-        future,
-        ctx.run(inputs),
-        inputs,
-        f"rows that see no key past {cut - 1}",
-        sel=_rows(blind),
-    )
+    _unseen_keys(ctx, inputs, cut, Tk, gen, f"rows that see no key past {cut - 1}")
 
 
 def shift_invariance(ctx: Context, case: Case) -> None:
@@ -456,3 +482,181 @@ def mask_kinds(ctx: Context, case: Case) -> None:
         "float mask against bool mask",
         sel=sel,
     )
+
+
+# ------------------------------------------------------------------------ variants
+
+
+def window_keys(ctx: Context, case: Case) -> None:
+    """Keys outside a query's window never change its row, whatever they hold."""
+    inputs = ctx.build(case)
+    gen = _gen(case, 8)
+    Tk = inputs.key.shape[-2]
+    start = int(torch.randint(0, Tk, (), generator=gen))
+    stop = int(torch.randint(start + 1, Tk + 1, (), generator=gen))
+    what = f"rows whose window leaves out keys {start}..{stop - 1}, with those keys changed"
+    _unseen_keys(ctx, inputs, start, stop, gen, what)
+
+
+def window_none(ctx: Context, case: Case) -> None:
+    """``(-1, -1)`` is no window, and so is the tightest window that covers every key."""
+    inputs = ctx.build(case)
+    Tq, Tk = inputs.query.shape[-2], inputs.key.shape[-2]
+    offset = Tk - Tq if inputs.alignment == "bottom_right" else 0
+    # the last query's window reaches key 0, the first query's the last key: exactly
+    cover = (max(0, Tq - 1 + offset), max(0, Tk - 1 - offset))
+    base = ctx.run(inputs)
+    for window in ((-1, -1), cover):
+        other = replace(inputs, window=window)
+        _law(ctx, ctx.run(other), other, base, inputs, f"window {window} against no window")
+
+
+def softcap_bound(ctx: Context, case: Case) -> None:
+    """Under softcap ``c`` every effective score lies in ``(-c, c)``, so a weight of a
+    query that sees ``n`` keys lies in ``(exp(-2c) / n, exp(2c) / n)``. The weights are
+    read through the output, with the identity for V."""
+    inputs = ctx.build(case)
+    c = inputs.softcap
+    v = inputs.value
+    Tk = v.shape[-2]
+    eye = torch.eye(Tk, dtype=v.dtype, device=v.device).expand(*v.shape[:-1], Tk)
+    probe = _with(inputs, value=eye)
+    weights = ctx.run(probe).to(torch.float64)  # (*batch, h, Tq, Tk): w_ij
+    with ctx.naming_the_row(probe):
+        _finite_where_the_oracle_is(weights, ctx.expect(probe).value, "the weights (V = I)")
+    seen = inputs.visible()
+    n = seen.sum(dim=-1, keepdim=True).clamp(min=1).to(torch.float64)
+    eps = torch.finfo(v.dtype).eps
+    rel = 4 * eps + 4 * ctx.expect(probe).floor  # rounding w, and the score error
+    lo = math.exp(-2 * c) / n * (1 - rel)
+    hi = math.exp(2 * c) / n * (1 + rel) + eps
+    bad = seen & ~((weights >= lo) & (weights <= hi))
+    if bool(bad.any()):
+        where = tuple(int(i) for i in bad.nonzero()[0])
+        w = float(weights[where])
+        count = int(n[where[:-1]].item())
+        raise Failure(
+            f"softcap {c:g}: weight {w:.4g} of key {where[-1]} for a query that sees "
+            f"{count} keys lies outside ({math.exp(-2 * c) / count:.4g}, "
+            f"{math.exp(2 * c) / count:.4g}): some effective score is outside (-c, c); "
+            f"first at {where}",
+            got=w,
+            expected=math.exp(2 * c) / count,
+            where=where,
+        )
+
+
+def sink_law(ctx: Context, case: Case) -> None:
+    """``out(sinks) = out(no sinks) * sigmoid(lse - sigma)``, and a sink of ``-inf`` is
+    no sink. The factor comes from the oracle's LSE, exactly: the law relates two calls
+    of the backend."""
+    inputs = ctx.build(case)
+    assert inputs.sinks is not None
+    sinks = inputs.sinks
+    plain = replace(inputs, sinks=None)
+    base = ctx.run(plain)
+    lse = reference_lse(plain.to(torch.float64))  # (*batch, h, Tq)
+    factor = torch.sigmoid(lse - sinks.to(torch.float64)[:, None]).unsqueeze(-1)
+    seen = _rows(~empty_rows(inputs).squeeze(-1))  # rows with no key: the policy's value
+    _law(
+        ctx,
+        ctx.run(inputs),
+        inputs,
+        base,
+        plain,
+        "output with sinks against out * sigmoid(lse - sink)",
+        transform=lambda out: out * factor,
+        sel=seen,
+    )
+    none = replace(inputs, sinks=torch.full_like(sinks, -math.inf))
+    _law(ctx, ctx.run(none), none, base, plain, "a sink of -inf against no sink")
+
+
+def lse(ctx: Context, case: Case) -> None:
+    """The log-sum-exp agrees with the oracle's (natural log, over the visible keys, the
+    sink not in it), with the declared value for a query with no visible key; and the
+    output returned with it agrees too."""
+    inputs = ctx.build(case)
+    out, got = ctx.run_lse(inputs)
+    exp = ctx.expect(inputs)
+    with ctx.naming_the_row(inputs):
+        close(out.to(torch.float64), exp.value, *exp.bounds(), "output returned with the LSE")
+    want = expect_lse(inputs, ctx.caps.empty_lse)
+    got64 = got.to(torch.float64)
+    finite = torch.isfinite(want.value)
+    wrong = ~finite & (got64 != want.value)
+    if bool(wrong.any()):
+        where = tuple(int(i) for i in wrong.nonzero()[0])
+        raise Failure(
+            f"log-sum-exp: {int(wrong.sum())} queries with no visible key hold "
+            f"{float(got64[where])}, the declared policy is {ctx.caps.empty_lse}; first at "
+            f"{where}",
+            got=float(got64[where]),
+            expected=float(want.value[where]),
+            where=where,
+        )
+    with ctx.naming_the_row(inputs):
+        close(got64, want.value, *want.bounds(finite), "log-sum-exp", sel=finite)
+
+
+def merge(ctx: Context, case: Case) -> None:
+    """Attention over a random split of the keys into two parts (either may be empty,
+    for a row or for all), merged by `attnref.functional.merge_attention` from each
+    part's output and LSE, equals attention over all of them; a sink counts once, after
+    the merge."""
+    inputs = ctx.build(case)
+    gen = _gen(case, 9)
+    k = inputs.key
+    Tk = k.shape[-2]
+    share = float(torch.rand((), generator=gen))
+    first = torch.rand(Tk, generator=gen) < share
+    dv = inputs.value.shape[-1]
+    shape = (*inputs.query.shape[:-1], dv)
+    merged = torch.zeros(shape, dtype=torch.float64, device=k.device)
+    merged_lse = torch.full(shape[:-1], -math.inf, dtype=torch.float64, device=k.device)
+    bound_max = bound_mean = 0.0
+    for part in (first, ~first):
+        keep = part.nonzero().squeeze(-1).to(k.device)
+        if keep.numel() == 0:
+            continue  # an empty part: output 0, LSE -inf, nothing to call
+        mask = inputs.attn_mask
+        if mask is not None and mask.shape[-1] == Tk:
+            mask = mask[..., keep]
+        sub = replace(
+            inputs,
+            key=k[..., keep, :],
+            value=inputs.value[..., keep, :],
+            attn_mask=mask,
+            sinks=None,
+        )
+        out, got = ctx.run_lse(sub)
+        got64 = got.to(torch.float64)
+        if ctx.caps.empty_lse == "+inf":
+            got64 = got64.masked_fill(torch.isposinf(got64), -math.inf)
+        if bool(torch.isnan(got64).any()) or bool(torch.isposinf(got64).any()):
+            raise Failure(
+                f"the log-sum-exp over {keep.numel()} of the {Tk} keys holds NaN/inf values "
+                "(+inf, or NaN, where a finite value or -inf is expected)"
+            )
+        merged, merged_lse = F.merge_attention(merged, merged_lse, out.to(torch.float64), got64)
+        e = ctx.expect(sub)
+        el = expect_lse(sub)
+        pmax, pmean = e.bounds()
+        lmax, lmean = el.bounds(torch.isfinite(el.value))
+        vmax = float(sub.value.abs().max()) if sub.value.numel() else 0.0
+        bound_max += pmax + 2 * lmax * vmax
+        bound_mean += pmean + 2 * lmean * vmax
+    if inputs.sinks is not None:
+        merged = F.apply_sinks(merged, merged_lse, inputs.sinks)
+    full = ctx.expect(inputs)
+    fmax, fmean = full.bounds()
+    seen = _rows(~empty_rows(inputs).squeeze(-1))
+    with ctx.naming_the_row(inputs):
+        close(
+            merged,
+            full.value,
+            bound_max + fmax,
+            bound_mean + fmean,
+            f"two parts of {int(first.sum())} and {int((~first).sum())} keys, merged",
+            sel=seen,
+        )

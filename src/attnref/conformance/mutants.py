@@ -25,6 +25,7 @@ from torch import Tensor
 
 from attnref import functional as F
 from attnref._checking import checked, checked_internal
+from attnref.conformance.adapt import flash_form
 from attnref.conformance.backends import Backend, Capabilities
 from attnref.conformance.kernels import (
     Key,
@@ -45,8 +46,21 @@ TORCH_LIKE = Capabilities()
 REFERENCE_LIKE = Capabilities(
     causal_alignments=("top_left", "bottom_right"), causal_with_mask=True, masked_nan="contained"
 )
+#: what a flash-convention kernel with every variant declares (the mutants of classes
+#: 22-25 claim it): the naive kernel's declaration in the flash convention
+FLASH_LIKE = Capabilities(
+    bool_mask=False,
+    float_mask=False,
+    causal_alignments=("bottom_right",),
+    dropout=False,
+    window=True,
+    softcap=True,
+    alibi=True,
+    sinks=True,
+    lse=True,
+)
 
-Kernel = Callable[..., Tensor]
+Kernel = Callable[..., Any]
 # a misread may change any shape (a key dropped, heads expanded): no dims are bound
 Some = Float[Tensor, "..."]
 SomeMask = Bool[Tensor, "..."] | Float[Tensor, "..."] | None
@@ -68,10 +82,19 @@ class Mutant:
     #: how the inputs are misread before ``kernel`` sees them (None: read correctly)
     prepare: Prepare | None = None
     capabilities: Capabilities = TORCH_LIKE
+    #: its calling convention (`attnref.conformance.families`)
+    api: str = "sdpa"
 
     @functools.cached_property
     def fn(self) -> Callable[..., Tensor]:
-        """The mutant as a function with torch SDPA's signature."""
+        """The mutant as a function with the signature of its API family."""
+        if self.api == "flash":
+            kernel = functools.partial(self.kernel, **self.switches)
+            kernel.__name__ = self.name  # type: ignore[attr-defined]
+            flash = flash_form(kernel, self.name)
+            flash.__doc__ = f"Class {self.bug_class}: {self.summary}"
+            flash.capabilities = self.capabilities  # type: ignore[attr-defined]
+            return flash
 
         @checked
         def mutant(
@@ -107,7 +130,9 @@ class Mutant:
         return mutant
 
     def backend(self) -> Backend:
-        return Backend(f"mutant.{self.name}", self.fn, self.summary, self.capabilities)
+        return Backend(
+            f"mutant.{self.name}", self.fn, self.summary, self.capabilities, api=self.api
+        )
 
 
 # ------------------------------------------------- inputs misread, kernels of their own
@@ -223,7 +248,9 @@ def _single_key_shortcut(
     if key.shape[-2] == 1:
         _, v = kv_heads(key, value, query.shape[-3])
         return v.expand(*query.shape[:-1], value.shape[-1]).clone()
-    return materialised(query, key, value, attn_mask, *args)
+    out = materialised(query, key, value, attn_mask, *args)
+    assert isinstance(out, Tensor)
+    return out
 
 
 def _reference(*args: Any, **kwargs: Any) -> Tensor:
@@ -232,6 +259,9 @@ def _reference(*args: Any, **kwargs: Any) -> Tensor:
 
 
 # -------------------------------------------------------------------------- the table
+
+#: a mutant of the materialised kernel in the flash convention, declaring every variant
+_FLASH: dict[str, Any] = {"api": "flash", "capabilities": FLASH_LIKE}
 
 MUTANTS: dict[str, Mutant] = {
     m.name: m
@@ -295,5 +325,35 @@ MUTANTS: dict[str, Mutant] = {
         Mutant("index_wraps_16bit", 21, "key rows addressed by a 16-bit flat index that "
                "wraps past 32767 rows (32-bit offset overflow, scaled down to show on a "
                "CPU)", prepare=_index_wraps_16bit),
+        # the variants, in FlashAttention's calling convention (docs/variants.md)
+        Mutant("window_bound_exclusive", 22, "the window's left bound is exclusive: a "
+               "query sees one key too few", {"window_exclusive": True}, **_FLASH),
+        Mutant("window_causal_symmetric", 22, "causal with window_size (w, -1) attends "
+               "(w, w): w keys past the query", {"causal_window_symmetric": True},
+               **_FLASH),
+        Mutant("window_top_left", 22, "the window is measured from the top-left (query i "
+               "at position i) when Tq != Tk", {"window_top_left": True}, **_FLASH),
+        Mutant("softcap_dropped", 23, "softcap accepted and never applied",
+               {"softcap_dropped": True}, **_FLASH),
+        Mutant("softcap_before_scale", 23, "softcap applied to q.k before the softmax "
+               "scale: c tanh(q.k / c) * scale", {"softcap_before_scale": True}, **_FLASH),
+        Mutant("alibi_sign", 23, "ALiBi added with the wrong sign: +m |i - j| rewards "
+               "distant keys", {"alibi_sign": 1.0}, **_FLASH),
+        Mutant("alibi_top_left", 23, "ALiBi distance measured top-left, |i - j|, "
+               "ignoring the Tk - Tq offset", {"alibi_top_left": True}, **_FLASH),
+        Mutant("sink_in_numerator", 24, "the sink's probability mass is handed to the "
+               "visible keys instead of dropped", {"sink_numerator": True}, **_FLASH),
+        Mutant("sink_per_split", 24, "split-KV over two splits adds the sink to each "
+               "split's denominator: counted twice", {"sink_count": 2}, **_FLASH),
+        Mutant("sink_lost_on_empty_split", 24, "the sink is added in the first split, "
+               "which a query with no visible key there skips", {"sink_first_split_only":
+               True}, **_FLASH),
+        Mutant("lse_base2", 25, "the log-sum-exp is returned in base 2 (log2), as the "
+               "kernel computes it", {"lse_base2": True}, **_FLASH),
+        Mutant("lse_relative_max", 25, "the log-sum-exp is returned relative to the row's "
+               "max (log l, not m + log l)", {"lse_relative_max": True}, **_FLASH),
+        Mutant("lse_empty_split_overwrites", 25, "an empty second split's -inf LSE "
+               "overwrites the real one in the merge", {"lse_empty_split_overwrites":
+               True}, **_FLASH),
     )
 }  # fmt: skip

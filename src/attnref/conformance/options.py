@@ -66,6 +66,14 @@ def add_audit_options(add: Callable[..., Any], prefix: str = "", *, choices: boo
         metavar="ID",
         help="audit only this property, repeatable (see attnref audit --list-properties)",
     )
+    option(
+        "api",
+        default=None,
+        metavar="FAMILY",
+        help="the calling convention of a module:function backend: sdpa (torch SDPA's "
+        "signature) or flash (FlashAttention 2's flash_attn_func) (default: sdpa; a "
+        "built-in backend has its own)",
+    )
     option("seed", type=int, default=0, help="seed of the search (default: 0)")
     option("timeout", type=float, default=60.0, help="seconds allowed per call (default: 60)")
     option(
@@ -112,6 +120,7 @@ class AuditSettings:
     threads: int = 1
     isolate: bool = True
     memory_limit: float | None = None  # GiB
+    api: str | None = None  # the API family of a module:function backend (None: sdpa)
 
     def audit_kwargs(self) -> dict[str, Any]:
         """Keyword arguments of `attnref.conformance.audit`."""
@@ -134,7 +143,7 @@ def audit_settings(get: Callable[[str], Any]) -> AuditSettings:
     """Check the options that ``get(dest)`` returns (``dest``: ``profile``, ``no_grad``, ...).
 
     Raises:
-        OptionError: an unknown profile, dtype, property or device, CUDA asked for where
+        OptionError: an unknown profile, dtype, property, API family or device, CUDA asked for where
             there is none, a timeout or deadline that is not positive, fewer than one
             thread.
     """
@@ -169,6 +178,11 @@ def audit_settings(get: Callable[[str], Any]) -> AuditSettings:
     if memory_limit is not None and not memory_limit > 0:
         raise OptionError(f"--memory-limit must be > 0 GiB, got {memory_limit}")
     properties = get("property")
+    api = get("api")
+    from attnref.conformance.families import FAMILIES
+
+    if api is not None and api not in FAMILIES:
+        raise OptionError(f"unknown API family {api!r}: use one of {', '.join(FAMILIES)}")
     return AuditSettings(
         profile=profile,
         device=device or best_device(),
@@ -181,12 +195,13 @@ def audit_settings(get: Callable[[str], Any]) -> AuditSettings:
         threads=threads,
         isolate=not get("in_process"),
         memory_limit=memory_limit,
+        api=api,
     )
 
 
-def load_backend(spec: str) -> "Backend":
-    """`resolve_backend`, with the current folder importable first: ``module:function``
-    may name a file where the audit was started.
+def load_backend(spec: str, api: str | None = None) -> "Backend":
+    """`resolve_backend` (``api``: the API family), with the current folder importable
+    first: ``module:function`` may name a file where the audit was started.
 
     Raises:
         BackendError: as `resolve_backend`.
@@ -195,4 +210,4 @@ def load_backend(spec: str) -> "Backend":
 
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
-    return resolve_backend(spec)
+    return resolve_backend(spec, api)

@@ -17,6 +17,7 @@ what hid the keys (`empty_row_causes`): zeros, NaN, or the mean of V.
 
 import math
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 from jaxtyping import Bool, Float, Float64
@@ -24,7 +25,7 @@ from torch import Tensor
 
 from attnref import functional as F
 from attnref._checking import checked, checked_internal
-from attnref.conformance.backends import Cause, EmptyRow, EmptyRows
+from attnref.conformance.backends import Cause, EmptyLse, EmptyRow, EmptyRows
 from attnref.conformance.cases import Inputs
 from attnref.conformance.verdicts import Failure
 from attnref.tolerances import (
@@ -43,14 +44,25 @@ __all__ = [
     "error_floor",
     "expect",
     "expect_grads",
+    "expect_lse",
     "policy_rows",
     "reference",
+    "reference_lse",
 ]
 
 
-@checked
-def reference(inputs: Inputs) -> Float[Tensor, "*batch h Tq Dv"]:
-    """The reference's output for ``inputs``, in their dtype (float64 inputs: the oracle)."""
+def _variants(inputs: Inputs) -> dict[str, Any]:
+    """The keyword arguments of the reference for the variants ``inputs`` turn on."""
+    return {
+        "causal_alignment": inputs.alignment,
+        "window": inputs.window,
+        "softcap": inputs.softcap,
+        "alibi_slopes": inputs.alibi_slopes,
+        "sinks": inputs.sinks,
+    }
+
+
+def _reference(inputs: Inputs, **extra: Any) -> Any:
     return F.scaled_dot_product_attention(
         inputs.query,
         inputs.key,
@@ -59,16 +71,45 @@ def reference(inputs: Inputs) -> Float[Tensor, "*batch h Tq Dv"]:
         is_causal=inputs.causal is not None,
         scale=inputs.scale,
         enable_gqa=inputs.enable_gqa,
-        causal_alignment="top_left" if inputs.causal is None else inputs.causal,
+        **_variants(inputs),
+        **extra,
     )
+
+
+@checked
+def reference(inputs: Inputs) -> Float[Tensor, "*batch h Tq Dv"]:
+    """The reference's output for ``inputs``, in their dtype (float64 inputs: the oracle)."""
+    out: Tensor = _reference(inputs)
+    return out
+
+
+@checked
+def reference_lse(inputs: Inputs) -> Float[Tensor, "*batch h Tq"]:
+    """The reference's log-sum-exp for ``inputs`` (float32; float64 for float64 inputs)."""
+    lse: Tensor = _reference(inputs, return_lse=True)[1]
+    return lse
+
+
+def _bias_bound(inputs: Inputs) -> float:
+    """The largest ALiBi bias ``m * |i + off - j|``: rounding it moves a score too."""
+    if inputs.alibi_slopes is None:
+        return 0.0
+    Tq, Tk = inputs.query.shape[-2], inputs.key.shape[-2]
+    return float(inputs.alibi_slopes.abs().max()) * (Tq + Tk)
 
 
 def error_floor(inputs: Inputs) -> float:
     """``max(atol[dtype], (eps * kappa + u) * max|V|)`` over the visible query-key pairs:
-    the error no correct backend can avoid. See `attnref.tolerances.attention_atol`."""
-    return attention_atol(
+    the error no correct backend can avoid (see `attnref.tolerances.attention_atol`),
+    with the ALiBi bias counted in ``kappa``. A softcap only shrinks score errors."""
+    floor = attention_atol(
         inputs.query, inputs.key, inputs.value, inputs.scale, visible=inputs.visible()
     )
+    bias = _bias_bound(inputs)
+    if bias and inputs.value.numel():
+        v = torch.nan_to_num(inputs.value.detach().to(torch.float64), nan=0.0, posinf=0.0)
+        floor += score_eps(inputs.query.dtype) * bias * float(v.abs().max())
+    return floor
 
 
 @dataclass(frozen=True)
@@ -110,7 +151,8 @@ def empty_row_causes(
 
     ``native_causal``: the backend applies the causal diagonal itself; otherwise the
     diagonal reaches it folded into the mask (a boolean one when there is no mask), and
-    every empty row is the mask's. Otherwise a row that the mask alone empties is the
+    its empty rows are the mask's. A sliding window is always applied by the backend
+    itself, and counts as ``causal``. Otherwise a row that the mask alone empties is the
     mask's, and one that the diagonal empties, alone or with the mask, is ``causal``:
     the backend's own causal masking finished hiding it (x-transformers' ``Attend``, for
     one, zeroes the rows its mask empties and averages V in the others).
@@ -119,9 +161,11 @@ def empty_row_causes(
     kind: Cause = "float_mask" if mask is not None and mask.is_floating_point() else "bool_mask"
     empty = empty_rows(inputs)
     none = torch.zeros_like(empty)
-    if inputs.causal is None or not native_causal:
+    if inputs.window is None and (inputs.causal is None or not native_causal):
         return {kind: empty, "causal": none}
-    by_mask = ~replace(inputs, causal=None).visible().any(dim=-1, keepdim=True)
+    # a window is always the backend's own (it never reaches it folded into a mask)
+    unmasked = replace(inputs, window=None, causal=None if native_causal else inputs.causal)
+    by_mask = ~unmasked.visible().any(dim=-1, keepdim=True)
     return {kind: by_mask, "causal": empty & ~by_mask}
 
 
@@ -150,6 +194,7 @@ def expect(
     """
     oracle = reference(inputs.to(torch.float64))
     ref_err = (reference(inputs).to(torch.float64) - oracle).abs()
+    # what follows applies the declared policy to rows with no visible key
     for name, empty in policy_rows(inputs, empty_row, native_causal).items():
         if name == "zero":
             continue  # the reference's own policy
@@ -163,6 +208,32 @@ def expect(
     return Expected(oracle, torch.nan_to_num(ref_err, nan=0.0), error_floor(inputs))
 
 
+def expect_lse(inputs: Inputs, empty_lse: EmptyLse = "-inf") -> Expected:
+    """The oracle's log-sum-exp (``(*batch, h, Tq)``, float64) under the declared policy
+    for a row with no visible key (``-inf``, or FlashAttention 2's ``+inf``).
+
+    The floor: a score error of ``eps_s * kappa`` moves the LSE by at most as much, and
+    storing it in float32 rounds it by ``eps32 * |lse|``; at least the atol of the dtype
+    the LSE is computed in (float32, or float64 for float64 inputs), not the inputs'
+    (an LSE taken relative to a row's max differs by that max only).
+    """
+    oracle = reference_lse(inputs.to(torch.float64))
+    same = reference_lse(inputs).to(torch.float64)
+    finite = torch.isfinite(oracle)
+    ref_err = torch.where(finite, (same - oracle).abs(), 0.0)
+    ref_err = torch.nan_to_num(ref_err, nan=0.0)
+    if empty_lse == "+inf":
+        oracle = oracle.masked_fill(~finite, math.inf)
+    kappa = score_condition(inputs.query, inputs.key, inputs.scale, inputs.visible())
+    ldtype = torch.float64 if inputs.query.dtype == torch.float64 else torch.float32
+    stored = torch.finfo(ldtype)
+    biggest = float(oracle[finite].abs().max()) if bool(finite.any()) else 0.0
+    eps = score_eps(inputs.query.dtype)
+    computed = 2 * (eps * (kappa + _bias_bound(inputs)) + stored.eps * biggest)
+    floor = max(tolerance(ldtype).atol, computed)
+    return Expected(oracle, ref_err, floor)
+
+
 @checked_internal
 def _grads(
     inputs: Inputs, d_out: Float[Tensor, "*batch h Tq Dv"]
@@ -172,7 +243,7 @@ def _grads(
     Float[Tensor, "*batch g Tk Dv"],
 ]:
     q, k, v = (t.detach().requires_grad_(True) for t in (inputs.query, inputs.key, inputs.value))
-    leaves = Inputs(q, k, v, inputs.attn_mask, inputs.causal, inputs.scale)
+    leaves = replace(inputs, query=q, key=k, value=v)
     dq, dk, dv = torch.autograd.grad(reference(leaves), (q, k, v), d_out)
     return dq, dk, dv
 
@@ -191,17 +262,7 @@ def _gradient_terms(
     """
     q, k, v = inputs.query, inputs.key, inputs.value
     h = q.shape[-3]
-    out, p = F.scaled_dot_product_attention(
-        q,
-        k,
-        v,
-        inputs.attn_mask,
-        is_causal=inputs.causal is not None,
-        scale=inputs.scale,
-        enable_gqa=inputs.enable_gqa,
-        causal_alignment="top_left" if inputs.causal is None else inputs.causal,
-        return_weights=True,
-    )
+    out, p = _reference(inputs, return_weights=True)
     p = torch.nan_to_num(p)
     ke, ve = F.expand_kv_heads(k, h), F.expand_kv_heads(v, h)
     # |dS| <= P * (|dO| |V|^T + rowsum(|dO| |O|)): every term of dP and of D

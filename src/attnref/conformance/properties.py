@@ -16,10 +16,10 @@ from hypothesis import strategies as st
 
 from attnref.conformance import checks
 from attnref.conformance.backends import Backend, Capabilities
-from attnref.conformance.cases import Case, fixed_grid
+from attnref.conformance.cases import Case, fixed_grid, variant_grid
 from attnref.conformance.checks import Check, Context
 from attnref.conformance.profiles import Profile
-from attnref.conformance.strategies import LAYOUTS, case_strategy, masks_for
+from attnref.conformance.strategies import LAYOUTS, case_strategy, masks_for, variant_fields
 from attnref.conformance.verdicts import Failure, Skip
 
 __all__ = ["PROPERTIES", "Context", "Property", "check_case", "get_property"]
@@ -111,6 +111,54 @@ def _large_index(p: Profile, c: Capabilities) -> st.SearchStrategy[Case]:
     return draw()
 
 
+def _alignments(c: Capabilities) -> st.SearchStrategy[str]:
+    """Both causal alignments, or only those declared by a backend that takes no mask
+    (an undeclared one cannot reach it folded into a mask)."""
+    if not c.bool_mask:
+        return st.sampled_from(c.causal_alignments)
+    return st.sampled_from(("top_left", "bottom_right"))
+
+
+def _any_variant(caps: Capabilities) -> str | None:
+    return None if caps.variants() else "no variant (window, softcap, ALiBi, sinks) declared"
+
+
+def _needs_lse(caps: Capabilities) -> str | None:
+    return None if caps.lse else "the log-sum-exp not declared"
+
+
+def _some_variants(
+    c: Capabilities, positional: bool = True
+) -> st.SearchStrategy[dict[str, object]]:
+    """No variant, or some of those declared (the gradient, LSE and merge properties)."""
+    if not c.variants():
+        return st.just({})
+    return st.one_of(st.just({}), variant_fields(c, positional=positional))
+
+
+def _with_sinks(c: Capabilities) -> st.SearchStrategy[dict[str, object]]:
+    """Variants with the sink always on (others as declared, when they combine)."""
+    if not c.combined_variants:
+        return variant_fields(c, only="sinks")
+    return variant_fields(c).map(lambda v: {**v, "sinks": True})
+
+
+def _softcap_cases(p: Profile, c: Capabilities) -> st.SearchStrategy[Case]:
+    """Hot scores (so that an uncapped score leaves ``(-c, c)``), small caps, enough keys
+    for the bound to bite, no float mask or ALiBi (they add to the capped score)."""
+    cases = case_strategy(
+        "softcap_bound",
+        p,
+        c,
+        variants=st.sampled_from((0.25, 0.5, 1.0, 2.0)).map(lambda cap: {"softcap": cap}),
+        mask=st.sampled_from(masks_for(c, ("none", "bool", "padding"))),
+        amp=st.sampled_from((4.0, 8.0, 16.0)),
+        Tk=st.integers(16, min(64, max(16, p.max_len))),
+    )
+    # V becomes the identity, so Dv = Tk (and Dqk too, where they must be equal)
+    return cases.map(lambda x: replace(x, Dv=x.Tk, Dh=x.Dh if c.distinct_value_dim else x.Tk))
+
+
 PROPERTIES: dict[str, Property] = {
     p.id: p
     for p in [
@@ -124,9 +172,9 @@ PROPERTIES: dict[str, Property] = {
         ),
         Property(
             "gradient",
-            "dQ, dK and dV agree with the float64 oracle's",
-            (11, 12),
-            lambda p, c: case_strategy("gradient", p, c),
+            "dQ, dK and dV agree with the float64 oracle's, with the variants declared",
+            (11, 12, 22, 23),
+            lambda p, c: case_strategy("gradient", p, c, variants=_some_variants(c)),
             checks.gradient,
             requires=_needs("gradients", "gradients"),
             gradient=True,
@@ -168,9 +216,7 @@ PROPERTIES: dict[str, Property] = {
             "causality",
             "keys after a query's causal diagonal never change its output",
             (4, 5),
-            lambda p, c: case_strategy(
-                "causality", p, c, causal=st.sampled_from(("top_left", "bottom_right"))
-            ),
+            lambda p, c: case_strategy("causality", p, c, causal=_alignments(c)),
             checks.causality,
         ),
         Property(
@@ -202,7 +248,7 @@ PROPERTIES: dict[str, Property] = {
                 "decode",
                 p,
                 c,
-                causal=st.sampled_from(("top_left", "bottom_right")),
+                causal=_alignments(c),
                 mask=st.sampled_from(masks_for(c, ("none", "padding", "bool", "float"))),
             ),
             checks.decode,
@@ -326,6 +372,77 @@ PROPERTIES: dict[str, Property] = {
             (21,),
             _large_index,
             checks.forward,
+        ),
+        Property(
+            "variants",
+            "output agrees with the oracle under sliding windows, softcap, ALiBi and "
+            "sinks, alone and combined",
+            (22, 23, 24, 25),
+            lambda p, c: case_strategy(
+                "variants",
+                p,
+                c,
+                variants=variant_fields(c),
+                amp=st.sampled_from((1.0, 4.0, 0.5, 8.0)),
+            ),
+            checks.forward,
+            requires=_any_variant,
+            examples=lambda p, c: variant_grid(c),
+        ),
+        Property(
+            "window_keys",
+            "keys outside a query's sliding window never change its output",
+            (22,),
+            lambda p, c: case_strategy(
+                "window_keys", p, c, variants=variant_fields(c, only="window")
+            ),
+            checks.window_keys,
+            requires=_needs("window", "sliding windows"),
+        ),
+        Property(
+            "window_none",
+            "window (-1, -1), and the tightest window that covers every key, equal none",
+            (22,),
+            lambda p, c: case_strategy("window_none", p, c),
+            checks.window_none,
+            requires=_needs("window", "sliding windows"),
+        ),
+        Property(
+            "softcap_bound",
+            "under softcap c every effective score lies in (-c, c): weights within exp(+-2c) / n",
+            (23,),
+            _softcap_cases,
+            checks.softcap_bound,
+            requires=_needs("softcap", "softcap"),
+        ),
+        Property(
+            "sinks",
+            "a sink scales each row by sigmoid(lse - sink), and a sink of -inf is none",
+            (24,),
+            lambda p, c: case_strategy("sinks", p, c, variants=_with_sinks(c)),
+            checks.sink_law,
+            requires=_needs("sinks", "sinks"),
+        ),
+        Property(
+            "lse",
+            "the log-sum-exp agrees with the oracle's (natural log, visible keys only, "
+            "the declared value for a query that sees none)",
+            (25,),
+            lambda p, c: case_strategy("lse", p, c, variants=_some_variants(c)),
+            checks.lse,
+            requires=_needs_lse,
+            examples=lambda p, c: variant_grid(c, lse=True),
+        ),
+        Property(
+            "merge",
+            "outputs and LSEs of a random split of the keys, merged, equal attention over "
+            "all of them; a sink counts once",
+            (24, 25),
+            lambda p, c: case_strategy(
+                "merge", p, c, causal=None, variants=_some_variants(c, positional=False)
+            ),
+            checks.merge,
+            requires=_needs_lse,
         ),
     ]
 }

@@ -1,11 +1,11 @@
 """Audit reports: a verdict per (property, dtype), a terminal table, a versioned JSON document.
 
-JSON schema (``schema_version`` 2)::
+JSON schema (``schema_version`` 3; 3 added ``api``)::
 
     {
-      "schema_version": 2,
+      "schema_version": 3,
       "attnref_version": str, "torch_version": str,
-      "backend": str, "device": str, "dtypes": [str],
+      "backend": str, "api": "sdpa" | "flash", "device": str, "dtypes": [str],
       "profile": "quick" | "ci" | "thorough", "seed": int,
       "capabilities": {field of Capabilities: value},
       "started": ISO-8601 str, "seconds": float, "stopped_early": bool,
@@ -44,7 +44,7 @@ from attnref.devices import dtype_name
 
 __all__ = ["SCHEMA_VERSION", "AuditReport", "Finding", "PropertyResult", "Status", "reproducer"]
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 #: the verdict on one (property, dtype)
 Status = Literal["pass", "fail", "skip"]
@@ -105,7 +105,13 @@ class PropertyResult:
 
 
 def reproducer(
-    backend: str, pid: str, case: Case, dtype: torch.dtype, device: str, message: str
+    backend: str,
+    pid: str,
+    case: Case,
+    dtype: torch.dtype,
+    device: str,
+    message: str,
+    api: str = "sdpa",
 ) -> str:
     """A runnable Python snippet that rebuilds the failing case and checks it again.
 
@@ -114,6 +120,7 @@ def reproducer(
     it no longer does: ``git bisect run python REPRODUCER`` can use it.
     """
     dt = dtype_name(dtype)
+    api_arg = "" if api == "sdpa" else f", api={api!r}"
     return (
         f"# attnref: property {pid!r} failed for backend {backend!r} ({dt}, {device})\n"
         f"# {message}\n"
@@ -125,8 +132,8 @@ def reproducer(
         "from attnref.conformance.options import load_backend\n"
         "\n"
         f"case = {case!r}\n"
-        f"verdict = check_case({pid!r}, load_backend({backend!r}), case, torch.{dt}, "
-        f"{device!r})\n"
+        f"verdict = check_case({pid!r}, load_backend({backend!r}{api_arg}), case, "
+        f"torch.{dt}, {device!r})\n"
         "print(verdict)\n"
         'sys.exit(1 if verdict.startswith("FAIL") else 0)\n'
     )
@@ -146,6 +153,7 @@ class AuditReport:
     results: list[PropertyResult] = field(default_factory=list)
     seconds: float = 0.0
     stopped_early: bool = False
+    api: str = "sdpa"  # the backend's calling convention (attnref.conformance.families)
     #: why the audit did not finish ("" when it did): a deadline, an interrupt
     incomplete: str = ""
     _t0: float = 0.0
@@ -159,6 +167,7 @@ class AuditReport:
         profile: str,
         seed: int,
         capabilities: Capabilities,
+        api: str = "sdpa",
     ) -> "AuditReport":
         now = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
         return cls(
@@ -169,6 +178,7 @@ class AuditReport:
             seed,
             capabilities,
             now,
+            api=api,
             _t0=time.perf_counter(),
         )
 
@@ -199,6 +209,7 @@ class AuditReport:
             "attnref_version": __version__,
             "torch_version": torch.__version__,
             "backend": self.backend,
+            "api": self.api,
             "device": self.device,
             "dtypes": self.dtypes,
             "profile": self.profile,

@@ -156,7 +156,7 @@ def run_property(
             failure.got,
             failure.expected,
             failure.where,
-            reproducer(backend.name, prop.id, case, dtype, device, str(failure)),
+            reproducer(backend.name, prop.id, case, dtype, device, str(failure), backend.api),
         )
         return done("fail", str(failure), finding)
     if search.late:
@@ -222,7 +222,13 @@ def audit(
         chosen = [p for p in chosen if not p.gradient]
     dtype_list = list(dtypes) if dtypes is not None else list(backend.capabilities.dtypes)
     report = report or AuditReport.start(
-        backend.name, device, [str(d) for d in dtype_list], prof.name, seed, backend.capabilities
+        backend.name,
+        device,
+        [str(d) for d in dtype_list],
+        prof.name,
+        seed,
+        backend.capabilities,
+        backend.api,
     )
     unavailable = backend.available(device)
     work = [(p, d) for p in chosen for d in dtype_list]

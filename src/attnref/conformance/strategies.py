@@ -15,7 +15,16 @@ from attnref.conformance.backends import Capabilities
 from attnref.conformance.cases import Case, Layout, MaskKind
 from attnref.conformance.profiles import Profile
 
-__all__ = ["FLOAT_MASKS", "LAYOUTS", "MASKS", "case_strategy", "lengths", "masks_for"]
+__all__ = [
+    "FLOAT_MASKS",
+    "LAYOUTS",
+    "MASKS",
+    "case_strategy",
+    "lengths",
+    "masks_for",
+    "variant_fields",
+    "windows",
+]
 
 #: every mask kind `build` knows, simplest first
 MASKS: tuple[MaskKind, ...] = get_args(MaskKind)
@@ -57,6 +66,44 @@ def _fits(case: Case, profile: Profile) -> Case:
             return replace(case, Tq=min(case.Tq, 64), Tk=min(case.Tk, 64))
 
 
+def windows() -> st.SearchStrategy[tuple[int, int]]:
+    """Sliding windows ``(left, right)``: small sides (where off-by-one bugs show),
+    unbounded ones (``-1``), and the causal window ``(w, 0)``."""
+    side = st.sampled_from((0, 1, 2, 3, 5, 8, 13, -1))
+    return st.one_of(st.tuples(side, st.just(0)), st.tuples(side, side))
+
+
+def variant_fields(
+    caps: Capabilities, *, positional: bool = True, only: str | None = None
+) -> st.SearchStrategy[dict[str, Any]]:
+    """Values for `Case`'s variant fields among those ``caps`` declare: each on or off,
+    several at once unless the backend declares they may not be combined, at least one
+    on. ``positional=False`` leaves out the window and ALiBi; ``only`` pins one on."""
+    choices: dict[str, st.SearchStrategy[Any]] = {}
+    if caps.window and positional:
+        choices["window"] = windows()
+    if caps.softcap:
+        choices["softcap"] = st.sampled_from((1.0, 0.5, 5.0, 30.0))
+    if caps.alibi and positional:
+        choices["alibi"] = st.sampled_from(("heads", "batch_heads"))
+    if caps.sinks:
+        choices["sinks"] = st.just(True)
+    off = {"window": None, "softcap": 0.0, "alibi": "none", "sinks": False}
+
+    @st.composite
+    def draw(draw: st.DrawFn) -> dict[str, Any]:
+        names = sorted(choices)
+        if only is not None:
+            picked = [only]
+        elif caps.combined_variants and names:
+            picked = draw(st.lists(st.sampled_from(names), min_size=1, unique=True))
+        else:
+            picked = [draw(st.sampled_from(names))] if names else []
+        return {n: (draw(choices[n]) if n in picked else off[n]) for n in off}
+
+    return draw()
+
+
 def masks_for(caps: Capabilities, kinds: tuple[str, ...] = MASKS) -> tuple[str, ...]:
     """The mask kinds of ``kinds`` that a backend with ``caps`` accepts."""
     ok = []
@@ -76,12 +123,20 @@ def case_strategy(
 
     Unpinned fields are drawn over the whole space the profile allows: zero to two batch
     dimensions, GQA groups (when declared), every mask kind the backend accepts, both
-    causal alignments, every layout, hot inputs and explicit scales.
+    causal alignments (those declared, for a backend that takes no mask), every layout,
+    hot inputs and explicit scales; head dims within the declared limit. ``variants``
+    (a dict of variant fields, or a strategy of one: `variant_fields`) is off unless
+    pinned.
     """
 
     def pick(draw: st.DrawFn, field: str, default: st.SearchStrategy[Any]) -> Any:
         value = fields.get(field, default)
         return draw(value) if isinstance(value, st.SearchStrategy) else value
+
+    # a backend that takes no mask can only be given the alignments it declares
+    alignments: tuple[str | None, ...] = (None, "top_left", "bottom_right")
+    if not caps.bool_mask:
+        alignments = (None, *caps.causal_alignments)
 
     @st.composite
     def draw_case(draw: st.DrawFn) -> Case:
@@ -98,11 +153,17 @@ def case_strategy(
         group = pick(draw, "group", st.sampled_from((1, 2, 3, 4)) if caps.gqa else st.just(1))
         Tq = pick(draw, "Tq", lengths(profile))
         Tk = pick(draw, "Tk", lengths(profile))
-        Dh = pick(draw, "Dh", _head_dims())
-        Dv = pick(draw, "Dv", st.one_of(st.just(Dh), _head_dims()))
+        dims = _head_dims()
+        limit = caps.max_head_dim
+        if limit is not None:
+            dims = dims.filter(lambda d: bool(d <= limit))
+        Dh = pick(draw, "Dh", dims)
+        Dv = pick(draw, "Dv", st.one_of(st.just(Dh), dims))
+        if not caps.distinct_value_dim:
+            Dv = Dh
         # no mask twice as often: it is the case where kernels take their fast paths
         mask = pick(draw, "mask", st.sampled_from(("none", *masks_for(caps))))
-        causal = pick(draw, "causal", st.sampled_from((None, "top_left", "bottom_right")))
+        causal = pick(draw, "causal", st.sampled_from(alignments))
         layout = pick(draw, "layout", st.sampled_from(("contiguous", *LAYOUTS)))
         amp = pick(draw, "amp", st.sampled_from((1.0, 0.25, 2.0, 4.0, 8.0)))
         scale = pick(draw, "scale", st.sampled_from((None, None, 0.37, 1.0, 2.5)))
@@ -110,6 +171,7 @@ def case_strategy(
         if poison != "none" and layout.startswith("broadcast"):
             layout = "contiguous"
         seed = pick(draw, "seed", st.integers(0, 2**16))
+        variants = pick(draw, "variants", st.just({}))
         case = Case(
             name,
             batch=tuple(batch),
@@ -126,6 +188,7 @@ def case_strategy(
             scale=scale,
             poison=poison,
             seed=seed,
+            **variants,
         )
         return _fits(case, profile)
 

@@ -227,6 +227,7 @@ def _serve(
     conn: multiprocessing.connection.Connection,
     backend: Backend | None,
     spec: str,
+    api: str,
     threads: int,
     memory_limit: int | None,
 ) -> None:
@@ -241,7 +242,7 @@ def _serve(
     if backend is None:  # spawned: resolve the backend again, by name
         from attnref.conformance.options import load_backend
 
-        backend = load_backend(spec)
+        backend = load_backend(spec, api)
     while True:
         try:
             message = conn.recv_bytes()
@@ -291,6 +292,7 @@ class Supervised:
                 child,
                 self.backend if fork else None,
                 self.backend.name,
+                self.backend.api,
                 self.threads,
                 self.memory_limit,
             ),
