@@ -401,6 +401,8 @@ def test_builtin_names_are_listed() -> None:
         ({"empty_row": {"bool_mask": "zero"}}, "or an EmptyRows (one per cause), got {'bool_mask"),
         ({"masked_nan": "maybe"}, "masked_nan must be one of contained, propagates"),
         ({"causal_alignments": ("diagonal",)}, "unknown alignment 'diagonal'"),
+        ({"empty_lse": "nan"}, "empty_lse must be one of -inf, +inf, got 'nan'"),
+        ({"max_head_dim": 0}, "max_head_dim must be >= 1 or None, got 0"),
     ],
 )
 def test_a_bad_declaration_is_a_clear_error(kwargs: dict[str, object], message: str) -> None:
@@ -516,3 +518,19 @@ def test_a_declared_plus_inf_empty_lse_is_held_to() -> None:
     (result,) = report.results
     assert result.status == "fail"
     assert "the declared policy is +inf" in result.message
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"window": (-2, 0)}, r"window must be \(left, right\), two ints >= -1"),
+        ({"window": (3, 1, 2)}, r"window must be \(left, right\)"),
+        ({"softcap": -1.0}, r"Case.softcap must be >= 0 \(0: off\), got -1.0"),
+        ({"alibi": "all"}, "Case.alibi must be one of 'none', 'heads', 'batch_heads'"),
+    ],
+)
+def test_a_bad_variant_in_a_case_is_a_clear_error(kwargs: dict[str, object], message: str) -> None:
+    from attnref.conformance import Case
+
+    with pytest.raises(ValueError, match=message):
+        Case("bad", **kwargs)  # type: ignore[arg-type]

@@ -31,6 +31,10 @@ BACKENDS = (
     "torch-sdpa-cudnn",
     "torch-flex",
     "reference",
+    # the flash convention: FlashAttention 2 itself where its wheel is installed (skipped
+    # with the reason otherwise), and compiled FlexAttention with every variant
+    "flash-attn",
+    "flash-flex",
 )
 
 
@@ -66,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     for spec in args.backend or BACKENDS:
         t0 = time.perf_counter()
         report = audit(
-            resolve_backend(spec), **settings.audit_kwargs(), progress=sys.stderr.isatty()
+            resolve_backend(spec, settings.api), **settings.audit_kwargs(), progress=sys.stderr.isatty()
         )
         report.write_json(out / f"{spec}.json")
         failing = ", ".join(sorted(report.failed_properties())) or "-"
