@@ -69,9 +69,8 @@ def main(argv: list[str] | None = None) -> int:
     failed_any = False
     for spec in args.backend or BACKENDS:
         t0 = time.perf_counter()
-        report = audit(
-            resolve_backend(spec, settings.api), **settings.audit_kwargs(), progress=sys.stderr.isatty()
-        )
+        backend = resolve_backend(spec, settings.api)
+        report = audit(backend, **settings.audit_kwargs(), progress=sys.stderr.isatty())
         report.write_json(out / f"{spec}.json")
         failing = ", ".join(sorted(report.failed_properties())) or "-"
         failed_any |= not report.ok

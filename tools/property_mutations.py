@@ -26,6 +26,7 @@ ATTN = "src/attnref/layers/attention.py"
 POS = "src/attnref/layers/positional.py"
 PROPS = "tests/property/test_functional_props.py"
 LAYERS = "tests/property/test_layers_props.py"
+VARIANTS = "tests/property/test_variants_props.py"
 
 
 @dataclass(frozen=True)
@@ -183,6 +184,52 @@ MUTATIONS = [
         "features = torch.tanh(q.unsqueeze(2) + k.unsqueeze(1))  # (B, Tq, Tk, H)",
         "features = torch.tanh(q.unsqueeze(2) + k.unsqueeze(1).detach())  # (B, Tq, Tk, H)",
         (f"{LAYERS}::test_additive_attention_gradcheck",),
+    ),
+    # the variants (docs/variants.md)
+    Mutation(
+        "window_left_bound_exclusive",
+        MASKS,
+        "        seen = seen & (cols >= pos - left)",
+        "        seen = seen & (cols > pos - left)",
+        (f"{VARIANTS}::test_variants_agree_with_independent_float64",),
+    ),
+    Mutation(
+        "softcap_dropped",
+        FUNC,
+        "        scores = p.softcap * torch.tanh(scores / p.softcap)",
+        "        pass",
+        (
+            f"{VARIANTS}::test_variants_agree_with_independent_float64",
+            f"{VARIANTS}::test_softcapped_scores_lie_within_the_cap",
+        ),
+    ),
+    Mutation(
+        "alibi_distance_signed",
+        FUNC,
+        "        distance = (pos + p.offset - cols).abs_()  # (Tq, block)",
+        "        distance = pos + p.offset - cols",
+        (f"{VARIANTS}::test_variants_agree_with_independent_float64",),
+    ),
+    Mutation(
+        "chunked_sink_counted_twice",
+        FUNC,
+        "        sink = torch.exp(p.sinks - row_max.masked_fill(~seen, 0.0))",
+        "        sink = 2 * torch.exp(p.sinks - row_max.masked_fill(~seen, 0.0))",
+        (f"{VARIANTS}::test_chunked_equals_materialised_with_every_variant",),
+    ),
+    Mutation(
+        "lse_base2",
+        FUNC,
+        "        return torch.logsumexp(scores, dim=-1)",
+        "        return torch.logsumexp(scores, dim=-1) / math.log(2)",
+        (f"{VARIANTS}::test_variants_agree_with_independent_float64",),
+    ),
+    Mutation(
+        "merge_by_max",
+        FUNC,
+        "    lse = torch.logaddexp(a, b)",
+        "    lse = torch.maximum(a, b)",
+        (f"{VARIANTS}::test_merging_two_parts_of_the_keys_equals_attending_all",),
     ),
 ]
 
