@@ -186,6 +186,28 @@ def returns_nan_everywhere(*args: Any, **kwargs: Any) -> Any:
     return out
 
 
+def sinks_detached(*args: Any, **kwargs: Any) -> Tensor:
+    """The reference, with the sink logits cut off from the graph: no dSinks."""
+    from attnref import functional as F
+
+    if kwargs.get("sinks") is not None:
+        kwargs["sinks"] = kwargs["sinks"].detach()
+    out: Tensor = F.scaled_dot_product_attention(*args, **kwargs)
+    return out
+
+
+def sinks_gradient_doubled(*args: Any, **kwargs: Any) -> Tensor:
+    """The reference, with the gradient of the sink logits doubled on its way back."""
+    from attnref import functional as F
+
+    sinks = kwargs.get("sinks")
+    if sinks is not None and sinks.requires_grad:
+        kwargs["sinks"] = sinks.view_as(sinks)
+        kwargs["sinks"].register_hook(lambda g: 2 * g)
+    out: Tensor = F.scaled_dot_product_attention(*args, **kwargs)
+    return out
+
+
 def returns_inf(*args: Any, **kwargs: Any) -> Tensor:
     """The right shape and dtype, every value +inf."""
     return torch.full_like(_sdpa(*args, **kwargs), float("inf"))
@@ -226,6 +248,8 @@ def _declare() -> None:
         causal_alignments=("top_left", "bottom_right"),
         dropout=False,
     )
+    for fn in (sinks_detached, sinks_gradient_doubled):
+        fn.capabilities = Capabilities(sinks=True, dropout=False)  # type: ignore[attr-defined]
     returns_nan_everywhere.capabilities = Capabilities(  # type: ignore[attr-defined]
         causal_alignments=("top_left", "bottom_right"),
         window=True,

@@ -94,14 +94,18 @@ def test_flex_attention_passes(seed: int, dtype: torch.dtype) -> None:
     assert skipped == {"gradient"}  # eager FlexAttention has no CPU backward, and says so
 
 
-@pytest.mark.parametrize("name", ["reference-chunked", "torch-sdpa-math", "torch-sdpa-flash"])
+@pytest.mark.parametrize(
+    "name", ["reference-chunked", "torch-sdpa-math", "torch-sdpa-flash", "torch-sdpa-bias"]
+)
 def test_other_builtins_agree_with_the_oracle(name: str) -> None:
-    report = run(name, properties=["forward"], dtypes=(torch.float32,))
+    report = run(name, properties=["forward", "variants"], dtypes=(torch.float32,))
     assert report.ok, report.format_table()
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["reference-chunked", "torch-sdpa-math", "torch-sdpa-flash"])
+@pytest.mark.parametrize(
+    "name", ["reference-chunked", "torch-sdpa-math", "torch-sdpa-flash", "torch-sdpa-bias"]
+)
 def test_other_builtins_pass(name: str) -> None:
     report = run(name, dtypes=(torch.float32, torch.float16))
     assert report.ok, report.format_table()
@@ -534,3 +538,14 @@ def test_a_bad_variant_in_a_case_is_a_clear_error(kwargs: dict[str, object], mes
 
     with pytest.raises(ValueError, match=message):
         Case("bad", **kwargs)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("name", "message"),
+    [("sinks_detached", "dSinks is None"), ("sinks_gradient_doubled", "dSinks: max error")],
+)
+def test_the_gradient_of_the_sinks_is_checked(name: str, message: str) -> None:
+    report = run(f"tests.planted:{name}", properties=["gradient"], dtypes=(torch.float32,))
+    (result,) = report.results
+    assert result.status == "fail", report.format_table()
+    assert message in result.message

@@ -331,6 +331,52 @@ def _flex(
     return (out, lse) if return_lse else out
 
 
+def _sdpa_with_bias(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attn_mask: Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    *,
+    causal_alignment: Alignment = "top_left",
+    window: tuple[int, int] | None = None,
+    alibi_slopes: Tensor | None = None,
+) -> Tensor:
+    """torch SDPA with the variants a float mask can express: the causal diagonal (any
+    alignment), the window as ``-inf`` and ALiBi as ``-m |i - j|``, added to the mask."""
+    from attnref.masks import causal_mask, sliding_window_mask
+
+    Tq, Tk = query.shape[-2], key.shape[-2]
+    ctype = torch.promote_types(query.dtype, torch.float32)
+    bias = torch.zeros((Tq, Tk), dtype=ctype, device=query.device)
+    if alibi_slopes is not None:
+        offset = 0 if causal_alignment == "top_left" else Tk - Tq
+        rows = torch.arange(Tq, device=query.device).unsqueeze(-1) + offset
+        distance = (rows - torch.arange(Tk, device=query.device)).abs().to(ctype)
+        bias = -alibi_slopes.to(ctype).reshape(*alibi_slopes.shape, 1, 1) * distance
+    seen = torch.ones((Tq, Tk), dtype=torch.bool, device=query.device)
+    if is_causal:
+        seen = seen & causal_mask(Tq, Tk, causal_alignment, device=query.device)
+    if window is not None:
+        seen = seen & sliding_window_mask(Tq, Tk, window, causal_alignment, query.device)
+    bias = bias.masked_fill(~seen, -math.inf)
+    if attn_mask is not None:
+        bias = (
+            bias.masked_fill(~attn_mask, -math.inf)
+            if attn_mask.dtype == torch.bool
+            else bias + attn_mask.to(ctype)
+        )
+    if alibi_slopes is not None and alibi_slopes.dim() > 1:  # (*batch, h) slopes
+        bias = bias.expand(*query.shape[:-1], Tk)
+    out: Tensor = torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, bias.to(query.dtype), dropout_p, scale=scale, enable_gqa=enable_gqa
+    )
+    return out
+
+
 def _force(
     backend: "torch.nn.attention.SDPBackend",
 ) -> Callable[[], contextlib.AbstractContextManager[None]]:
@@ -471,6 +517,17 @@ def _builtin() -> dict[str, Backend]:
                     ("efficient", SDPBackend.EFFICIENT_ATTENTION),
                     ("cudnn", SDPBackend.CUDNN_ATTENTION),
                 )
+            ),
+            Backend(
+                "torch-sdpa-bias",
+                _sdpa_with_bias,
+                "torch SDPA with the window and ALiBi folded into its float mask",
+                Capabilities(
+                    causal_alignments=("top_left", "bottom_right"),
+                    causal_with_mask=True,
+                    window=True,
+                    alibi=True,
+                ),
             ),
             Backend(
                 "torch-flex",

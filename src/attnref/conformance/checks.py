@@ -38,6 +38,7 @@ from attnref.conformance.oracle import (
     expect,
     expect_grads,
     expect_lse,
+    expect_sink_grad,
     policy_rows,
     reference_lse,
 )
@@ -272,7 +273,7 @@ def gradient(ctx: Context, case: Case) -> None:
     expected = expect_grads(inputs, d_out)
     leaves = (inputs.query, inputs.key, inputs.value)
     for name, g, arg, leaf, exp in zip(
-        ("dQ", "dK", "dV"), grads, args, leaves, expected, strict=True
+        ("dQ", "dK", "dV"), grads[:3], args, leaves, expected, strict=True
     ):
         if g is None:
             raise Failure(f"{name} is None: the output does not depend on it")
@@ -280,6 +281,15 @@ def gradient(ctx: Context, case: Case) -> None:
             raise Failure(f"{name} has shape {tuple(g.shape)}, expected {tuple(arg.shape)}")
         back = family.from_layout(g.detach(), leaf)
         close(back.to(torch.float64), exp.value, *exp.bounds(), name)
+    if inputs.sinks is not None:
+        d_sinks = grads[3] if len(grads) > 3 else None
+        if d_sinks is None:
+            raise Failure("dSinks is None: the output does not depend on the sink logits")
+        if tuple(d_sinks.shape) != tuple(inputs.sinks.shape):
+            shape = tuple(inputs.sinks.shape)
+            raise Failure(f"dSinks has shape {tuple(d_sinks.shape)}, expected {shape}")
+        exp = expect_sink_grad(inputs, d_out)
+        close(d_sinks.detach().to(torch.float64), exp.value, *exp.bounds(), "dSinks")
 
 
 # ------------------------------------------------------------------------------ laws

@@ -45,6 +45,7 @@ __all__ = [
     "expect",
     "expect_grads",
     "expect_lse",
+    "expect_sink_grad",
     "policy_rows",
     "reference",
     "reference_lse",
@@ -246,6 +247,44 @@ def _grads(
     leaves = replace(inputs, query=q, key=k, value=v)
     dq, dk, dv = torch.autograd.grad(reference(leaves), (q, k, v), d_out)
     return dq, dk, dv
+
+
+@checked
+def expect_sink_grad(inputs: Inputs, d_out: Float[Tensor, "*batch h Tq Dv"]) -> Expected:
+    """The oracle's gradient of the sink logits ``(h,)`` for the upstream gradient
+    ``d_out``, with its bound.
+
+    ``d sigma_h = -sum_{b, i} sigmoid(sigma_h - lse_i) <dO_i, O_i>``: the floor is
+    ``(eps + 2 eps_s kappa)`` times the sum of the absolute values of those terms, as
+    for dQ, dK and dV (`expect_grads`), plus one rounding to the sinks' dtype (float32
+    even for float64 inputs: the gradient is stored there).
+    """
+    assert inputs.sinks is not None
+
+    def grad(x: Inputs) -> Tensor:
+        assert x.sinks is not None
+        # float32 sink logits (float64 for the oracle), as the backend receives them
+        dtype = torch.promote_types(x.query.dtype, torch.float32)
+        sinks = x.sinks.detach().to(dtype).requires_grad_(True)
+        out = reference(replace(x, sinks=sinks))
+        (d,) = torch.autograd.grad(out, (sinks,), d_out.to(x.query.dtype))
+        return d.to(torch.float64)
+
+    inputs64 = inputs.to(torch.float64)
+    oracle, same = grad(inputs64), grad(inputs)
+    out, lse = _reference(inputs64, return_lse=True)
+    sink_w = torch.sigmoid(inputs64.sinks.to(torch.float64)[:, None] - lse)  # type: ignore[union-attr]
+    sink_w = torch.nan_to_num(sink_w.masked_fill(torch.isneginf(lse), 0.0))
+    dots = (d_out.to(torch.float64).abs() * out.abs()).sum(dim=-1)  # (*batch, h, Tq)
+    terms = (sink_w * dots).reshape(-1, *dots.shape[-2:]).sum(dim=(0, 2))  # (h,)
+    dtype = inputs.query.dtype
+    kappa = score_condition(inputs.query, inputs.key, inputs.scale, inputs.visible())
+    rel = torch.finfo(dtype).eps + 2 * score_eps(dtype) * kappa
+    computed = rel * float(terms.max()) if terms.numel() else 0.0
+    # the gradient is stored in the sinks' own dtype (float32): one rounding of it
+    stored = torch.finfo(inputs.sinks.dtype).eps * float(oracle.abs().max())
+    floor = max(tolerance(dtype).atol, computed + stored)
+    return Expected(oracle, (same - oracle).abs(), floor, GRAD_FUDGE)
 
 
 @checked_internal

@@ -136,21 +136,26 @@ class Job:
     d_out: Tensor | None = None
 
     def run(self, backend: Backend) -> Any:
-        args = self.args
-        if self.d_out is not None:  # the query, key and value become leaves
+        args, kwargs = self.args, self.kwargs
+        sinks = None
+        if self.d_out is not None:  # the query, key and value (and sinks) become leaves
             args = (*(t.detach().requires_grad_(True) for t in args[:3]), *args[3:])
+            if isinstance(kwargs.get("sinks"), Tensor):
+                sinks = kwargs["sinks"].detach().requires_grad_(True)
+                kwargs = {**kwargs, "sinks": sinks}
         tensors = [(f"argument {i}", t) for i, t in enumerate(args) if isinstance(t, Tensor)] + [
-            (k, t) for k, t in self.kwargs.items() if isinstance(t, Tensor)
+            (k, t) for k, t in kwargs.items() if isinstance(t, Tensor)
         ]
         before = [_fingerprint(t) for _, t in tensors]
-        out: Any = backend(*args, **self.kwargs)
+        out: Any = backend(*args, **kwargs)
         if self.d_out is not None:
             if not isinstance(out, Tensor) or not out.requires_grad:
                 raise RuntimeError("the output does not require grad: no gradient reaches Q, K, V")
             # backward() as a training loop calls it (torch.autograd.grad would refuse a
             # reentrant torch.utils.checkpoint inside the backend)
             torch.autograd.backward(out, self.d_out)
-            out = tuple(None if t.grad is None else t.grad.detach() for t in args[:3])
+            leaves = (*args[:3], *(() if sinks is None else (sinks,)))
+            out = tuple(None if t.grad is None else t.grad.detach() for t in leaves)
         changed = [
             name
             for (name, t), b in zip(tensors, before, strict=True)
