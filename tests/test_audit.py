@@ -423,8 +423,10 @@ FLASH_VARIANT_PROPS = ["variants", "window_keys", "window_none", "softcap_bound"
 @pytest.mark.parametrize(
     ("name", "dtypes"),
     [
-        ("flash-reference", (torch.float32,)),
-        pytest.param("flash-reference", (torch.bfloat16,), marks=pytest.mark.slow),
+        # the slow tier: the default tier audits the same reference through the sdpa
+        # family, and the flash family's calls through the mutants, the kernels of
+        # tests/planted_flash.py, the CLI and the plugin
+        pytest.param("flash-reference", F32_BF16, marks=pytest.mark.slow),
         pytest.param("flash-naive", F32_BF16, marks=pytest.mark.slow),
     ],
 )
@@ -437,24 +439,25 @@ def test_flash_convention_builtins_pass(name: str, dtypes: tuple[torch.dtype, ..
 
 
 @pytest.mark.slow
-def test_flash_reference_passes_in_the_other_dtypes_and_seeds() -> None:
-    for seed in (1, 2):
-        report = run("flash-reference", seed=seed)
-        assert report.ok, report.format_table()
+def test_flash_reference_passes_in_every_dtype_at_another_seed() -> None:
+    report = run("flash-reference", seed=1)
+    assert report.ok, report.format_table()
 
 
 def test_flex_attention_in_the_flash_convention_agrees_on_the_variants() -> None:
     """Eager FlexAttention traces its score_mod and mask_mod again for each new shape
-    (about 0.1 to 1 s on a CPU): the default tier audits the variants in float32 with 10
+    (about 0.1 to 1 s on a CPU): the default tier audits the variants in float32 with 5
     drawn cases (and the fixed variant cases), the slow tier everything."""
-    smoke = replace(PROFILES["quick"], name="smoke", examples=10)
+    smoke = replace(PROFILES["quick"], name="smoke", examples=5)
     report = run("flash-flex", properties=["variants"], dtypes=(torch.float32,), profile=smoke)
     assert report.ok, report.format_table()
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64])
 def test_flex_attention_in_the_flash_convention_passes(dtype: torch.dtype) -> None:
+    """About 150 s a dtype (eager FlexAttention traces again for each new shape): the
+    coarsest half precision and float64, where the tightest bounds are."""
     report = run("flash-flex", dtypes=(dtype,))
     assert report.ok, report.format_table()
 
