@@ -258,7 +258,8 @@ def _flex(
     """FlexAttention: the mask, softcap and ALiBi as a ``score_mod``, the causal diagonal
     and the window as a ``mask_mod`` (a block mask); eager on the CPU, compiled on CUDA.
     Its log-sum-exp comes from ``return_aux``; sinks are applied from it afterwards
-    (`attnref.functional.apply_sinks`).
+    (`attnref.functional.apply_sinks`), on a call in float32 for half-precision inputs,
+    so that the output is rounded to their dtype once.
 
     Every setting reaches the two functions as a tensor, and both always apply every
     modifier (a neutral one when off): FlexAttention traces them with Dynamo even in
@@ -277,6 +278,8 @@ def _flex(
     device = query.device
     q, k, v = (t.reshape(B, *t.shape[-3:]) for t in (query, key, value))
     ctype = torch.promote_types(query.dtype, torch.float32)  # what the scores are in
+    if sinks is not None:  # the sink factor joins before the one rounding to the dtype
+        q, k, v = q.to(ctype), k.to(ctype), v.to(ctype)
     if attn_mask is None:
         bias = torch.zeros((1, 1, 1, 1), device=device, dtype=ctype)
     else:
@@ -327,7 +330,7 @@ def _flex(
     out = out.reshape(*batch, h, Tq, value.shape[-1])
     lse = aux.lse.reshape(*batch, h, Tq)
     if sinks is not None:
-        out = F.apply_sinks(out, lse, sinks)
+        out = F.apply_sinks(out, lse, sinks).to(query.dtype)
     return (out, lse) if return_lse else out
 
 
@@ -522,7 +525,10 @@ def _builtin() -> dict[str, Backend]:
                 "torch-sdpa-bias",
                 _sdpa_with_bias,
                 "torch SDPA with the window and ALiBi folded into its float mask",
+                # not half precision: torch SDPA takes the mask in the query's dtype, and
+                # rounding the ALiBi bias m * |i - j| to it grows with the distance
                 Capabilities(
+                    dtypes=(torch.float64, torch.float32),
                     causal_alignments=("top_left", "bottom_right"),
                     causal_with_mask=True,
                     window=True,
