@@ -26,7 +26,7 @@ from torch import Tensor
 from attnref import functional as F
 from attnref._checking import checked, checked_internal
 from attnref.conformance.adapt import flash_form
-from attnref.conformance.backends import Backend, Capabilities
+from attnref.conformance.backends import Backend, Capabilities, flash_naive
 from attnref.conformance.kernels import (
     Key,
     Mask,
@@ -48,17 +48,7 @@ REFERENCE_LIKE = Capabilities(
 )
 #: what a flash-convention kernel with every variant declares (the mutants of classes
 #: 22-25 claim it): the naive kernel's declaration in the flash convention
-FLASH_LIKE = Capabilities(
-    bool_mask=False,
-    float_mask=False,
-    causal_alignments=("bottom_right",),
-    dropout=False,
-    window=True,
-    softcap=True,
-    alibi=True,
-    sinks=True,
-    lse=True,
-)
+FLASH_LIKE = flash_naive.capabilities  # type: ignore[attr-defined]
 
 Kernel = Callable[..., Any]
 # a misread may change any shape (a key dropped, heads expanded): no dims are bound
