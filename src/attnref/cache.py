@@ -12,6 +12,9 @@ the same call).
   only the new tokens and writes them after the last position.
 - `StaticKVCache`: the cross-attention's keys and values, projected from the encoder
   memory on the first call and reused at every step.
+- `RollingKVCache`: a sliding-window layer's keys and values: only the last ``window``
+  positions are kept (a query sees those and itself, none earlier), so its memory stays
+  bounded however long the sequence grows; its position still counts every token.
 - `RepresentationCache`: D2L's alternative: the history of the layer's *input*
   ``(B, t, H)``, projected again in full at every step. Slower; the same results.
 
@@ -37,6 +40,7 @@ __all__ = [
     "LayerCache",
     "Project",
     "RepresentationCache",
+    "RollingKVCache",
     "StaticKVCache",
 ]
 
@@ -171,6 +175,80 @@ class KVCache:
         return 2 * self.keys.numel() * self.keys.element_size()
 
 
+class RollingKVCache:
+    """The keys and values a sliding-window layer can still see: the last ``window``
+    positions (with a window of ``w`` a query at ``p`` sees ``p - w .. p``).
+
+    ``update`` returns the kept positions followed by the new ones; the attention places
+    them bottom-right, so the window hides exactly the positions this cache dropped.
+
+    Args:
+        window: ``w``, the keys before a query it may see (>= 0).
+        batch_size, num_kv_heads, head_dim, dtype, device: as `KVCache`.
+    """
+
+    def __init__(
+        self,
+        *,
+        window: int,
+        batch_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+    ) -> None:
+        if window < 0:
+            raise ValueError(f"window must be >= 0, got {window}")
+        if batch_size < 1 or num_kv_heads < 1:
+            raise ValueError(
+                f"batch_size and num_kv_heads must be >= 1, got {batch_size}, {num_kv_heads}"
+            )
+        self.window = window
+        shape = (batch_size, num_kv_heads, 0, head_dim)
+        self.keys = torch.zeros(shape, dtype=dtype, device=device)
+        self.values = torch.zeros(shape, dtype=dtype, device=device)
+        self._position = 0
+
+    @property
+    def position(self) -> int:
+        return self._position
+
+    def update(self, keys: Tensor, values: Tensor, project: Project) -> Heads:
+        """Project the new inputs only, append them, keep the last ``window``."""
+        return self.append(*project(keys, values))
+
+    @checked
+    def append(
+        self, keys: Float[Tensor, "B g t Dh"], values: Float[Tensor, "B g t Dv"]
+    ) -> tuple[Float[Tensor, "B g T Dh"], Float[Tensor, "B g T Dv"]]:
+        """The kept positions' heads and the ``t`` new ones; then only the last
+        ``window`` of them are kept.
+
+        Raises:
+            ValueError: a batch size other than the cache's.
+        """
+        _check_batch(self.keys.shape[0], keys.shape[0])
+        all_keys = torch.cat([self.keys, keys], dim=2)
+        all_values = torch.cat([self.values, values], dim=2)
+        keep = max(all_keys.shape[2] - self.window, 0)
+        self.keys, self.values = all_keys[:, :, keep:], all_values[:, :, keep:]
+        self._position += keys.shape[2]
+        return all_keys, all_values
+
+    @checked
+    def reorder(self, rows: Int[Tensor, " B"]) -> None:
+        self.keys = self.keys.index_select(0, rows)
+        self.values = self.values.index_select(0, rows)
+
+    def reset(self) -> None:
+        self.keys, self.values = self.keys[:, :, :0], self.values[:, :, :0]
+        self._position = 0
+
+    def nbytes(self) -> int:
+        """Bytes of the kept positions (at most ``window`` of them)."""
+        return sum(t.numel() * t.element_size() for t in (self.keys, self.values))
+
+
 class StaticKVCache:
     """The cross-attention's keys and values, projected from the memory once."""
 
@@ -275,8 +353,11 @@ class DecoderCache:
         cross: bool = False,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
+        window: int | None = None,
     ) -> "DecoderCache":
-        """Caches for ``num_layers`` layers; ``mode`` is ``"kv"`` or ``"representation"``.
+        """Caches for ``num_layers`` layers; ``mode`` is ``"kv"`` or ``"representation"``;
+        ``window``: the layers' sliding window (then ``"kv"`` keeps only what it sees,
+        `RollingKVCache`).
 
         Raises:
             ValueError: an unknown mode, or fewer than one layer.
@@ -289,6 +370,15 @@ class DecoderCache:
         def self_cache() -> AttentionCache:
             if mode == "representation":
                 return RepresentationCache()
+            if window is not None:
+                return RollingKVCache(
+                    window=window,
+                    batch_size=batch_size,
+                    num_kv_heads=num_kv_heads,
+                    head_dim=head_dim,
+                    dtype=dtype,
+                    device=device,
+                )
             return KVCache(
                 batch_size=batch_size,
                 num_kv_heads=num_kv_heads,

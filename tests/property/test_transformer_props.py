@@ -28,6 +28,9 @@ class Config:
     norm: str
     vocab: int
     seed: int
+    # the decoder-only LM's rotary dims (0: sinusoidal positions) and sliding window
+    rotary: int = 0
+    window: int | None = None
 
     @property
     def hiddens(self) -> int:
@@ -37,14 +40,17 @@ class Config:
 @st.composite
 def configs(draw: st.DrawFn) -> Config:
     heads = draw(st.sampled_from((1, 2, 4)))
+    head_dim = draw(st.sampled_from((2, 4)))
     return Config(
         layers=draw(st.integers(1, 2)),
         heads=heads,
         kv_heads=draw(st.sampled_from([g for g in (1, 2, 4) if heads % g == 0])),
-        head_dim=draw(st.sampled_from((2, 4))),
+        head_dim=head_dim,
         norm=draw(st.sampled_from(("post", "pre"))),
         vocab=draw(st.integers(3, 12)),
         seed=draw(st.integers(0, 2**16)),
+        rotary=draw(st.sampled_from((0, 2, head_dim))),
+        window=draw(st.sampled_from((None, 0, 1, 2, 4))),
     )
 
 
@@ -74,6 +80,8 @@ def _lm(c: Config) -> DecoderOnlyLM:
         num_kv_heads=c.kv_heads,
         num_layers=c.layers,
         norm=c.norm,  # type: ignore[arg-type]
+        rotary_dim=c.rotary,
+        window=c.window,
     )
     return lm.double().eval()
 

@@ -5,6 +5,8 @@ self-attention the caller passes the same sequence three times, in cross-attenti
 queries come from the decoder and keys = values from the encoder memory.
 """
 
+from collections.abc import Callable
+
 import torch
 from jaxtyping import Bool, Float, Int
 from torch import Tensor, nn
@@ -13,6 +15,7 @@ from attnref import functional as F
 from attnref._checking import checked, checked_internal
 from attnref.cache import AttentionCache
 from attnref.masks import valid_lens_to_mask
+from attnref.rotary import RotaryEmbedding, check_rotary_dim
 
 __all__ = ["AdditiveAttention", "DotProductAttention", "MultiHeadAttention", "NadarayaWatson"]
 
@@ -134,6 +137,13 @@ class MultiHeadAttention(nn.Module):
         num_kv_heads: ``g`` key/value heads; must divide ``h``; defaults to ``h``.
         dropout: dropout on the attention weights.
         bias: whether the four projections carry a bias.
+        rotary_dim: rotate the first ``rotary_dim`` dims of each query and key head by
+            its position (`attnref.rotary.RotaryEmbedding`, the halves layout of Llama);
+            0: none. For self-attention: queries and keys share positions, starting at
+            the cache's position.
+        window: a sliding window: a query sees the ``window`` keys before it (and
+            itself), none earlier (FlashAttention's ``window_size=(window, -1)``; with
+            ``causal``, ``(window, 0)``). ``None``: no window.
     """
 
     def __init__(
@@ -144,6 +154,8 @@ class MultiHeadAttention(nn.Module):
         num_kv_heads: int | None = None,
         dropout: float = 0.0,
         bias: bool = False,
+        rotary_dim: int = 0,
+        window: int | None = None,
     ) -> None:
         super().__init__()
         if num_heads < 1 or num_hiddens % num_heads != 0:
@@ -156,6 +168,13 @@ class MultiHeadAttention(nn.Module):
                 f"num_heads ({num_heads}) must be divisible by num_kv_heads ({num_kv_heads})"
             )
         _check_dropout(dropout)
+        if window is not None and (not isinstance(window, int) or window < 0):
+            raise ValueError(f"window must be an int >= 0 or None, got {window!r}")
+        head_dim = num_hiddens // num_heads
+        self.rotary = RotaryEmbedding(rotary_dim) if rotary_dim else None
+        if rotary_dim:
+            check_rotary_dim(rotary_dim, head_dim)
+        self.window = window
         self.num_hiddens = num_hiddens
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
@@ -194,11 +213,16 @@ class MultiHeadAttention(nn.Module):
                 position to attend to (``cache.update``). ``mask`` then applies to the
                 keys the attention really sees.
         """
+        offset = 0 if cache is None else cache.position  # of the first new token
         q = F.split_heads(self.query_proj(queries), self.num_heads)  # (B, h, Tq, Dh)
+        project: Callable[[Tensor, Tensor], tuple[Tensor, Tensor]] = self._project_kv
+        if self.rotary is not None:
+            q = self.rotary(q, offset)
+            project = self._rotated(offset + keys.shape[1])
         if cache is None:
-            k, v = self._project_kv(keys, values)
+            k, v = project(keys, values)
         else:
-            k, v = cache.update(keys, values, self._project_kv)
+            k, v = cache.update(keys, values, project)
         lens_mask = _lens_mask(valid_lens, queries.shape[1], k.shape[2])
         if lens_mask is not None:
             mask = lens_mask if mask is None else mask & lens_mask
@@ -213,10 +237,30 @@ class MultiHeadAttention(nn.Module):
             enable_gqa=self.num_kv_heads != self.num_heads,
             causal_alignment="bottom_right",
             return_weights=True,
+            window=None if self.window is None else (self.window, -1),
         )
         merged = F.merge_heads(out)  # (B, Tq, H)
         result: Tensor = self.output_proj(merged)
         return result
+
+    def _rotated(self, end: int) -> Callable[[Tensor, Tensor], tuple[Tensor, Tensor]]:
+        """`_project_kv` with the keys rotated: the ``t`` inputs it is given are the
+        positions ``end - t .. end - 1`` (the new tokens for a cache of keys, the whole
+        history for D2L's cache of inputs)."""
+        rotary = self.rotary
+        assert rotary is not None
+
+        def project(keys: Tensor, values: Tensor) -> tuple[Tensor, Tensor]:
+            k, v = self._project_kv(keys, values)
+            start = end - k.shape[2]
+            if start < 0:
+                raise ValueError(
+                    f"rotary positions need self-attention: {k.shape[2]} keys for queries "
+                    f"ending at position {end}"
+                )
+            return rotary(k, start), v
+
+        return project
 
     def _project_kv(self, keys: Tensor, values: Tensor) -> tuple[Tensor, Tensor]:
         """Inputs ``(B, Tk, H)`` to key and value heads ``(B, g, Tk, Dh)``."""

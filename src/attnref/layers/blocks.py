@@ -128,6 +128,8 @@ class EncoderBlock(nn.Module):
         num_kv_heads: ``g`` (GQA); must divide ``h``; defaults to ``h``.
         dropout: on attention weights and residual branches.
         norm: ``"post"`` (`AddNorm`) or ``"pre"`` (`PreNormResidual`).
+        rotary_dim, window: the self-attention's rotary positions and sliding window
+            (`MultiHeadAttention`).
     """
 
     def __init__(
@@ -139,6 +141,8 @@ class EncoderBlock(nn.Module):
         num_kv_heads: int | None = None,
         dropout: float = 0.0,
         norm: Norm = "post",
+        rotary_dim: int = 0,
+        window: int | None = None,
     ) -> None:
         super().__init__()
         self.num_hiddens = num_hiddens
@@ -147,6 +151,8 @@ class EncoderBlock(nn.Module):
             num_heads=num_heads,
             num_kv_heads=num_kv_heads,
             dropout=dropout,
+            rotary_dim=rotary_dim,
+            window=window,
         )
         self.ffn = PositionWiseFFN(
             num_hiddens=num_hiddens, ffn_hiddens=ffn_hiddens, dropout=dropout
@@ -173,19 +179,27 @@ class EncoderBlock(nn.Module):
 
 
 class TokenEmbedding(nn.Module):
-    """Token ids to ``sqrt(H) * embedding`` plus sinusoidal positions (and dropout).
+    """Token ids to ``sqrt(H) * embedding`` plus sinusoidal positions (and dropout);
+    ``positional=False``: no positions (a model with rotary ones).
 
     Raises (in ``forward``):
         ValueError: a token id outside ``[0, vocab_size)``.
     """
 
     def __init__(
-        self, *, vocab_size: int, num_hiddens: int, dropout: float = 0.0, max_len: int = 1000
+        self,
+        *,
+        vocab_size: int,
+        num_hiddens: int,
+        dropout: float = 0.0,
+        max_len: int = 1000,
+        positional: bool = True,
     ) -> None:
         super().__init__()
         self.vocab_size = vocab_size
         self.num_hiddens = num_hiddens
         self.embedding = nn.Embedding(vocab_size, num_hiddens)
+        self.positional = positional
         self.positions = SinusoidalPositionalEncoding(
             num_hiddens=num_hiddens, dropout=dropout, max_len=max_len
         )
@@ -197,6 +211,9 @@ class TokenEmbedding(nn.Module):
         """``offset``: the position of the first token (for one step of decoding)."""
         _check_token_ids(tokens, self.vocab_size)
         scaled = self.embedding(tokens) * math.sqrt(self.num_hiddens)
+        if not self.positional:  # positions come from the attention (rotary)
+            dropped: Tensor = self.positions.dropout(scaled)
+            return dropped
         out: Tensor = self.positions(scaled, offset)
         return out
 

@@ -64,12 +64,17 @@ class _Stack(nn.Module):
         dropout: float = 0.0,
         norm: Norm = "post",
         max_len: int = 1000,
+        **attention: int | None,
     ) -> None:
         super().__init__()
         _check_norm(norm)
         self.num_hiddens = num_hiddens
         self.embed = TokenEmbedding(
-            vocab_size=vocab_size, num_hiddens=num_hiddens, dropout=dropout, max_len=max_len
+            vocab_size=vocab_size,
+            num_hiddens=num_hiddens,
+            dropout=dropout,
+            max_len=max_len,
+            positional=not attention.get("rotary_dim"),  # rotary replaces the table
         )
         self.blocks = nn.ModuleList(
             self.block_type(
@@ -79,6 +84,7 @@ class _Stack(nn.Module):
                 num_kv_heads=num_kv_heads,
                 dropout=dropout,
                 norm=norm,
+                **attention,  # type: ignore[arg-type]
             )
             for _ in range(num_layers)
         )
@@ -263,6 +269,7 @@ def _new_cache(
         cross=cross,
         dtype=like.dtype,
         device=like.device,
+        window=attention.window,
     )
 
 
@@ -310,6 +317,11 @@ class DecoderOnlyLM(nn.Module):
 
     Tokens ``(B, T)`` to next-token log probabilities ``(B, T, V)``; position ``t`` sees
     tokens ``0..t`` only. ``norm="pre"`` by default, as GPT-2.
+
+    ``rotary_dim``: rotary positions on that many dims of each head (Llama), in place of
+    the sinusoidal table; ``window``: a sliding window (Mistral): position ``t`` sees
+    tokens ``t - window .. t``, and the cache (`new_cache`) keeps only those
+    (`attnref.cache.RollingKVCache`).
     """
 
     def __init__(
@@ -324,9 +336,16 @@ class DecoderOnlyLM(nn.Module):
         dropout: float = 0.0,
         norm: Norm = "pre",
         max_len: int = 1000,
+        rotary_dim: int = 0,
+        window: int | None = None,
     ) -> None:
         super().__init__()
         self.vocab_size = vocab_size
+        extra: dict[str, int | None] = {}
+        if rotary_dim:
+            extra["rotary_dim"] = rotary_dim
+        if window is not None:
+            extra["window"] = window
         self.stack = TransformerEncoder(
             vocab_size=vocab_size,
             num_hiddens=num_hiddens,
@@ -337,6 +356,7 @@ class DecoderOnlyLM(nn.Module):
             dropout=dropout,
             norm=norm,
             max_len=max_len,
+            **extra,
         )
         self.generator = Generator(num_hiddens=num_hiddens, vocab_size=vocab_size)
         _xavier(self)
