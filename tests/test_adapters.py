@@ -40,3 +40,35 @@ def test_the_adapters_helpers_keep_batch_dimensions() -> None:
     assert full.shape == (6, 1, 5, 7)
     empty = torch.randn(0, 4, 5, 0)  # no element: the batch size is not inferred
     assert as_4d(empty).shape == (0, 4, 5, 0)
+
+
+def test_flashinfer_paged_layout_is_the_block_table_in_csr_form() -> None:
+    from examples.adapters.flashinfer_paged import paged_layout
+
+    block_table = torch.tensor([[5, 2], [0, 3]], dtype=torch.int32)
+    indptr, indices, last = paged_layout(torch.tensor([7, 4]), block_table, 4)
+    assert indptr.tolist() == [0, 2, 3]
+    assert indices.tolist() == [5, 2, 0]
+    assert last.tolist() == [3, 4]
+
+
+@pytest.mark.usefixtures("unchecked")
+def test_flashinfer_style_decode_through_the_adapter_passes_and_its_tail_bug_fails() -> None:
+    """The adapter of docs/kvcache.md, on FlashInfer's convention written in plain torch:
+    it passes the flash-kvcache properties it can take (one query per request; the rest
+    are declared refusals), and counting the last page's tail is caught."""
+    from attnref.conformance import audit
+    from attnref.conformance.properties import PROPERTIES
+
+    props = [p.id for p in PROPERTIES.values() if p.families == ("flash-kvcache",)]
+    good = load_backend("examples.adapters.flashinfer_paged:flashinfer_reference", "flash-kvcache")
+    report = audit(good, properties=props, dtypes=(torch.float32,), progress=False, isolate=False)
+    assert report.ok, report.format_table()
+    assert {"kvcache", "kvcache_pages"} <= {
+        r.property for r in report.results if r.status == "pass"
+    }
+    bad = load_backend(
+        "examples.adapters.flashinfer_paged:flashinfer_tail_counted", "flash-kvcache"
+    )
+    report = audit(bad, properties=["kvcache"], dtypes=(torch.float32,), progress=False)
+    assert not report.ok

@@ -80,10 +80,28 @@ def test_an_all_nan_backend_fails_every_property() -> None:
         device="cpu",
         progress=False,
     )
-    assert {r.property for r in report.results} == set(PROPERTIES)
+    assert {r.property for r in report.results} == {
+        p for p, prop in PROPERTIES.items() if prop.applies_to("sdpa")
+    }
     for r in report.results:
         assert r.status == "fail", (r.property, r.status, r.message)
         assert "NaN/inf" in r.message or "does not require grad" in r.message, r.message
+
+
+@pytest.mark.parametrize(
+    ("name", "api"), [("nan_varlen", "flash-varlen"), ("nan_kvcache", "flash-kvcache")]
+)
+def test_an_all_nan_packed_or_paged_backend_fails_its_familys_properties(
+    name: str, api: str
+) -> None:
+    own = [p for p, prop in PROPERTIES.items() if prop.families == (api,)]
+    backend = resolve_backend(f"tests.planted_serving:{name}", api=api)
+    report = audit(backend, properties=own, dtypes=(torch.float32,), device="cpu",
+                   progress=False)  # fmt: skip
+    assert own
+    for r in report.results:
+        assert r.status == "fail", (r.property, r.status, r.message)
+        assert "NaN/inf" in r.message, r.message
 
 
 def test_a_law_names_the_call_that_went_wrong() -> None:

@@ -16,11 +16,15 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Literal, get_args
 
 import torch
+from jaxtyping import Float, Int
 from torch import Tensor
 
 from attnref import functional as F
-from attnref.conformance.adapt import flash_form
+from attnref._checking import checked
+from attnref.conformance.adapt import flash_form, kvcache_form, varlen_form
+from attnref.kvcache import kvcache_attention
 from attnref.masks import Alignment
+from attnref.varlen import varlen_attention
 
 __all__ = [
     "BUILTIN_BACKENDS",
@@ -120,6 +124,10 @@ class Capabilities:
     lse: bool = False  # returns the log-sum-exp on request
     empty_lse: EmptyLse = "-inf"  # the log-sum-exp of a query with no visible key
     combined_variants: bool = True  # may several variants be on in one call?
+    # the decode calls of the flash-kvcache family (docs/kvcache.md)
+    rotary: bool = False  # rotary_cos / rotary_sin for the new tokens, both layouts
+    paged: bool = False  # a paged cache through block_table
+    page_multiple: int = 1  # page sizes must be multiples of this (FlashAttention 2: 256)
 
     def __post_init__(self) -> None:
         for name, kind, other in (
@@ -139,6 +147,8 @@ class Capabilities:
                     f"Capabilities.causal_alignments: unknown alignment {alignment!r} "
                     "(use top_left, bottom_right)"
                 )
+        if self.page_multiple < 1:
+            raise ValueError(f"Capabilities.page_multiple must be >= 1, got {self.page_multiple!r}")
         if self.max_head_dim is not None and self.max_head_dim < 1:
             raise ValueError(
                 f"Capabilities.max_head_dim must be >= 1 or None, got {self.max_head_dim!r}"
@@ -483,6 +493,93 @@ flash_naive = _declared(flash_form(_naive, "flash_naive"), _flash_caps(_NAIVE_CA
 flash_flex = _declared(flash_form(_flex, "flash_flex"), _flash_caps(_FLEX_CAPS))
 
 
+@checked
+def _varlen_reference(
+    q: Float[Tensor, "total_q h Dh"],
+    k: Float[Tensor, "total_k g Dh"],
+    v: Float[Tensor, "total_k g Dv"],
+    cu_seqlens_q: Int[Tensor, " Nq"],
+    cu_seqlens_k: Int[Tensor, " Nk"],
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: Float[Tensor, " h"] | Float[Tensor, "N h"] | None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+    sinks: Float[Tensor, " h"] | None = None,
+) -> (
+    Float[Tensor, "total_q h Dv"]
+    | tuple[Float[Tensor, "total_q h Dv"], Float[Tensor, "h total_q"], None]
+):
+    """attnref's `attnref.varlen.varlen_attention` in flash_attn_varlen_func's signature."""
+    if dropout_p:
+        raise ValueError(f"dropout_p must be 0 here, got {dropout_p}")
+    kwargs: dict[str, Any] = {
+        "softmax_scale": softmax_scale,
+        "causal": causal,
+        "window_size": window_size,
+        "softcap": softcap,
+        "alibi_slopes": alibi_slopes,
+        "sinks": sinks,
+    }
+    args = (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    if return_attn_probs:
+        out, lse = varlen_attention(*args, return_lse=True, **kwargs)
+        return out, lse, None
+    result: Tensor = varlen_attention(*args, **kwargs)
+    return result
+
+
+_VARLEN_REFERENCE_CAPS = _flash_caps(replace(_REFERENCE_CAPS, dropout=False))
+_SERVING = {"gradients": False, "sinks": False, "rotary": True, "paged": True, "dropout": False}
+#: the packed and paged conventions (flash_attn_varlen_func, flash_attn_with_kvcache):
+#: the reference itself, and the naive kernel and torch SDPA (with the window and ALiBi
+#: folded into a float mask) driven sequence by sequence, row by row
+varlen_reference = _declared(_varlen_reference, _VARLEN_REFERENCE_CAPS)
+varlen_naive = _declared(varlen_form(flash_naive, "varlen_naive"), _flash_caps(_NAIVE_CAPS))
+_SDPA_BIAS_CAPS = Capabilities(
+    dtypes=(torch.float64, torch.float32),
+    causal_alignments=("top_left", "bottom_right"),
+    causal_with_mask=True,
+    window=True,
+    alibi=True,
+)
+varlen_sdpa = _declared(
+    varlen_form(flash_form(_sdpa_with_bias, "flash_sdpa"), "varlen_sdpa"),
+    _flash_caps(replace(_SDPA_BIAS_CAPS, gradients=True)),
+)
+kvcache_reference = _declared(
+    kvcache_attention,
+    _flash_caps(replace(_REFERENCE_CAPS, **_SERVING)),  # type: ignore[arg-type]
+)
+kvcache_naive = _declared(
+    kvcache_form(flash_naive, "kvcache_naive"),
+    _flash_caps(replace(_NAIVE_CAPS, **_SERVING)),  # type: ignore[arg-type]
+)
+kvcache_sdpa = _declared(
+    kvcache_form(flash_form(_sdpa_with_bias, "flash_sdpa"), "kvcache_sdpa"),
+    _flash_caps(replace(_SDPA_BIAS_CAPS, **_SERVING)),  # type: ignore[arg-type]
+)
+
+
+def _flash_attn_varlen(*args: Any, **kwargs: Any) -> Any:
+    """FlashAttention 2's ``flash_attn_varlen_func`` (the ``flash_attn`` package)."""
+    from flash_attn import flash_attn_varlen_func
+
+    return flash_attn_varlen_func(*args, **kwargs)
+
+
+def _flash_attn_kvcache(*args: Any, **kwargs: Any) -> Any:
+    """FlashAttention 2's ``flash_attn_with_kvcache`` (the ``flash_attn`` package)."""
+    from flash_attn import flash_attn_with_kvcache
+
+    return flash_attn_with_kvcache(*args, **kwargs)
+
+
 def _builtin() -> dict[str, Backend]:
     from torch.nn.attention import SDPBackend
 
@@ -527,13 +624,7 @@ def _builtin() -> dict[str, Backend]:
                 "torch SDPA with the window and ALiBi folded into its float mask",
                 # not half precision: torch SDPA takes the mask in the query's dtype, and
                 # rounding the ALiBi bias m * |i - j| to it grows with the distance
-                Capabilities(
-                    dtypes=(torch.float64, torch.float32),
-                    causal_alignments=("top_left", "bottom_right"),
-                    causal_with_mask=True,
-                    window=True,
-                    alibi=True,
-                ),
+                _SDPA_BIAS_CAPS,
             ),
             Backend(
                 "torch-flex",
@@ -576,6 +667,72 @@ def _builtin() -> dict[str, Backend]:
                 "FlashAttention 2's flash_attn_func (skipped where flash_attn is absent)",
                 replace(FLASH_ATTN_2, devices=("cuda",)),
                 api="flash",
+                needs="flash_attn",
+            ),
+            # packed sequences (flash_attn_varlen_func) and KV caches (flash_attn_with_kvcache)
+            *(
+                Backend(name, fn, description, fn.capabilities, api=api)  # type: ignore[attr-defined]
+                for name, fn, description, api in (
+                    (
+                        "varlen-reference",
+                        varlen_reference,
+                        "attnref's varlen_attention",
+                        "flash-varlen",
+                    ),
+                    (
+                        "varlen-naive",
+                        varlen_naive,
+                        "the naive kernel, sequence by sequence",
+                        "flash-varlen",
+                    ),
+                    (
+                        "varlen-sdpa",
+                        varlen_sdpa,
+                        "torch SDPA (window and ALiBi as a float mask), sequence by sequence",
+                        "flash-varlen",
+                    ),
+                    (
+                        "kvcache-reference",
+                        kvcache_reference,
+                        "attnref's kvcache_attention (real split-KV)",
+                        "flash-kvcache",
+                    ),
+                    (
+                        "kvcache-naive",
+                        kvcache_naive,
+                        "the naive kernel on each row's gathered cache",
+                        "flash-kvcache",
+                    ),
+                    (
+                        "kvcache-sdpa",
+                        kvcache_sdpa,
+                        "torch SDPA on each row's gathered cache "
+                        "(window and ALiBi as a float mask)",
+                        "flash-kvcache",
+                    ),
+                )
+            ),
+            Backend(
+                "flash-attn-varlen",
+                _flash_attn_varlen,
+                "FlashAttention 2's flash_attn_varlen_func (skipped where flash_attn is absent)",
+                replace(FLASH_ATTN_2, devices=("cuda",)),
+                api="flash-varlen",
+                needs="flash_attn",
+            ),
+            Backend(
+                "flash-attn-kvcache",
+                _flash_attn_kvcache,
+                "FlashAttention 2's flash_attn_with_kvcache (skipped where flash_attn is absent)",
+                replace(
+                    FLASH_ATTN_2,
+                    devices=("cuda",),
+                    gradients=False,
+                    rotary=True,
+                    paged=True,
+                    page_multiple=256,
+                ),
+                api="flash-kvcache",
                 needs="flash_attn",
             ),
         ]

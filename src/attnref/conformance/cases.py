@@ -82,6 +82,21 @@ class Case:
     softcap: float = 0.0
     alibi: Alibi = "none"
     sinks: bool = False
+    # packed sequences (the flash-varlen family, docs/varlen.md): ``(Tq, Tk)`` of each
+    # sequence, and how many padding tokens of garbage follow the pack
+    seqlens: tuple[tuple[int, int], ...] = ()
+    pad: int = 0
+    # a KV cache (the flash-kvcache family, docs/kvcache.md): the tokens already cached
+    # in each batch row, how many new ones are appended (0: none), the page size (0: a
+    # contiguous cache), the rotary dims (0: none) and layout, num_splits, and whether
+    # physical pages (or cache rows, through cache_batch_idx) are shuffled
+    cached: tuple[int, ...] = ()
+    new: int = 0
+    page: int = 0
+    rotary: int = 0
+    interleaved: bool = True
+    splits: int = 0
+    shuffle: bool = False
 
     def __post_init__(self) -> None:
         for name, kind in (
@@ -102,6 +117,22 @@ class Case:
             check_window(self.window)
         if not self.softcap >= 0:
             raise ValueError(f"Case.softcap must be >= 0 (0: off), got {self.softcap!r}")
+        for name in ("pad", "new", "page", "rotary", "splits"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"Case.{name} must be >= 0, got {getattr(self, name)!r}")
+        for n, lengths in enumerate(self.seqlens):
+            if len(lengths) != 2 or min(lengths) < 0:
+                raise ValueError(
+                    f"Case.seqlens[{n}] must be (Tq, Tk), two lengths >= 0, got {lengths!r}"
+                )
+        if any(n < 0 for n in self.cached):
+            raise ValueError(f"Case.cached must hold lengths >= 0, got {self.cached!r}")
+        if self.seqlens and self.cached:
+            raise ValueError("a case is a pack (seqlens) or a cache (cached), not both")
+        if self.rotary % 2 or self.rotary > self.Dh:
+            raise ValueError(
+                f"Case.rotary must be even and at most Dh = {self.Dh}, got {self.rotary}"
+            )
 
     @property
     def variants(self) -> tuple[str, ...]:

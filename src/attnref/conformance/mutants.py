@@ -25,8 +25,14 @@ from torch import Tensor
 
 from attnref import functional as F
 from attnref._checking import checked, checked_internal
-from attnref.conformance.adapt import flash_form
-from attnref.conformance.backends import Backend, Capabilities, flash_naive
+from attnref.conformance.adapt import flash_form, kvcache_form, varlen_form
+from attnref.conformance.backends import (
+    Backend,
+    Capabilities,
+    flash_naive,
+    kvcache_naive,
+    varlen_naive,
+)
 from attnref.conformance.kernels import (
     Key,
     Mask,
@@ -49,6 +55,10 @@ REFERENCE_LIKE = Capabilities(
 #: what a flash-convention kernel with every variant declares (the mutants of classes
 #: 22-25 claim it): the naive kernel's declaration in the flash convention
 FLASH_LIKE = flash_naive.capabilities  # type: ignore[attr-defined]
+#: the same for the packed and paged conventions (the mutants of classes 26-29 claim
+#: them): the naive kernel driven sequence by sequence, and row by row
+VARLEN_LIKE = varlen_naive.capabilities  # type: ignore[attr-defined]
+KVCACHE_LIKE = kvcache_naive.capabilities  # type: ignore[attr-defined]
 
 Kernel = Callable[..., Any]
 # a misread may change any shape (a key dropped, heads expanded): no dims are bound
@@ -78,6 +88,12 @@ class Mutant:
     @functools.cached_property
     def fn(self) -> Callable[..., Tensor]:
         """The mutant as a function with the signature of its API family."""
+        if self.api in ("flash-varlen", "flash-kvcache"):  # a layout bug: the adapter's
+            form = varlen_form if self.api == "flash-varlen" else kvcache_form
+            fn = form(flash_naive, self.name, bugs=frozenset(self.switches))
+            fn.__doc__ = f"Class {self.bug_class}: {self.summary}"
+            fn.capabilities = self.capabilities  # type: ignore[attr-defined]
+            return fn
         if self.api == "flash":
             kernel = functools.partial(self.kernel, **self.switches)
             kernel.__name__ = self.name  # type: ignore[attr-defined]
@@ -252,6 +268,8 @@ def _reference(*args: Any, **kwargs: Any) -> Tensor:
 
 #: a mutant of the materialised kernel in the flash convention, declaring every variant
 _FLASH: dict[str, Any] = {"api": "flash", "capabilities": FLASH_LIKE}
+_VARLEN: dict[str, Any] = {"api": "flash-varlen", "capabilities": VARLEN_LIKE}
+_KVCACHE: dict[str, Any] = {"api": "flash-kvcache", "capabilities": KVCACHE_LIKE}
 
 MUTANTS: dict[str, Mutant] = {
     m.name: m
@@ -345,5 +363,36 @@ MUTANTS: dict[str, Mutant] = {
         Mutant("lse_empty_split_overwrites", 25, "an empty second split's -inf LSE "
                "overwrites the real one in the merge", {"lse_empty_split_overwrites":
                True}, **_FLASH),
+        # packed sequences and KV caches (docs/varlen.md, docs/kvcache.md): the bug is in
+        # how the adapter reads the pack or the cache; the kernel is the naive one
+        Mutant("varlen_global_max_seqlen_k", 26, "each sequence reads max_seqlen_k keys "
+               "from its start: a short one sees the next one's keys",
+               {"global_max_seqlen_k": True}, **_VARLEN),
+        Mutant("varlen_zero_length_shift", 26, "empty sequences are dropped from the query "
+               "and the key lists separately, so the sequences after one pair up wrongly",
+               {"zero_length_shift": True}, **_VARLEN),
+        Mutant("varlen_reads_next_key", 26, "the queries of a sequence also see the next "
+               "sequence's first key", {"reads_next_key": True}, **_VARLEN),
+        Mutant("paged_tail_counted", 27, "the unused tail of the last page enters the "
+               "softmax", {"tail_counted": True}, **_KVCACHE),
+        Mutant("paged_logical_as_physical", 27, "logical page i is read at physical page "
+               "i, ignoring the block table", {"logical_pages": True}, **_KVCACHE),
+        Mutant("append_one_too_far", 27, "the new keys and values are written one slot "
+               "past cache_seqlens", {"append_one_too_far": True}, **_KVCACHE),
+        Mutant("append_rewrites_slot0", 27, "the append also writes the first new token "
+               "over slot 0", {"append_rewrites_slot0": True}, **_KVCACHE),
+        Mutant("window_cache_keeps_left", 28, "once the cache is longer than the window, "
+               "only the last window_size[0] keys are kept: one too few",
+               {"window_cache_keeps_left": True}, **_KVCACHE),
+        Mutant("window_cache_keeps_oldest", 28, "once the cache is longer than the "
+               "window, the oldest keys are kept instead of the newest",
+               {"window_cache_keeps_oldest": True}, **_KVCACHE),
+        Mutant("rotary_interleaved_as_halves", 29, "interleaved rotary (GPT-J pairs) "
+               "applied as halves (GPT-NeoX)", {"rotary_halves": True}, **_KVCACHE),
+        Mutant("rotary_new_keys_at_zero", 29, "the new keys are rotated from position 0, "
+               "not from cache_seqlens", {"rotary_at_zero": True}, **_KVCACHE),
+        Mutant("split_merge_unweighted", 25, "split-KV parts averaged instead of weighted "
+               "by their log-sum-exps (the merge without rescaling)",
+               {"split_merge_unweighted": True}, **_KVCACHE),
     )
 }  # fmt: skip

@@ -256,8 +256,8 @@ def expect_sink_grad(inputs: Inputs, d_out: Float[Tensor, "*batch h Tq Dv"]) -> 
 
     ``d sigma_h = -sum_{b, i} sigmoid(sigma_h - lse_i) <dO_i, O_i>``: the floor is
     ``(eps + 2 eps_s kappa)`` times the sum of the absolute values of those terms, as
-    for dQ, dK and dV (`expect_grads`), plus one rounding to the sinks' dtype (float32
-    even for float64 inputs: the gradient is stored there).
+    for dQ, dK and dV (`expect_grads`), plus a rounding of the terms in the sinks' dtype
+    (float32 even for float64 inputs: the gradient is stored, and may be summed, there).
     """
     assert inputs.sinks is not None
 
@@ -281,8 +281,10 @@ def expect_sink_grad(inputs: Inputs, d_out: Float[Tensor, "*batch h Tq Dv"]) -> 
     kappa = score_condition(inputs.query, inputs.key, inputs.scale, inputs.visible())
     rel = torch.finfo(dtype).eps + 2 * score_eps(dtype) * kappa
     computed = rel * float(terms.max()) if terms.numel() else 0.0
-    # the gradient is stored in the sinks' own dtype (float32): one rounding of it
-    stored = torch.finfo(inputs.sinks.dtype).eps * float(oracle.abs().max())
+    # the gradient is stored in the sinks' own dtype (float32), and may be summed there
+    # from parts (per sample, per packed sequence, per block): a rounding of each term
+    biggest = max(float(oracle.abs().max()), float(terms.max())) if terms.numel() else 0.0
+    stored = torch.finfo(inputs.sinks.dtype).eps * biggest
     floor = max(tolerance(dtype).atol, computed + stored)
     return Expected(oracle, (same - oracle).abs(), floor, GRAD_FUDGE)
 

@@ -94,6 +94,8 @@ def run_property(
     search = _Search()
     if dtype not in caps.dtypes:
         return done("skip", f"dtype {dtype_name(dtype)} not declared")
+    if not prop.applies_to(backend.api):
+        return done("skip", f"a property of the {' and '.join(prop.families)} family")
     reason = prop.requires(caps)
     if reason is not None:
         return done("skip", reason)
@@ -217,7 +219,10 @@ def audit(
     """
     prof = get_profile(profile) if isinstance(profile, str) else profile
     device = device or best_device()
-    chosen = [get_property(p) for p in (properties or list(PROPERTIES))]
+    if properties:
+        chosen = [get_property(p) for p in properties]
+    else:  # every property a backend of its API family can be held to
+        chosen = [p for p in PROPERTIES.values() if p.applies_to(backend.api)]
     if not gradients:
         chosen = [p for p in chosen if not p.gradient]
     dtype_list = list(dtypes) if dtypes is not None else list(backend.capabilities.dtypes)

@@ -19,9 +19,11 @@ __all__ = [
     "FLOAT_MASKS",
     "LAYOUTS",
     "MASKS",
+    "cache_strategy",
     "case_strategy",
     "lengths",
     "masks_for",
+    "pack_strategy",
     "variant_fields",
     "windows",
 ]
@@ -193,3 +195,112 @@ def case_strategy(
         return _fits(case, profile)
 
     return draw_case()
+
+
+# ------------------------------------------------------------- packs and caches
+
+#: pack lengths: empty and one-token sequences, small primes (class 26)
+_PACK_LENGTHS = (0, 1, 2, 3, 5, 7, 13)
+
+
+def _pack_lengths(profile: Profile) -> st.SearchStrategy[tuple[tuple[int, int], ...]]:
+    """``(Tq, Tk)`` of 1 to 6 sequences: zeros, ones and primes, equal lengths (self
+    attention) or not, sometimes one long sequence among short ones."""
+    short = st.sampled_from(_PACK_LENGTHS)
+    long = st.sampled_from((profile.max_len, 31, 33, profile.tail_lengths[1]))
+    one = st.one_of(short.map(lambda n: (n, n)), st.tuples(short, short))
+
+    @st.composite
+    def draw(draw: st.DrawFn) -> tuple[tuple[int, int], ...]:
+        seqs = draw(st.lists(one, min_size=1, max_size=6))
+        if draw(st.booleans()):
+            n = draw(long)
+            at = draw(st.integers(0, len(seqs)))
+            seqs.insert(at, (n, n) if draw(st.booleans()) else (draw(short), n))
+        return tuple(seqs)
+
+    return draw()
+
+
+def _serving_base(
+    name: str, profile: Profile, caps: Capabilities, fields: dict[str, Any]
+) -> st.SearchStrategy[Case]:
+    """The dense fields of a pack or cache case: heads, dims, scale, amplitude, seed,
+    causal (none or bottom-right) and the declared variants (off by default)."""
+    pins = {
+        "batch": (),
+        "mask": "none",
+        "layout": "contiguous",
+        "causal": st.sampled_from((None, "bottom_right")),
+        "Tq": 1,
+        "Tk": 1,
+        **{k: v for k, v in fields.items() if k in Case.__dataclass_fields__ or k == "variants"},
+    }
+    return case_strategy(name, profile, caps, **pins)
+
+
+def pack_strategy(
+    name: str, profile: Profile, caps: Capabilities, **fields: Any
+) -> st.SearchStrategy[Case]:
+    """Pack cases (`Case.seqlens`), fields pinned as in `case_strategy`."""
+
+    @st.composite
+    def draw(draw: st.DrawFn) -> Case:
+        case = draw(_serving_base(name, profile, caps, fields))
+        seqlens = draw(fields.get("seqlens", _pack_lengths(profile)))
+        pad = draw(fields.get("pad", st.sampled_from((0, 1, 3))))
+        return replace(case, seqlens=seqlens, pad=pad)
+
+    return draw()
+
+
+def _page_sizes(caps: Capabilities) -> st.SearchStrategy[int]:
+    """0 (contiguous) or the page sizes a backend declares."""
+    if not caps.paged:
+        return st.just(0)
+    m = caps.page_multiple
+    pages = (m, 2 * m) if m > 1 else (4, 1, 5, 16)
+    return st.one_of(st.just(0), st.sampled_from(pages))
+
+
+def cache_strategy(
+    name: str, profile: Profile, caps: Capabilities, **fields: Any
+) -> st.SearchStrategy[Case]:
+    """Decode cases (`Case.cached`): 1 to 3 rows with cached lengths from empty to the
+    profile's longest, 0 to 4 new tokens, the cache full or with room to spare,
+    contiguous or paged (shuffled or in order), rotary in both layouts, split-KV."""
+
+    @st.composite
+    def draw(draw: st.DrawFn) -> Case:
+        case = draw(_serving_base(name, profile, caps, fields))
+
+        def pick(field: str, default: st.SearchStrategy[Any]) -> Any:
+            value = fields.get(field, default)
+            return draw(value) if isinstance(value, st.SearchStrategy) else value
+
+        rows = pick("rows", st.integers(1, 3))
+        cached_len = st.one_of(st.sampled_from((0, 1, 3, 7, 16)), st.integers(0, profile.max_len))
+        cached = pick("cached", st.tuples(*(cached_len,) * rows))
+        new = pick("new", st.sampled_from((0, 1, 2, 4)))
+        Tq = pick("Tq", st.just(new) if new else st.sampled_from((1, 2, 3)))
+        even = case.Dh - case.Dh % 2
+        rotary = 0
+        if caps.rotary and even:
+            rotary = pick(
+                "rotary", st.sampled_from(sorted({0, even, max(2, even // 2 - even // 2 % 2), 2}))
+            )
+            rotary = min(rotary, even)
+        return replace(
+            case,
+            Tq=max(Tq, 1),
+            cached=tuple(cached),
+            new=new,
+            page=pick("page", _page_sizes(caps)),
+            pad=pick("pad", st.sampled_from((0, 1, 5))),
+            rotary=rotary,
+            interleaved=pick("interleaved", st.booleans()),
+            splits=pick("splits", st.sampled_from((0, 1, 2, 3))),
+            shuffle=pick("shuffle", st.booleans()),
+        )
+
+    return draw()

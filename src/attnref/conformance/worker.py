@@ -85,7 +85,7 @@ def _pack(obj: Any) -> Any:
     if isinstance(obj, Tensor) and obj.device.type == "cpu" and not obj.requires_grad:
         return _Packed(obj)
     if isinstance(obj, Job):
-        return Job(_pack(obj.args), _pack(obj.kwargs), _pack(obj.d_out))
+        return Job(_pack(obj.args), _pack(obj.kwargs), _pack(obj.d_out), obj.writable)
     if isinstance(obj, tuple | list):
         return type(obj)(_pack(x) for x in obj)
     if isinstance(obj, dict):
@@ -97,7 +97,7 @@ def _unpack(obj: Any) -> Any:
     if isinstance(obj, _Packed):
         return obj.tensor()
     if isinstance(obj, Job):
-        return Job(_unpack(obj.args), _unpack(obj.kwargs), _unpack(obj.d_out))
+        return Job(_unpack(obj.args), _unpack(obj.kwargs), _unpack(obj.d_out), obj.writable)
     if isinstance(obj, tuple | list):
         return type(obj)(_unpack(x) for x in obj)
     if isinstance(obj, dict):
@@ -129,11 +129,17 @@ def _same(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
 @dataclass
 class Job:
     """One call of backend code: ``backend(*args, **kwargs)``; with ``d_out``, also the
-    backward pass, returning ``(dQ, dK, dV)`` for the first three arguments."""
+    backward pass, returning ``(dQ, dK, dV)`` for the first three arguments.
+
+    ``writable``: the positional arguments the backend may change in place (a KV cache
+    it appends to); the job then returns ``(result, those arguments as it left them)``,
+    so that a supervised worker sends them back to be judged.
+    """
 
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
     d_out: Tensor | None = None
+    writable: tuple[int, ...] = ()
 
     def run(self, backend: Backend) -> Any:
         args, kwargs = self.args, self.kwargs
@@ -143,9 +149,11 @@ class Job:
             if isinstance(kwargs.get("sinks"), Tensor):
                 sinks = kwargs["sinks"].detach().requires_grad_(True)
                 kwargs = {**kwargs, "sinks": sinks}
-        tensors = [(f"argument {i}", t) for i, t in enumerate(args) if isinstance(t, Tensor)] + [
-            (k, t) for k, t in kwargs.items() if isinstance(t, Tensor)
-        ]
+        tensors = [
+            (f"argument {i}", t)
+            for i, t in enumerate(args)
+            if isinstance(t, Tensor) and i not in self.writable
+        ] + [(k, t) for k, t in kwargs.items() if isinstance(t, Tensor)]
         before = [_fingerprint(t) for _, t in tensors]
         out: Any = backend(*args, **kwargs)
         if self.d_out is not None:
@@ -166,7 +174,10 @@ class Job:
             raise ModifiedInputs(
                 "the backend modified its inputs: " + ", ".join(names.get(n, n) for n in changed)
             )
-        return out.detach() if isinstance(out, Tensor) else out
+        result = out.detach() if isinstance(out, Tensor) else out
+        if self.writable:
+            return result, tuple(args[i] for i in self.writable)
+        return result
 
 
 @runtime_checkable

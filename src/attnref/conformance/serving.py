@@ -1,0 +1,324 @@
+"""The inputs of the packed and paged families: packs and caches, built from cases.
+
+A `Pack` (the ``flash-varlen`` family) is several sequences of their own lengths; a
+`CacheCall` (the ``flash-kvcache`` family) is a batch of rows decoding against a KV
+cache, contiguous or paged. Both keep, next to the tensors a backend is called with,
+the dense `Inputs` each sequence or row amounts to: the oracle judges every sequence and
+row exactly as it judges a dense call, so one semantics serves every family.
+
+A case becomes a pack when it has ``seqlens`` and a cache when it has ``cached``
+(`attnref.conformance.cases.Case`); any dense case also becomes a pack of its samples
+(`dense_pack`) and a cache holding its keys (`dense_cache`), which is how every dense
+property runs in these families.
+"""
+
+import math
+from dataclasses import dataclass, replace
+
+import torch
+from torch import Tensor
+
+from attnref.conformance.cases import Case, Inputs, build
+from attnref.kvcache import cache_slots
+from attnref.rotary import rotary, rotary_tables
+
+__all__ = ["CacheCall", "Pack", "build_cache", "build_pack", "dense_cache", "dense_pack"]
+
+#: what fills unused cache slots and padding tokens: large, so that reading one shows
+GARBAGE = 100.0
+
+
+@dataclass(frozen=True)
+class Pack:
+    """Sequences packed end to end, then ``pad`` tokens of garbage.
+
+    ``seqs`` are the dense inputs of each sequence (``(h, Tq, D)``, no batch dims),
+    sharing scale, causality and variants; ``alibi_slopes`` is ``(h,)`` when they share
+    their slopes, ``(N, h)`` otherwise.
+    """
+
+    seqs: tuple[Inputs, ...]
+    pad_q: Tensor  # (pad, h, Dh)
+    pad_k: Tensor  # (pad, g, Dh)
+    pad_v: Tensor  # (pad, g, Dv)
+    alibi_slopes: Tensor | None = None
+
+    @property
+    def first(self) -> Inputs:
+        return self.seqs[0]
+
+    def cu_seqlens(self, which: str) -> Tensor:
+        """int32 ``(N + 1,)`` cumulative lengths of the queries (``"q"``) or keys."""
+        lengths = [s.query.shape[-2] if which == "q" else s.key.shape[-2] for s in self.seqs]
+        cu = [0]
+        for n in lengths:
+            cu.append(cu[-1] + n)
+        return torch.tensor(cu, dtype=torch.int32, device=self.first.query.device)
+
+    def max_seqlen(self, which: str) -> int:
+        return max(s.query.shape[-2] if which == "q" else s.key.shape[-2] for s in self.seqs)
+
+    def tensors(self) -> tuple[Tensor, Tensor, Tensor]:
+        """``q (total_q, h, Dh)``, ``k (total_k, g, Dh)``, ``v (total_k, g, Dv)``."""
+        q = torch.cat([*(s.query.transpose(0, 1) for s in self.seqs), self.pad_q])
+        k = torch.cat([*(s.key.transpose(0, 1) for s in self.seqs), self.pad_k])
+        v = torch.cat([*(s.value.transpose(0, 1) for s in self.seqs), self.pad_v])
+        return q, k, v
+
+    def permuted(self, order: list[int]) -> "Pack":
+        """The same sequences in the order ``order``."""
+        slopes = self.alibi_slopes
+        if slopes is not None and slopes.dim() == 2:
+            slopes = slopes[order]
+        return replace(self, seqs=tuple(self.seqs[i] for i in order), alibi_slopes=slopes)
+
+
+def _garbage(shape: tuple[int, ...], gen: torch.Generator, like: Tensor) -> Tensor:
+    return (GARBAGE * torch.randn(shape, generator=gen)).to(dtype=like.dtype, device=like.device)
+
+
+def build_pack(case: Case, dtype: torch.dtype, device: str | torch.device = "cpu") -> Pack:
+    """The pack ``case.seqlens`` describes: sequence ``n`` is the dense case with its
+    lengths and a seed of its own; ``case.pad`` garbage tokens follow."""
+    if not case.seqlens:
+        raise ValueError(f"case {case.name}: a pack needs seqlens")
+    seqs = []
+    for n, (Lq, Lk) in enumerate(case.seqlens):
+        one = replace(case, batch=(), Tq=Lq, Tk=Lk, seqlens=(), pad=0, seed=case.seed * 7919 + n)
+        seqs.append(build(one, dtype, device))
+    sinks = seqs[0].sinks
+    seqs = [replace(s, sinks=sinks) for s in seqs]  # one sink per head, for the whole call
+    slopes: Tensor | None = None
+    if case.alibi == "heads":
+        slopes = seqs[0].alibi_slopes
+    elif case.alibi == "batch_heads":
+        slopes = torch.stack([s.alibi_slopes for s in seqs if s.alibi_slopes is not None])
+    gen = torch.Generator().manual_seed(case.seed * 31 + 5)
+    q = seqs[0].query
+    return Pack(
+        tuple(seqs),
+        _garbage((case.pad, case.h, case.Dh), gen, q),
+        _garbage((case.pad, case.g, case.Dh), gen, q),
+        _garbage((case.pad, case.g, case.Dv), gen, q),
+        slopes,
+    )
+
+
+def _flat(inputs: Inputs) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+    """Query, key, value with the batch dims flattened into one, and ALiBi slopes."""
+    q, k, v = inputs.query, inputs.key, inputs.value
+    B = math.prod(q.shape[:-3])
+    slopes = inputs.alibi_slopes
+    if slopes is not None and slopes.dim() > 1:
+        slopes = slopes.reshape(B, slopes.shape[-1])
+    return (
+        q.reshape(B, *q.shape[-3:]),
+        k.reshape(B, *k.shape[-3:]),
+        v.reshape(B, *v.shape[-3:]),
+        slopes,
+    )
+
+
+def _rows(inputs: Inputs) -> list[Inputs]:
+    """Each sample of dense ``inputs`` (batch dims flattened) as inputs of its own."""
+    q, k, v, slopes = _flat(inputs)
+    return [
+        replace(
+            inputs,
+            query=q[b],
+            key=k[b],
+            value=v[b],
+            alibi_slopes=slopes[b] if slopes is not None and slopes.dim() > 1 else slopes,
+        )
+        for b in range(q.shape[0])
+    ]
+
+
+def dense_pack(inputs: Inputs) -> Pack:
+    """The samples of dense ``inputs`` as a pack of equal-length sequences, no padding."""
+    q, k, v, slopes = _flat(inputs)
+    h, g, Dh, Dv = q.shape[-3], k.shape[-3], q.shape[-1], v.shape[-1]
+    return Pack(
+        tuple(_rows(inputs)),
+        q.new_zeros((0, h, Dh)),
+        k.new_zeros((0, g, Dh)),
+        v.new_zeros((0, g, Dv)),
+        slopes,
+    )
+
+
+@dataclass(frozen=True)
+class CacheCall:
+    """One call of a decode kernel: the tensors it takes, the cache it must leave, and
+    the dense inputs each batch row amounts to (``rows``: the queries rotated as the
+    rule says, and the valid keys as attended, the new ones rotated and appended)."""
+
+    rows: tuple[Inputs, ...]
+    q: Tensor  # (B, Tq, h, Dh)
+    k_cache: Tensor  # (B_cache, T_cache, g, Dh) or (num_blocks, page_size, g, Dh)
+    v_cache: Tensor
+    cache_seqlens: Tensor  # (B,) int32
+    k_new: Tensor | None = None  # (B, T_new, g, Dh)
+    v_new: Tensor | None = None
+    block_table: Tensor | None = None  # (B, max_blocks) int32
+    cache_batch_idx: Tensor | None = None  # (B,) int32
+    rotary_cos: Tensor | None = None  # (T_ro, R / 2)
+    rotary_sin: Tensor | None = None
+    interleaved: bool = True
+    num_splits: int = 0
+    alibi_slopes: Tensor | None = None
+    #: the cache as the call must leave it (the new slots written), and which slots
+    #: the append writes (``(rows, slots)`` booleans)
+    k_after: Tensor | None = None
+    v_after: Tensor | None = None
+    written: Tensor | None = None
+
+    @property
+    def first(self) -> Inputs:
+        return self.rows[0]
+
+
+def _cast(t: Tensor, like: Tensor) -> Tensor:
+    return t.to(dtype=like.dtype, device=like.device)
+
+
+def build_cache(case: Case, dtype: torch.dtype, device: str | torch.device = "cpu") -> CacheCall:
+    """The decode call ``case.cached`` describes (`attnref.conformance.cases.Case`):
+    every slot of the cache holds garbage except each row's cached tokens."""
+    if not case.cached:
+        raise ValueError(f"case {case.name}: a cache needs cached lengths")
+    gen = torch.Generator().manual_seed(case.seed)
+    B, Tq, T_new, h, g, Dh, Dv = (
+        len(case.cached),
+        case.Tq,
+        case.new,
+        case.h,
+        case.g,
+        case.Dh,
+        case.Dv,
+    )
+    lengths = list(case.cached)
+    need = max(n + T_new for n in lengths)
+    span = need + case.pad  # logical positions each row has room for
+    if case.page:
+        per_row = max(1, -(-span // case.page))
+        blocks = B * per_row + 1  # one page no row uses
+        order = torch.randperm(blocks, generator=gen) if case.shuffle else torch.arange(blocks)
+        block_table: Tensor | None = order[: B * per_row].reshape(B, per_row).to(torch.int32)
+        shape: tuple[int, int] = (blocks, case.page)
+        batch_idx = None
+    else:
+        block_table = None
+        rows_n = B + (1 if case.shuffle else 0)
+        shape = (rows_n, max(span, 1))
+        batch_idx = (
+            torch.randperm(rows_n, generator=gen)[:B].to(torch.int32) if case.shuffle else None
+        )
+    proto = torch.empty((), dtype=dtype, device=device)
+    k_cache = _cast(GARBAGE * torch.randn((*shape, g, Dh), generator=gen), proto)
+    v_cache = _cast(GARBAGE * torch.randn((*shape, g, Dv), generator=gen), proto)
+    q = _cast(case.amp * torch.randn((B, Tq, h, Dh), generator=gen), proto)
+    k_new = _cast(case.amp * torch.randn((B, T_new, g, Dh), generator=gen), proto)
+    v_new = _cast(torch.randn((B, T_new, g, Dv), generator=gen), proto)
+    prefix_k, prefix_v = [], []
+    for b, n in enumerate(lengths):
+        pk = _cast(case.amp * torch.randn((n, g, Dh), generator=gen), proto)
+        pv = _cast(torch.randn((n, g, Dv), generator=gen), proto)
+        row = b if batch_idx is None else int(batch_idx[b])
+        for t, (r, s) in enumerate(cache_slots(b, range(n), block_table, case.page, row)):
+            k_cache[r, s], v_cache[r, s] = pk[t], pv[t]
+        prefix_k.append(pk)
+        prefix_v.append(pv)
+    cos = sin = None
+    if case.rotary:
+        cos64, sin64 = rotary_tables(need + Tq + 1, case.rotary, dtype=torch.float64)
+        cos, sin = _cast(cos64, proto), _cast(sin64, proto)
+    slopes = None
+    if case.alibi != "none":
+        heads = torch.arange(1, h + 1, dtype=torch.float32)
+        slopes = torch.exp2(-8.0 * heads / h)
+        if case.alibi == "batch_heads":
+            slopes = slopes * (0.5 + torch.rand((B, 1), generator=gen))
+        slopes = slopes.to(device)
+
+    def turn(x: Tensor, positions: Tensor) -> Tensor:
+        """``x (T, heads, D)`` rotated at ``positions`` exactly, then rounded."""
+        if cos is None or sin is None:
+            return x
+        c, s = cos.double()[positions].unsqueeze(-2), sin.double()[positions].unsqueeze(-2)
+        return rotary(x.double(), c, s, interleaved=case.interleaved).to(dtype)
+
+    moving = case.causal is not None or case.window is not None
+    k_after, v_after = k_cache.clone(), v_cache.clone()
+    written = torch.zeros(shape, dtype=torch.bool, device=device)
+    rows = []
+    for b, n in enumerate(lengths):
+        new_k = turn(k_new[b], torch.arange(n, n + T_new))
+        row = b if batch_idx is None else int(batch_idx[b])
+        for t, (r, s) in enumerate(
+            cache_slots(b, range(n, n + T_new), block_table, case.page, row)
+        ):
+            k_after[r, s], v_after[r, s] = new_k[t], v_new[b, t]
+            written[r, s] = True
+        positions = torch.arange(n, n + Tq) if moving else torch.full((Tq,), n)
+        keys = torch.cat([prefix_k[b], new_k]).transpose(0, 1)
+        values = torch.cat([prefix_v[b], v_new[b]]).transpose(0, 1)
+        rows.append(
+            Inputs(
+                turn(q[b], positions).transpose(0, 1),
+                keys,
+                values,
+                None,
+                case.causal,
+                case.scale,
+                case.window,
+                case.softcap,
+                None if slopes is None else (slopes[b] if slopes.dim() == 2 else slopes),
+                None,
+            )
+        )
+    return CacheCall(
+        tuple(rows),
+        q,
+        k_cache,
+        v_cache,
+        torch.tensor(lengths, dtype=torch.int32, device=device),
+        k_new if T_new else None,
+        v_new if T_new else None,
+        None if block_table is None else block_table.to(device),
+        None if batch_idx is None else batch_idx.to(device),
+        cos,
+        sin,
+        case.interleaved,
+        case.splits,
+        slopes,
+        k_after,
+        v_after,
+        written,
+    )
+
+
+#: unused slots after the keys of a dense case's cache
+DENSE_SLACK = 3
+
+
+def dense_cache(inputs: Inputs) -> CacheCall:
+    """Dense ``inputs`` as a decode call: a contiguous cache holding every key (and
+    ``DENSE_SLACK`` slots of garbage after them), nothing appended."""
+    q, k, v, slopes = _flat(inputs)
+    B, Tk = q.shape[0], k.shape[-2]
+    gen = torch.Generator().manual_seed(Tk * 131 + B)
+    k_cache = torch.cat(
+        [k.transpose(1, 2), _garbage((B, DENSE_SLACK, *k.shape[1:2], k.shape[-1]), gen, k)], dim=1
+    )
+    v_cache = torch.cat(
+        [v.transpose(1, 2), _garbage((B, DENSE_SLACK, *v.shape[1:2], v.shape[-1]), gen, v)], dim=1
+    )
+    return CacheCall(
+        tuple(_rows(inputs)),
+        q.transpose(1, 2),
+        k_cache,
+        v_cache,
+        torch.full((B,), Tk, dtype=torch.int32, device=q.device),
+        alibi_slopes=slopes,
+    )
