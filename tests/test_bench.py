@@ -389,3 +389,36 @@ def test_the_decoding_floor_decodes_what_generate_decodes() -> None:
     for other in (lm(1, norm="post"), lm(1, num_kv_heads=2)):
         with pytest.raises(ValueError, match="the floor covers"):
             floor_generate(other, prompt, 2)
+
+
+@pytest.mark.parametrize(
+    ("api", "extra", "backends"),
+    [
+        ("flash-kvcache", ["--page-size", "0", "4"], ["kvcache-reference", "kvcache-naive"]),
+        ("flash-varlen", [], ["varlen-reference", "varlen-sdpa"]),
+    ],
+)
+def test_the_packed_and_paged_benchmarks_write_tokens_per_second(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], api: str, extra: list[str],
+    backends: list[str],
+) -> None:  # fmt: skip
+    argv = ["--api", api, "--seq", "8", "--batch", "2", "--heads", "2", "--head-dim", "8",
+            "--runs", "2", "--warmup", "1", "--no-progress", "--out", str(tmp_path), *extra,
+            "--backends", *backends, "flash-attn-" + api.removeprefix("flash-")]  # fmt: skip
+    assert main(argv) == 0
+    rows = json.loads((tmp_path / "serving.json").read_text())["results"]
+    pages = 2 if api == "flash-kvcache" else 1
+    assert len(rows) == 3 * pages
+    ok = [r for r in rows if r["status"] == "ok"]
+    assert len(ok) == 2 * pages
+    assert all(r["tokens_per_s"] > 0 for r in ok)
+    absent = [r for r in rows if r["status"] == "skipped"]
+    assert all("flash_attn" in r["note"] for r in absent)  # absent here: skipped, reason given
+    assert "tokens/s" in capsys.readouterr().out
+    assert (tmp_path / "serving.csv").read_text().startswith("api,")
+
+
+def test_the_packed_and_paged_benchmarks_refuse_a_backend_of_another_family() -> None:
+    argv = ["--api", "flash-kvcache", "--backends", "varlen-reference", "--no-progress"]
+    assert main(argv) == 2
+    assert main(["--api", "flash-kvcache", "--page-size", "-1", "--no-progress"]) == 2

@@ -103,6 +103,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="attnref-bench", metavar="DIR", help="default: ./attnref-bench")
     p.add_argument("--no-plot", action="store_true", help="no PNG (matplotlib not needed)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument(
+        "--api",
+        choices=["sdpa", "flash-kvcache", "flash-varlen"],
+        default="sdpa",
+        help="sdpa: dense attention (TFLOP/s); flash-kvcache: one decoding step per call "
+        "against --seq cached tokens (decode tokens/s, per --page-size); flash-varlen: a "
+        "packed causal prefill of --batch sequences of --seq down to --seq/2 tokens "
+        "(tokens/s). Default: sdpa",
+    )
+    p.add_argument(
+        "--page-size",
+        nargs="+",
+        type=int,
+        metavar="P",
+        help="flash-kvcache: page sizes, 0 for a contiguous cache (default: 0 16)",
+    )
 
 
 def _fail(message: str) -> int:
@@ -128,6 +144,8 @@ def run_cli(args: argparse.Namespace) -> int:
             return _fail(f"--{name.replace('_', '-')} must be >= 1, got {value}")
     if args.warmup < 0:
         return _fail(f"--warmup must be >= 0, got {args.warmup}")
+    if args.api != "sdpa":
+        return _run_serving(args, device, seqs, dtypes)
     backends = []
     for spec in args.backends or DEFAULT_BACKENDS:
         try:
@@ -187,6 +205,62 @@ def run_cli(args: argparse.Namespace) -> int:
             )
         except ImportError as e:
             print(f"no plot: {e}", file=sys.stderr)
+    print("written: " + ", ".join(str(p) for p in written))
+    return 1 if any(r.status == "error" for r in results) else 0
+
+
+def _run_serving(args: argparse.Namespace, device: str, seqs: list[int], dtypes: list[str]) -> int:
+    """``--api flash-kvcache|flash-varlen`` (`attnref.bench.serving`)."""
+    from attnref.bench.serving import (
+        SERVING_BACKENDS,
+        ServingCase,
+        format_serving,
+        run_serving,
+        write_serving,
+    )
+
+    pages = args.page_size if args.page_size is not None else [0, 16]
+    if any(p < 0 for p in pages):
+        return _fail(f"--page-size values must be >= 0 (0: contiguous), got {pages}")
+    if args.api == "flash-varlen":
+        pages = [0]
+    backends = []
+    for spec in args.backends or SERVING_BACKENDS[args.api]:
+        try:
+            backends.append(resolve_backend(spec, args.api))
+        except BackendError as e:
+            return _fail(str(e))
+    for b in backends:
+        if b.api != args.api:
+            return _fail(f"{b.name} is a backend of the {b.api!r} family, not {args.api!r}")
+    Dh = args.head_dim[0]
+    h = args.heads or max(1, (args.hidden or 512) // Dh)
+    g = args.kv_heads or h
+    try:
+        cases = [
+            ServingCase(args.api, args.batch or 8, h, g, Dh, seq, page, dtype, device)
+            for dtype in dtypes
+            for seq in seqs
+            for page in pages
+        ]
+    except ValueError as e:
+        return _fail(str(e))
+    results = run_serving(
+        backends,
+        cases,
+        warmup=args.warmup,
+        runs=args.runs,
+        progress=False if args.no_progress else None,
+    )
+    print(format_serving(results))
+    meta = {
+        "device": device,
+        "environment": environment(device),
+        "warmup": args.warmup,
+        "runs": args.runs,
+        "command": " ".join(sys.argv),
+    }
+    written = write_serving(results, args.out, meta)
     print("written: " + ", ".join(str(p) for p in written))
     return 1 if any(r.status == "error" for r in results) else 0
 

@@ -1,0 +1,259 @@
+"""``attnref bench --api flash-kvcache|flash-varlen``: decode and packed-prefill speed.
+
+- ``flash-kvcache``: one decoding step per call. ``B`` rows each hold ``seq`` cached
+  tokens and append one (``k``, ``v`` given), in a contiguous cache or in pages of
+  ``page`` slots whose physical order is shuffled; one query per row, causal. The rate
+  is decode tokens per second: ``B / median``.
+- ``flash-varlen``: one packed causal prefill per call: ``B`` sequences whose lengths
+  spread evenly from ``seq`` down to ``seq / 2``, packed end to end. The rate is tokens
+  per second: ``total / median``.
+
+Timing is the harness's (`attnref.bench.timing.time_calls`: warm-up, then the median of
+timed calls, inputs rotated); shape checking is off while it runs. A backend that is
+absent, or not declared for the dtype, gets a ``skipped`` row; one that raises, an
+``error`` row. Rows are written as CSV and JSON.
+"""
+
+import csv
+import functools
+import json
+import statistics
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from tqdm import tqdm
+
+from attnref._checking import checking_enabled, set_checking
+from attnref.bench.timing import time_calls
+from attnref.conformance.backends import Backend
+from attnref.devices import DTYPES
+
+__all__ = [
+    "SERVING_BACKENDS",
+    "ServingCase",
+    "ServingResult",
+    "format_serving",
+    "run_serving",
+    "serving_call",
+    "write_serving",
+]
+
+ServingApi = Literal["flash-varlen", "flash-kvcache"]
+
+#: the backends each family's benchmark runs by default (absent ones are skipped)
+SERVING_BACKENDS: dict[str, tuple[str, ...]] = {
+    "flash-kvcache": ("kvcache-reference", "kvcache-naive", "kvcache-sdpa", "flash-attn-kvcache"),
+    "flash-varlen": ("varlen-reference", "varlen-naive", "varlen-sdpa", "flash-attn-varlen"),
+}
+
+
+@dataclass(frozen=True)
+class ServingCase:
+    """One shape of the packed or paged benchmark (module docstring)."""
+
+    api: ServingApi
+    B: int
+    h: int
+    g: int
+    Dh: int
+    seq: int
+    page: int = 0
+    dtype: str = "float32"
+    device: str = "cpu"
+
+    def __post_init__(self) -> None:
+        if self.api not in SERVING_BACKENDS:
+            raise ValueError(f"api must be one of {', '.join(SERVING_BACKENDS)}, got {self.api!r}")
+        for name in ("B", "h", "g", "Dh", "seq"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.h % self.g:
+            raise ValueError(f"h ({self.h}) must be divisible by g ({self.g})")
+        if self.page < 0:
+            raise ValueError(f"page must be >= 0 (0: a contiguous cache), got {self.page}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+
+    @property
+    def label(self) -> str:
+        where = "contiguous" if self.page == 0 else f"page {self.page}"
+        what = "cache" if self.api == "flash-kvcache" else "longest"
+        return (
+            f"B={self.B} h={self.h} g={self.g} Dh={self.Dh} {what}={self.seq} {where} {self.dtype}"
+        )
+
+    @property
+    def tokens(self) -> int:
+        """Tokens one call processes: one per row when decoding, the pack otherwise."""
+        return self.B if self.api == "flash-kvcache" else sum(_lengths(self))
+
+
+def _lengths(case: ServingCase) -> list[int]:
+    """Sequence lengths spread evenly from ``seq`` down to ``seq / 2``."""
+    if case.B == 1:
+        return [case.seq]
+    return [case.seq - (case.seq // 2) * i // (case.B - 1) for i in range(case.B)]
+
+
+def serving_call(case: ServingCase, seed: int = 0) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The arguments of one call of ``case``'s family, drawn from ``seed``."""
+    gen = torch.Generator().manual_seed(seed)
+    dtype, device = DTYPES[case.dtype], case.device
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(shape, generator=gen).to(dtype=dtype, device=device)
+
+    if case.api == "flash-varlen":
+        lengths = _lengths(case)
+        total = sum(lengths)
+        cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+        cu = cu.to(device)
+        q, k, v = (
+            randn(total, case.h, case.Dh),
+            randn(total, case.g, case.Dh),
+            randn(total, case.g, case.Dh),
+        )
+        return (q, k, v, cu, cu, case.seq, case.seq), {"causal": True}
+    q = randn(case.B, 1, case.h, case.Dh)
+    k, v = randn(case.B, 1, case.g, case.Dh), randn(case.B, 1, case.g, case.Dh)
+    kwargs: dict[str, Any] = {
+        "k": k,
+        "v": v,
+        "cache_seqlens": torch.full((case.B,), case.seq, dtype=torch.int32, device=device),
+        "causal": True,
+    }
+    if case.page:
+        per_row = -(-(case.seq + 1) // case.page)
+        order = torch.randperm(case.B * per_row, generator=gen)
+        kwargs["block_table"] = order.reshape(case.B, per_row).to(torch.int32).to(device)
+        shape = (case.B * per_row, case.page)
+    else:
+        shape = (case.B, case.seq + 1)
+    k_cache, v_cache = randn(*shape, case.g, case.Dh), randn(*shape, case.g, case.Dh)
+    return (q, k_cache, v_cache), kwargs
+
+
+@dataclass
+class ServingResult:
+    """One row: a backend on a case."""
+
+    backend: str
+    case: ServingCase
+    status: Literal["ok", "skipped", "error"]
+    median_s: float | None = None
+    tokens_per_s: float | None = None
+    runs: int = 0
+    note: str = ""
+
+    def row(self) -> dict[str, Any]:
+        out = asdict(self.case)
+        out.update(
+            backend=self.backend,
+            status=self.status,
+            median_ms=None if self.median_s is None else round(self.median_s * 1e3, 6),
+            tokens_per_s=None if self.tokens_per_s is None else round(self.tokens_per_s, 3),
+            runs=self.runs,
+            note=self.note,
+        )
+        return out
+
+
+def _skip(backend: Backend, case: ServingCase) -> str | None:
+    caps = backend.capabilities
+    if backend.api != case.api:
+        return f"a backend of the {backend.api!r} family, not {case.api!r}"
+    reason = backend.available(case.device)
+    if reason is not None:
+        return reason
+    if DTYPES[case.dtype] not in caps.dtypes:
+        return f"dtype {case.dtype} not declared"
+    if case.page and not caps.paged:
+        return "a paged cache not declared"
+    if case.page % caps.page_multiple:
+        return f"page size {case.page}: the declared sizes are multiples of {caps.page_multiple}"
+    return None
+
+
+def run_serving(
+    backends: Sequence[Backend],
+    cases: Sequence[ServingCase],
+    *,
+    warmup: int = 2,
+    runs: int = 10,
+    rotate: int = 2,
+    progress: bool | None = None,
+) -> list[ServingResult]:
+    """Every backend on every case; never raises for what a backend does."""
+    results = []
+    was_checking = checking_enabled()
+    set_checking(False)
+    bar = tqdm(
+        total=len(backends) * len(cases),
+        desc="bench",
+        disable=None if progress is None else not progress,
+    )
+    try:
+        for case in cases:
+            for backend in backends:
+                bar.set_postfix_str(f"{backend.name} {case.label}")
+                results.append(_run_one(backend, case, warmup, runs, rotate))
+                bar.update()
+    finally:
+        bar.close()
+        set_checking(was_checking)
+    return results
+
+
+def _run_one(
+    backend: Backend, case: ServingCase, warmup: int, runs: int, rotate: int
+) -> ServingResult:
+    reason = _skip(backend, case)
+    if reason is not None:
+        return ServingResult(backend.name, case, "skipped", note=reason)
+    calls: list[Callable[[], Any]] = []
+    for seed in range(max(rotate, 1)):
+        args, kwargs = serving_call(case, seed)
+        calls.append(functools.partial(backend, *args, **kwargs))
+    try:
+        with torch.inference_mode():
+            times = time_calls(calls, warmup=warmup, runs=runs, device=case.device)
+    except Exception as e:
+        text = (str(e).strip().splitlines() or [""])[0]
+        refused = any(r in str(e) for r in backend.capabilities.refuses)
+        return ServingResult(
+            backend.name,
+            case,
+            "skipped" if refused else "error",
+            note=f"{type(e).__name__}: {text}"[:300],
+        )
+    median = statistics.median(times)
+    return ServingResult(backend.name, case, "ok", median, case.tokens / median, runs)
+
+
+def format_serving(results: Sequence[ServingResult]) -> str:
+    """The terminal table."""
+    lines = [f"{'backend':<22} {'case':<58} {'median':>10} {'tokens/s':>12}  note"]
+    for r in results:
+        med = "-" if r.median_s is None else f"{r.median_s * 1e3:.3f} ms"
+        rate = "-" if r.tokens_per_s is None else f"{r.tokens_per_s:,.0f}"
+        lines.append(f"{r.backend:<22} {r.case.label:<58} {med:>10} {rate:>12}  {r.note}")
+    return "\n".join(lines)
+
+
+def write_serving(
+    results: Sequence[ServingResult], out: str | Path, meta: dict[str, Any]
+) -> list[Path]:
+    """``serving.csv`` and ``serving.json`` (rows and ``meta``) in ``out``."""
+    folder = Path(out)
+    folder.mkdir(parents=True, exist_ok=True)
+    rows = [r.row() for r in results]
+    csv_path, json_path = folder / "serving.csv", folder / "serving.json"
+    with csv_path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]) if rows else ["backend"])
+        writer.writeheader()
+        writer.writerows(rows)
+    json_path.write_text(json.dumps({"meta": meta, "results": rows}, indent=2) + "\n")
+    return [csv_path, json_path]
