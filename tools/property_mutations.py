@@ -27,6 +27,10 @@ POS = "src/attnref/layers/positional.py"
 PROPS = "tests/property/test_functional_props.py"
 LAYERS = "tests/property/test_layers_props.py"
 VARIANTS = "tests/property/test_variants_props.py"
+CACHE = "src/attnref/cache.py"
+ROTARY = "src/attnref/rotary.py"
+VARLEN = "src/attnref/varlen.py"
+SERVING = "tests/test_serving.py"
 
 
 @dataclass(frozen=True)
@@ -230,6 +234,30 @@ MUTATIONS = [
         "    lse = torch.logaddexp(a, b)",
         "    lse = torch.maximum(a, b)",
         (f"{VARIANTS}::test_merging_two_parts_of_the_keys_equals_attending_all",),
+    ),
+    # the packed, paged and rotary references, and the model's rolling window cache
+    Mutation(
+        "rolling_cache_drops_one_too_many",
+        CACHE,
+        "        keep = max(all_keys.shape[2] - self.window, 0)",
+        "        keep = max(all_keys.shape[2] - self.window + 1, 0)",
+        (
+            "tests/property/test_cache_props.py::test_lm_logits_at_every_step_equal_the_full_forward",
+        ),
+    ),
+    Mutation(
+        "rotary_not_a_rotation",
+        ROTARY,
+        "        turned = torch.cat((x1 * c - x2 * s, x1 * s + x2 * c), dim=-1)",
+        "        turned = torch.cat((x1 * c - x2 * s, x1 * s - x2 * c), dim=-1)",
+        (f"{SERVING}::test_rotary_scores_depend_only_on_the_relative_position",),
+    ),
+    Mutation(
+        "varlen_top_left",
+        VARLEN,
+        '        causal_alignment="bottom_right",',
+        '        causal_alignment="top_left",',
+        (f"{SERVING}::test_varlen_equals_each_sequence_alone_with_empty_and_one_token_sequences",),
     ),
 ]
 
