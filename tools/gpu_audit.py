@@ -35,6 +35,12 @@ BACKENDS = (
     # with the reason otherwise), and compiled FlexAttention with every variant
     "flash-attn",
     "flash-flex",
+    # packed sequences and KV caches: FlashAttention's own entry points where installed,
+    # FlexAttention's document masking, compiled, and on gathered caches
+    "flash-attn-varlen",
+    "flash-attn-kvcache",
+    "varlen-flex",
+    "kvcache-flex",
 )
 
 

@@ -552,6 +552,10 @@ varlen_sdpa = _declared(
     varlen_form(flash_form(_sdpa_with_bias, "flash_sdpa"), "varlen_sdpa"),
     _flash_caps(replace(_SDPA_BIAS_CAPS, gradients=True)),
 )
+kvcache_flex = _declared(
+    kvcache_form(flash_flex, "kvcache_flex"),
+    _flash_caps(replace(_FLEX_CAPS, **_SERVING)),  # type: ignore[arg-type]
+)
 kvcache_reference = _declared(
     kvcache_attention,
     _flash_caps(replace(_REFERENCE_CAPS, **_SERVING)),  # type: ignore[arg-type]
@@ -564,6 +568,103 @@ kvcache_sdpa = _declared(
     kvcache_form(flash_form(_sdpa_with_bias, "flash_sdpa"), "kvcache_sdpa"),
     _flash_caps(replace(_SDPA_BIAS_CAPS, **_SERVING)),  # type: ignore[arg-type]
 )
+
+
+def _doc_ids(cu: Tensor, total: int) -> tuple[Tensor, Tensor]:
+    """Each token's sequence (-1 for padding after the pack) and position in it."""
+    device = cu.device
+    lengths = (cu[1:] - cu[:-1]).long()
+    doc = torch.repeat_interleave(torch.arange(lengths.numel(), device=device), lengths)
+    pos = torch.arange(doc.numel(), device=device) - cu[:-1].long()[doc]
+    pad = total - doc.numel()
+    minus = torch.full((pad,), -1, dtype=torch.long, device=device)
+    return torch.cat([doc, minus]), torch.cat([pos, torch.zeros_like(minus)])
+
+
+def _varlen_flex(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens_q: Tensor,
+    cu_seqlens_k: Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: Tensor | None = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+    sinks: Tensor | None = None,
+) -> Tensor | tuple[Tensor, Tensor, None]:
+    """FlexAttention's document masking (attention-gym's recipe): the whole pack in one
+    call, a ``mask_mod`` that lets a query see only keys of its own sequence, causal and
+    windowed at the sequence's own bottom-right offset, and softcap and ALiBi in a
+    ``score_mod`` at the sequence's own distances. Settings reach both as tensors (see
+    `_flex`)."""
+    import warnings
+
+    from torch.nn.attention.flex_attention import AuxRequest, create_block_mask, flex_attention
+
+    if dropout_p != 0.0:
+        raise ValueError("FlexAttention has no dropout")
+    device = q.device
+    total_q, h, _ = q.shape
+    total_k, g = k.shape[0], k.shape[1]
+    if total_q == 0 or total_k == 0:  # FlexAttention takes no empty sequence: no key
+        lse_dtype = torch.promote_types(q.dtype, torch.float32)
+        empty = q.new_zeros((total_q, h, v.shape[-1]))
+        no_key = torch.full((h, total_q), -math.inf, dtype=lse_dtype, device=device)
+        return (empty, no_key, None) if return_attn_probs else empty
+    doc_q, pos_q = _doc_ids(cu_seqlens_q, total_q)
+    doc_k, pos_k = _doc_ids(cu_seqlens_k, total_k)
+    lengths_q = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).long()
+    lengths_k = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).long()
+    offset = torch.cat([lengths_k - lengths_q, torch.zeros(1, dtype=torch.long, device=device)])
+    ctype = torch.promote_types(q.dtype, torch.float32)
+    N = lengths_q.numel()
+    slopes = torch.zeros((N + 1, h), device=device, dtype=ctype)
+    if alibi_slopes is not None:
+        slopes[:N] = alibi_slopes.to(ctype).reshape(-1, h).expand(N, h)
+    cap = torch.tensor(float(softcap), device=device)
+    left, right = (torch.tensor(w, device=device) for w in window_size)
+    is_causal = torch.tensor(causal, device=device)
+
+    def score_mod(score: Tensor, b: Tensor, hh: Tensor, qi: Tensor, kj: Tensor) -> Tensor:
+        capped = cap * torch.tanh(score / torch.where(cap > 0, cap, 1.0))
+        score = torch.where(cap > 0, capped, score)
+        d = doc_q[qi]
+        return score - slopes[d, hh] * (pos_q[qi] + offset[d] - pos_k[kj]).abs()
+
+    def mask_mod(b: Tensor, hh: Tensor, qi: Tensor, kj: Tensor) -> Tensor:
+        d = doc_q[qi]
+        pos, kpos = pos_q[qi] + offset[d], pos_k[kj]
+        seen = (d >= 0) & (d == doc_k[kj]) & (~is_causal | (kpos <= pos))
+        return seen & ((left < 0) | (kpos >= pos - left)) & ((right < 0) | (kpos <= pos + right))
+
+    fn: Callable[..., Any] = flex_attention
+    if device.type == "cuda":
+        fn = _compiled_flex()
+    qh, kh, vh = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # (1, heads, T, D)
+    if sinks is not None:
+        qh, kh, vh = qh.to(ctype), kh.to(ctype), vh.to(ctype)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # eager FlexAttention warns that it is unfused
+        block_mask = create_block_mask(mask_mod, None, None, total_q, total_k, device=device)
+        out, aux = fn(
+            qh, kh, vh, score_mod=score_mod, block_mask=block_mask, scale=softmax_scale,
+            enable_gqa=h != g, return_aux=AuxRequest(lse=True),
+        )  # fmt: skip
+    lse = aux.lse
+    if sinks is not None:
+        out = F.apply_sinks(out, lse, sinks).to(q.dtype)
+    packed = out[0].transpose(0, 1)
+    return (packed, lse[0], None) if return_attn_probs else packed
+
+
+varlen_flex = _declared(_varlen_flex, _flash_caps(replace(_FLEX_CAPS, gradients=False)))
 
 
 def _flash_attn_varlen(*args: Any, **kwargs: Any) -> Any:
@@ -692,6 +793,12 @@ def _builtin() -> dict[str, Backend]:
                         "flash-varlen",
                     ),
                     (
+                        "varlen-flex",
+                        varlen_flex,
+                        "FlexAttention's document masking: the whole pack in one call",
+                        "flash-varlen",
+                    ),
+                    (
                         "kvcache-reference",
                         kvcache_reference,
                         "attnref's kvcache_attention (real split-KV)",
@@ -708,6 +815,12 @@ def _builtin() -> dict[str, Backend]:
                         kvcache_sdpa,
                         "torch SDPA on each row's gathered cache "
                         "(window and ALiBi as a float mask)",
+                        "flash-kvcache",
+                    ),
+                    (
+                        "kvcache-flex",
+                        kvcache_flex,
+                        "FlexAttention on each row's gathered cache",
                         "flash-kvcache",
                     ),
                 )
