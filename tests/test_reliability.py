@@ -88,6 +88,7 @@ def test_an_all_nan_backend_fails_every_property() -> None:
         assert "NaN/inf" in r.message or "does not require grad" in r.message, r.message
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("name", "api"), [("nan_varlen", "flash-varlen"), ("nan_kvcache", "flash-kvcache")]
 )
