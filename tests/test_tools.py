@@ -28,7 +28,7 @@ def _kill_matrix() -> dict[str, dict[str, list[str]]]:
         if m:
             cells = [c.strip() for c in line.strip("|").split("|")][2:]
             for pid, cell in zip(columns, cells, strict=True):
-                if cell != ".":
+                if cell not in (".", "n/a"):
                     kills[pid][m.group(1)] = [SHORT[d] for d in cell.split()]
     return kills
 

@@ -184,7 +184,11 @@ class RollingKVCache:
 
     Args:
         window: ``w``, the keys before a query it may see (>= 0).
-        batch_size, num_kv_heads, head_dim, dtype, device: as `KVCache`.
+        batch_size: ``B``.
+        num_kv_heads: ``g``.
+        head_dim: ``Dh``.
+        dtype: of the buffers.
+        device: of the buffers.
     """
 
     def __init__(

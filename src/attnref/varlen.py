@@ -156,13 +156,20 @@ def varlen_attention(
     """Attention over packed sequences, each on its own (module docstring).
 
     Args:
-        q, k, v: ``(total, heads, D)``, GQA when ``k`` has fewer heads.
-        cu_seqlens_q, cu_seqlens_k: int32 ``(N + 1,)`` cumulative lengths from 0.
-        max_seqlen_q, max_seqlen_k: at least every sequence's length (kernels size
-            their grids by them; the reference only checks them).
-        causal, window_size, softcap, alibi_slopes (``(h,)`` or ``(N, h)``), sinks: as
-            in `attnref.functional.scaled_dot_product_attention`, bottom-right per
-            sequence.
+        q: ``(total_q, h, Dh)``, the packed queries.
+        k: ``(total_k, g, Dh)``, the packed keys (GQA when ``g < h``).
+        v: ``(total_k, g, Dv)``, their values.
+        cu_seqlens_q: int32 ``(N + 1,)`` cumulative query lengths from 0.
+        cu_seqlens_k: the same for the keys.
+        max_seqlen_q: at least every sequence's query length (kernels size their grids
+            by it; the reference only checks it).
+        max_seqlen_k: the same for the keys.
+        softmax_scale: the scale (``1/sqrt(Dh)`` when ``None``).
+        causal: causal, bottom-right per sequence.
+        window_size: a sliding window ``(left, right)``, ``-1`` unbounded.
+        softcap: ``softcap * tanh(score / softcap)``, 0 off.
+        alibi_slopes: ``(h,)`` or one row per sequence ``(N, h)``.
+        sinks: one sink logit per head ``(h,)``.
         return_lse: also return the log-sum-exp ``(h, total_q)`` (``-inf`` for a query
             that sees no key, and for padding).
 

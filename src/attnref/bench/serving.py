@@ -79,11 +79,11 @@ class ServingCase:
 
     @property
     def label(self) -> str:
+        shape = f"B={self.B} h={self.h} g={self.g} Dh={self.Dh}"
+        if self.api == "flash-varlen":
+            return f"{shape} longest={self.seq} {self.dtype}"
         where = "contiguous" if self.page == 0 else f"page {self.page}"
-        what = "cache" if self.api == "flash-kvcache" else "longest"
-        return (
-            f"B={self.B} h={self.h} g={self.g} Dh={self.Dh} {what}={self.seq} {where} {self.dtype}"
-        )
+        return f"{shape} cache={self.seq} {where} {self.dtype}"
 
     @property
     def tokens(self) -> int:

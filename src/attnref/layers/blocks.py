@@ -128,8 +128,8 @@ class EncoderBlock(nn.Module):
         num_kv_heads: ``g`` (GQA); must divide ``h``; defaults to ``h``.
         dropout: on attention weights and residual branches.
         norm: ``"post"`` (`AddNorm`) or ``"pre"`` (`PreNormResidual`).
-        rotary_dim, window: the self-attention's rotary positions and sliding window
-            (`MultiHeadAttention`).
+        rotary_dim: the self-attention's rotary dims (`MultiHeadAttention`; 0: none).
+        window: its sliding window (`MultiHeadAttention`; None: none).
     """
 
     def __init__(
