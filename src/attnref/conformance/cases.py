@@ -97,6 +97,7 @@ class Case:
     interleaved: bool = True
     splits: int = 0
     shuffle: bool = False
+    shift: int = 0  # every position moved by this much (the first ones garbage)
 
     def __post_init__(self) -> None:
         for name, kind in (
@@ -117,7 +118,7 @@ class Case:
             check_window(self.window)
         if not self.softcap >= 0:
             raise ValueError(f"Case.softcap must be >= 0 (0: off), got {self.softcap!r}")
-        for name in ("pad", "new", "page", "rotary", "splits"):
+        for name in ("pad", "new", "page", "rotary", "splits", "shift"):
             if getattr(self, name) < 0:
                 raise ValueError(f"Case.{name} must be >= 0, got {getattr(self, name)!r}")
         for n, lengths in enumerate(self.seqlens):

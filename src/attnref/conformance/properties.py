@@ -248,6 +248,32 @@ def _needs_rotary(caps: Capabilities) -> str | None:
     return None if caps.rotary else "rotary not declared"
 
 
+def _needs_rotary_window(caps: Capabilities) -> str | None:
+    if not (caps.rotary and caps.window):
+        return "rotary and sliding windows not both declared"
+    return None
+
+
+def _shift_cases(p: Profile, c: Capabilities) -> st.SearchStrategy[Case]:
+    """Causal decode calls with rotary and a window no longer than the shortest cached
+    row (so that it hides the garbage a shift puts first), moved by 1 to 64."""
+
+    @st.composite
+    def draw(draw: st.DrawFn) -> Case:
+        new = draw(st.sampled_from((1, 2, 4)))
+        case = draw(
+            cache_strategy(
+                "rotary_shift", p, c, causal="bottom_right", new=new, Tq=new,
+                Dh=st.sampled_from((8, 4, 16, 64)), rotary=st.sampled_from((2, 4, 8)),
+                cached=st.lists(st.integers(1, p.max_len), min_size=1, max_size=3).map(tuple),
+            )
+        )  # fmt: skip
+        left = draw(st.integers(0, min(case.cached)))
+        return replace(case, window=(left, 0), shift=draw(st.sampled_from((1, 3, 17, 64))))
+
+    return draw()
+
+
 PROPERTIES: dict[str, Property] = {
     p.id: p
     for p in [
@@ -634,6 +660,16 @@ PROPERTIES: dict[str, Property] = {
             ),
             serving_checks.rotary_layouts,
             requires=_needs_rotary,
+            families=_KVCACHE,
+        ),
+        Property(
+            "rotary_shift",
+            "rotary scores depend on relative positions only: every position moved, the "
+            "cache rotated with them, changes nothing",
+            (29,),
+            _shift_cases,
+            serving_checks.rotary_shift,
+            requires=_needs_rotary_window,
             families=_KVCACHE,
         ),
     ]

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from attnref.conformance.cases import Case, Inputs, build
-from attnref.kvcache import cache_slots
+from attnref.kvcache import cache_slots, valid_keys
 from attnref.rotary import rotary, rotary_tables
 
 __all__ = ["CacheCall", "Pack", "build_cache", "build_pack", "dense_cache", "dense_pack"]
@@ -184,26 +184,27 @@ def _cast(t: Tensor, like: Tensor) -> Tensor:
 
 def build_cache(case: Case, dtype: torch.dtype, device: str | torch.device = "cpu") -> CacheCall:
     """The decode call ``case.cached`` describes (`attnref.conformance.cases.Case`):
-    every slot of the cache holds garbage except each row's cached tokens."""
+    every slot of the cache holds garbage except each row's cached tokens, which are
+    stored as a model stores them (rotated at their positions, when rotary is on).
+
+    ``case.shift`` moves every position by that much: the first ``shift`` positions of
+    each row are then garbage, counted in ``cache_seqlens`` (only a window can hide
+    them). The tokens themselves are drawn from the seed alone, whatever the shift and
+    the cache's shape; the garbage from a generator of its own.
+    """
     if not case.cached:
         raise ValueError(f"case {case.name}: a cache needs cached lengths")
-    gen = torch.Generator().manual_seed(case.seed)
-    B, Tq, T_new, h, g, Dh, Dv = (
-        len(case.cached),
-        case.Tq,
-        case.new,
-        case.h,
-        case.g,
-        case.Dh,
-        case.Dv,
-    )
-    lengths = list(case.cached)
+    gen = torch.Generator().manual_seed(case.seed)  # the tokens
+    junk = torch.Generator().manual_seed(case.seed + 7919)  # the garbage, the layout
+    B, Tq, T_new, h, g = len(case.cached), case.Tq, case.new, case.h, case.g
+    Dh, Dv, shift = case.Dh, case.Dv, case.shift
+    lengths = [shift + n for n in case.cached]  # cache_seqlens
     need = max(n + T_new for n in lengths)
     span = need + case.pad  # logical positions each row has room for
     if case.page:
         per_row = max(1, -(-span // case.page))
         blocks = B * per_row + 1  # one page no row uses
-        order = torch.randperm(blocks, generator=gen) if case.shuffle else torch.arange(blocks)
+        order = torch.randperm(blocks, generator=junk) if case.shuffle else torch.arange(blocks)
         block_table: Tensor | None = order[: B * per_row].reshape(B, per_row).to(torch.int32)
         shape: tuple[int, int] = (blocks, case.page)
         batch_idx = None
@@ -212,34 +213,18 @@ def build_cache(case: Case, dtype: torch.dtype, device: str | torch.device = "cp
         rows_n = B + (1 if case.shuffle else 0)
         shape = (rows_n, max(span, 1))
         batch_idx = (
-            torch.randperm(rows_n, generator=gen)[:B].to(torch.int32) if case.shuffle else None
+            torch.randperm(rows_n, generator=junk)[:B].to(torch.int32) if case.shuffle else None
         )
     proto = torch.empty((), dtype=dtype, device=device)
-    k_cache = _cast(GARBAGE * torch.randn((*shape, g, Dh), generator=gen), proto)
-    v_cache = _cast(GARBAGE * torch.randn((*shape, g, Dv), generator=gen), proto)
+    k_cache = _cast(GARBAGE * torch.randn((*shape, g, Dh), generator=junk), proto)
+    v_cache = _cast(GARBAGE * torch.randn((*shape, g, Dv), generator=junk), proto)
     q = _cast(case.amp * torch.randn((B, Tq, h, Dh), generator=gen), proto)
     k_new = _cast(case.amp * torch.randn((B, T_new, g, Dh), generator=gen), proto)
     v_new = _cast(torch.randn((B, T_new, g, Dv), generator=gen), proto)
-    prefix_k, prefix_v = [], []
-    for b, n in enumerate(lengths):
-        pk = _cast(case.amp * torch.randn((n, g, Dh), generator=gen), proto)
-        pv = _cast(torch.randn((n, g, Dv), generator=gen), proto)
-        row = b if batch_idx is None else int(batch_idx[b])
-        for t, (r, s) in enumerate(cache_slots(b, range(n), block_table, case.page, row)):
-            k_cache[r, s], v_cache[r, s] = pk[t], pv[t]
-        prefix_k.append(pk)
-        prefix_v.append(pv)
     cos = sin = None
     if case.rotary:
         cos64, sin64 = rotary_tables(need + Tq + 1, case.rotary, dtype=torch.float64)
         cos, sin = _cast(cos64, proto), _cast(sin64, proto)
-    slopes = None
-    if case.alibi != "none":
-        heads = torch.arange(1, h + 1, dtype=torch.float32)
-        slopes = torch.exp2(-8.0 * heads / h)
-        if case.alibi == "batch_heads":
-            slopes = slopes * (0.5 + torch.rand((B, 1), generator=gen))
-        slopes = slopes.to(device)
 
     def turn(x: Tensor, positions: Tensor) -> Tensor:
         """``x (T, heads, D)`` rotated at ``positions`` exactly, then rounded."""
@@ -248,26 +233,43 @@ def build_cache(case: Case, dtype: torch.dtype, device: str | torch.device = "cp
         c, s = cos.double()[positions].unsqueeze(-2), sin.double()[positions].unsqueeze(-2)
         return rotary(x.double(), c, s, interleaved=case.interleaved).to(dtype)
 
+    def rows_of(b: int) -> int:
+        return b if batch_idx is None else int(batch_idx[b])
+
+    for b, n in enumerate(case.cached):
+        pk = _cast(case.amp * torch.randn((n, g, Dh), generator=gen), proto)
+        pv = _cast(torch.randn((n, g, Dv), generator=gen), proto)
+        pk = turn(pk, torch.arange(shift, shift + n))
+        slots = cache_slots(b, range(shift, shift + n), block_table, case.page, rows_of(b))
+        for t, (r, s) in enumerate(slots):
+            k_cache[r, s], v_cache[r, s] = pk[t], pv[t]
+    slopes = None
+    if case.alibi != "none":
+        heads = torch.arange(1, h + 1, dtype=torch.float32)
+        slopes = torch.exp2(-8.0 * heads / h)
+        if case.alibi == "batch_heads":
+            slopes = slopes * (0.5 + torch.rand((B, 1), generator=gen))
+        slopes = slopes.to(device)
+
     moving = case.causal is not None or case.window is not None
     k_after, v_after = k_cache.clone(), v_cache.clone()
     written = torch.zeros(shape, dtype=torch.bool, device=device)
     rows = []
     for b, n in enumerate(lengths):
         new_k = turn(k_new[b], torch.arange(n, n + T_new))
-        row = b if batch_idx is None else int(batch_idx[b])
-        for t, (r, s) in enumerate(
-            cache_slots(b, range(n, n + T_new), block_table, case.page, row)
-        ):
+        slots = cache_slots(b, range(n, n + T_new), block_table, case.page, rows_of(b))
+        for t, (r, s) in enumerate(slots):
             k_after[r, s], v_after[r, s] = new_k[t], v_new[b, t]
             written[r, s] = True
         positions = torch.arange(n, n + Tq) if moving else torch.full((Tq,), n)
-        keys = torch.cat([prefix_k[b], new_k]).transpose(0, 1)
-        values = torch.cat([prefix_v[b], v_new[b]]).transpose(0, 1)
+        # the keys attended: what the cache holds once the append is done, in order
+        keys = valid_keys(k_after, b, n + T_new, block_table, rows_of(b))
+        values = valid_keys(v_after, b, n + T_new, block_table, rows_of(b))
         rows.append(
             Inputs(
                 turn(q[b], positions).transpose(0, 1),
-                keys,
-                values,
+                keys.transpose(0, 1),
+                values.transpose(0, 1),
                 None,
                 case.causal,
                 case.scale,

@@ -30,6 +30,7 @@ __all__ = [
     "kvcache_pages",
     "kvcache_splits",
     "rotary_layouts",
+    "rotary_shift",
     "varlen",
     "varlen_alone",
     "varlen_padding",
@@ -97,17 +98,28 @@ def _call_cache(
 
 def _rotation_slack(x: Inputs) -> float:
     """What rounding the rotated queries and keys may move an output by: a relative
-    ``u`` in each moves a score by ``2 u kappa``, passed on scaled by ``max|V|``."""
-    if x.query.dtype == torch.float64 or x.key.numel() == 0:
+    ``u`` in each moves a score by ``2 u kappa``, passed on scaled by ``max|V|``, over
+    the query-key pairs that are seen."""
+    if x.query.dtype == torch.float64 or x.key.numel() == 0 or x.query.numel() == 0:
         return 0.0
     u = torch.finfo(x.query.dtype).eps / 2
-    v = float(torch.nan_to_num(x.value.double()).abs().max()) if x.value.numel() else 0.0
-    return 2 * u * score_condition(x.query, x.key, x.scale) * max(v, 1.0)
+    visible = x.visible()  # (h, Tq, Tk): keys no query sees (garbage a window hides) never count
+    seen = visible.any(dim=-2).any(dim=0)  # (Tk,)
+    if not bool(seen.any()):
+        return 0.0
+    v = float(x.value[..., seen, :].double().abs().max()) if x.value.shape[-1] else 0.0
+    return 2 * u * score_condition(x.query, x.key, x.scale, visible) * max(v, 1.0)
 
 
 def _expect(ctx: Context, x: Inputs, rotated: bool) -> Expected:
+    """``x``'s oracle; for rotated inputs with the rounding of the rotation added, and
+    kept as ``x``'s oracle for the rest of the check (a law on ``x`` uses it too)."""
     exp = ctx.expect(x)
-    return replace(exp, floor=exp.floor + _rotation_slack(x)) if rotated else exp
+    if not rotated:
+        return exp
+    exp = replace(exp, floor=exp.floor + _rotation_slack(x))
+    ctx._oracles[id(x)] = (x, exp)
+    return exp
 
 
 def _agree(
@@ -305,9 +317,8 @@ def kvcache_decode(ctx: Context, case: Case) -> None:
     if case.causal is None:
         raise Skip("decoding is causal")
     T = case.Tq
-    prefill = build_cache(
-        replace(case, cached=(0,) * len(case.cached), new=T), ctx.dtype, ctx.device
-    )
+    empty = replace(case, cached=(0,) * len(case.cached), new=T, shift=0)
+    prefill = build_cache(empty, ctx.dtype, ctx.device)
     full, _, (k_full, v_full) = _call_cache(ctx, prefill)
     k_cache, v_cache = prefill.k_cache, prefill.v_cache
     B = len(case.cached)
@@ -374,3 +385,20 @@ def rotary_layouts(ctx: Context, case: Case) -> None:
     base, _, _ = _call_cache(ctx, call)
     got, _, _ = _call_cache(ctx, other)
     _rows_law(ctx, got, base, call, "the halves layout on permuted dims against interleaved")
+
+
+def rotary_shift(ctx: Context, case: Case) -> None:
+    """Rotary scores depend on relative positions only: every position moved by
+    ``shift`` (the cached keys stored rotated at their new positions, the first
+    ``shift`` slots garbage that the window hides) changes no output."""
+    if not case.rotary or case.window is None or case.causal is None or not case.new:
+        raise Skip("needs rotary, a causal window and new tokens")
+    shift = case.shift or 5
+    base_call = build_cache(replace(case, shift=0), ctx.dtype, ctx.device)
+    moved_call = build_cache(replace(case, shift=shift), ctx.dtype, ctx.device)
+    base, _, _ = _call_cache(ctx, base_call)
+    moved, _, _ = _call_cache(ctx, moved_call)
+    for b, (x, y) in enumerate(zip(base_call.rows, moved_call.rows, strict=True)):
+        _expect(ctx, x, rotated=True)  # each call rounds its own rotation
+        _expect(ctx, y, rotated=True)
+        _law(ctx, moved[b], y, base[b], x, f"row {b}: every position moved by {shift}")
