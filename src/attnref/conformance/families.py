@@ -534,7 +534,7 @@ FLASH_KVCACHE_FAMILY = ApiFamily(
     "softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, "
     "rotary_interleaved=True, alibi_slopes=None, num_splits=0, return_softmax_lse=False)",
     positional=3,
-    keywords=("cache_seqlens", "block_table", "softmax_scale", "causal"),
+    keywords=("cache_seqlens", "softmax_scale", "causal"),
     defaults=replace(FLASH_ATTN_2, gradients=False, rotary=True, paged=True, page_multiple=256),
     build=_kvcache_build,
     read=_kvcache_read,

@@ -126,6 +126,9 @@ class Expected:
     ref_err: Tensor
     floor: float
     fudge: float = FUDGE
+    #: the part of ``floor`` added for a rounding the backend makes of inputs it derives
+    #: itself (rotary: `attnref.conformance.serving_checks`), 0 when none was
+    derived: float = 0.0
 
     def bounds(self, sel: Tensor | None = None) -> tuple[float, float]:
         """The (max, mean) error bounds over the selected elements (all by default)."""

@@ -96,28 +96,33 @@ def _call_cache(
     return checked, checked_lses, caches
 
 
-def _rotation_slack(x: Inputs) -> float:
-    """What rounding the rotated queries and keys may move an output by: a relative
-    ``u`` in each moves a score by ``2 u kappa``, passed on scaled by ``max|V|``, over
-    the query-key pairs that are seen."""
+def _rotation_slack(x: Inputs, output: bool = True) -> float:
+    """What rounding the rotated queries and keys may move a score by: a relative ``u``
+    in each moves it by ``2 u kappa`` (over the query-key pairs that are seen; garbage a
+    window hides never counts). The LSE moves by as much; with ``output``, the softmax
+    passes it on to an output scaled by ``max|V|`` of the keys seen."""
     if x.query.dtype == torch.float64 or x.key.numel() == 0 or x.query.numel() == 0:
         return 0.0
     u = torch.finfo(x.query.dtype).eps / 2
-    visible = x.visible()  # (h, Tq, Tk): keys no query sees (garbage a window hides) never count
+    visible = x.visible()  # (h, Tq, Tk)
     seen = visible.any(dim=-2).any(dim=0)  # (Tk,)
     if not bool(seen.any()):
         return 0.0
+    score = 2 * u * score_condition(x.query, x.key, x.scale, visible)
+    if not output:
+        return score
     v = float(x.value[..., seen, :].double().abs().max()) if x.value.shape[-1] else 0.0
-    return 2 * u * score_condition(x.query, x.key, x.scale, visible) * max(v, 1.0)
+    return score * max(v, 1.0)
 
 
 def _expect(ctx: Context, x: Inputs, rotated: bool) -> Expected:
     """``x``'s oracle; for rotated inputs with the rounding of the rotation added, and
     kept as ``x``'s oracle for the rest of the check (a law on ``x`` uses it too)."""
     exp = ctx.expect(x)
-    if not rotated:
+    if not rotated or exp.derived:
         return exp
-    exp = replace(exp, floor=exp.floor + _rotation_slack(x))
+    slack = _rotation_slack(x)
+    exp = replace(exp, floor=exp.floor + slack, derived=slack)
     ctx._oracles[id(x)] = (x, exp)
     return exp
 
@@ -140,7 +145,7 @@ def _agree(
         if lses is not None:
             el = expect_lse(x, ctx.caps.empty_lse)
             if rotated:
-                el = replace(el, floor=el.floor + 2 * _rotation_slack(x))
+                el = replace(el, floor=el.floor + _rotation_slack(x, output=False))
             close(lses[n].to(torch.float64), el.value, *el.bounds(), f"{label}: log-sum-exp")
 
 
