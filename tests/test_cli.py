@@ -188,6 +188,20 @@ def test_audit_a_flash_convention_kernel_with_api_flash(
     assert "log-sum-exp" in capsys.readouterr().out
 
 
+@pytest.mark.slow
+def test_audit_a_decode_kernel_with_api_flash_kvcache(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    args = ["audit", "--no-progress", "--dtype", "float32", "--property", "kvcache",
+            "--api", "flash-kvcache"]  # fmt: skip
+    assert main([*args, "--backend", "attnref.conformance.backends:kvcache_reference"]) == 0
+    assert capsys.readouterr().out.rstrip().endswith("OK")
+    assert main([*args, "--backend", "tests.planted_serving:append_first_page"]) == 1
+    out = capsys.readouterr().out
+    assert "kvcache [float32]" in out
+    assert "api='flash-kvcache'" in out  # the reproducer loads it in its family
+
+
 def test_an_unknown_api_family_is_a_clear_message(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["audit", "--api", "cudnn"]) == 2
     assert "unknown API family 'cudnn': use one of sdpa, flash" in capsys.readouterr().err

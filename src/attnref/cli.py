@@ -184,10 +184,10 @@ def _list_backends() -> None:
     from attnref.conformance.mutants import MUTANTS
 
     for name, b in BUILTIN_BACKENDS.items():
-        print(f"{name:<32} {b.api:<6} {b.description}")
+        print(f"{name:<32} {b.api:<13} {b.description}")
     print()
     for name, m in MUTANTS.items():
-        print(f"{'mutant.' + name:<32} {m.api:<6} class {m.bug_class:>2}: {m.summary}")
+        print(f"{'mutant.' + name:<32} {m.api:<13} class {m.bug_class:>2}: {m.summary}")
 
 
 def _list_properties() -> None:

@@ -71,7 +71,9 @@ def add_audit_options(add: Callable[..., Any], prefix: str = "", *, choices: boo
         default=None,
         metavar="FAMILY",
         help="the calling convention of a module:function backend: sdpa (torch SDPA's "
-        "signature) or flash (FlashAttention 2's flash_attn_func) (default: sdpa; a "
+        "signature), flash (FlashAttention 2's flash_attn_func), flash-varlen "
+        "(flash_attn_varlen_func: packed sequences) or flash-kvcache "
+        "(flash_attn_with_kvcache: decoding against a KV cache) (default: sdpa; a "
         "built-in backend has its own)",
     )
     option("seed", type=int, default=0, help="seed of the search (default: 0)")
