@@ -323,6 +323,7 @@ def test_the_prepared_gpu_session_runs_dry_on_the_cpu(tmp_path: Path) -> None:
         "DEVICE": "cpu",
         "AUDIT_ARGS": "--backend torch-sdpa-math --property forward",
         "BENCH_ARGS": "--tiny --runs 1 --backend reference",
+        "SERVING_ARGS": "--seq 8 --batch 2 --heads 2 --head-dim 8 --runs 1 --warmup 0",
         "OUT": str(tmp_path),
         "PYTHON": sys.executable,
     }
@@ -339,6 +340,8 @@ def test_the_prepared_gpu_session_runs_dry_on_the_cpu(tmp_path: Path) -> None:
     log = (tmp_path / "session.log").read_text()
     assert "gpu_audit exit: 0" in log
     assert "gpu_bench exit: 0" in log
+    assert "serving bench exit: 0" in log
+    assert "kvcache-reference" in (tmp_path / "gpu-serving.csv").read_text()
     assert "| `torch-sdpa-math` | 2 | 0 | 0 |" in (tmp_path / "gpu-audit.md").read_text()
     assert "| reference | bfloat16 |" in (tmp_path / "gpu-bench.md").read_text()
     names = subprocess.run(

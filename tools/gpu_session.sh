@@ -14,7 +14,8 @@
 #
 # Dry run on a CPU (the tests do this):
 #   DEVICE=cpu AUDIT_ARGS="--backend torch-sdpa-math --property forward" \
-#   BENCH_ARGS="--tiny --backend reference" OUT=/tmp/x bash tools/gpu_session.sh
+#   BENCH_ARGS="--tiny --backend reference" SERVING_ARGS="--seq 8 --batch 2 --heads 2" \
+#   OUT=/tmp/x bash tools/gpu_session.sh
 set -u
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}  # on the GPU image, python3 is the one with torch
@@ -33,14 +34,21 @@ mkdir -p "$OUT"
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>/dev/null
     # the audit first (about 4 minutes on a GPU), then the sweep within what is left
     # shellcheck disable=SC2086
-    timeout 270 "$PY" tools/gpu_audit.py --device "$DEVICE" --out "$work/gpu-audit" ${AUDIT_ARGS:-}
+    timeout 250 "$PY" tools/gpu_audit.py --device "$DEVICE" --out "$work/gpu-audit" ${AUDIT_ARGS:-}
     echo "gpu_audit exit: $?"
     # shellcheck disable=SC2086
-    timeout 300 "$PY" tools/gpu_bench.py --device "$DEVICE" --out "$work/gpu-bench" \
-        --budget-s 230 ${BENCH_ARGS:-}
+    timeout 270 "$PY" tools/gpu_bench.py --device "$DEVICE" --out "$work/gpu-bench" \
+        --budget-s 200 ${BENCH_ARGS:-}
     echo "gpu_bench exit: $?"
+    # decode tokens/s against cache length and page size (flash-kvcache), in what is left
+    # shellcheck disable=SC2086
+    timeout 45 "$PY" -m attnref.bench --api flash-kvcache --device "$DEVICE" --no-progress \
+        --out "$work/gpu-serving" ${SERVING_ARGS:---seq 1024 8192 --page-size 0 256 \
+        --batch 32 --heads 32 --kv-heads 8 --head-dim 128 --dtype bfloat16 --runs 10}
+    echo "serving bench exit: $?"
 } 2>&1 | tee "$OUT/session.log"
 tar -czf "$OUT/gpu-results.tgz" -C "$work" .
 cp "$work/gpu-audit/README.md" "$OUT/gpu-audit.md" 2>/dev/null
 cp "$work/gpu-bench/README.md" "$OUT/gpu-bench.md" 2>/dev/null
+cp "$work/gpu-serving/serving.csv" "$OUT/gpu-serving.csv" 2>/dev/null
 echo "results: $OUT/gpu-results.tgz"
