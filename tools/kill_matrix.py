@@ -99,7 +99,10 @@ def main() -> int:
         "kind of case; the targeted properties pin down *why*. A mutant of gradients "
         "(`grad_*`) is only visible to `gradient`; one that leaks NaN from masked keys "
         "only to `masked_keys` (it claims to contain them); the 16-bit index wrap only to "
-        "`large_index`; the Dqk = 0 bug only to `degenerate`.\n"
+        "`large_index`; the Dqk = 0 bug only to `degenerate`. Most packed and paged "
+        "mutants are visible only to their family's own properties: a dense case reaches "
+        "them as a pack of equal lengths, or a cache holding its keys with nothing "
+        "appended, where their bugs do not show.\n"
     )
     Path(args.out).write_text(text)
     print(f"wrote {args.out} in {time.perf_counter() - start:.0f} s")
