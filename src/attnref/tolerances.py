@@ -10,7 +10,7 @@ Two rules use them:
   ``max|backend - oracle| <= max(floor, FUDGE * max|reference_same_dtype - oracle|)``
   and the same for the mean error, where the oracle is the reference in float64,
   ``reference_same_dtype`` is the reference run in the backend's dtype, and
-  ``floor = max(atol[dtype], (eps(compute dtype) * kappa + u[dtype]) * max|V|)`` with
+  ``floor = max(atol[dtype], (eps(compute dtype) * kappa + 2 u[dtype]) * max|V|)`` with
   ``kappa = scale * max_ij sum_d |q_id| |k_jd|`` and ``u`` the unit roundoff of the
   inputs' dtype.
 
@@ -21,9 +21,11 @@ Two rules use them:
   kernels from being failed for the conditioning of the input; on ordinary inputs it is
   below ``atol`` and changes nothing. Half precision computes scores in float32 (every
   kernel we know accumulates ``QK^T`` in float32), so ``eps`` is float32's there.
-  The ``u`` term is the one rounding every fused kernel makes on purpose: the
+  The ``2 u`` term is the two roundings every kernel makes on purpose: the
   probabilities are rounded to the inputs' dtype before the ``P @ V`` matmul, which
-  moves an output by up to ``u * max|V|``; it matters when ``|V|`` is well above 1.
+  moves an output by up to ``u * max|V|``, and the output itself is rounded to that
+  dtype, which moves it by up to ``u * |out| <= u * max|V|``; they matter when ``|V|``
+  is well above 1.
 
 The half-precision values cover one rounding of the output (float16 keeps 11 significant
 bits, bfloat16 8) with room for an accumulation in float32; float32 covers softmax
@@ -126,11 +128,12 @@ def attention_atol(
 ) -> float:
     """The absolute error no correct attention in the inputs' dtype can be asked to beat.
 
-    ``max(atol[dtype], (eps * kappa + u) * max|V|)``: ``kappa`` (`score_condition`)
+    ``max(atol[dtype], (eps * kappa + 2 u) * max|V|)``: ``kappa`` (`score_condition`)
     bounds how far rounding a dot product in precision ``eps`` (`score_eps` of the
     inputs' dtype) moves a score, and the softmax passes a score error on to the output
     scaled by at most ``max|V|``; ``u`` (the unit roundoff of the inputs' dtype) covers
-    rounding the probabilities to that dtype before ``P @ V``, as fused kernels do.
+    rounding the probabilities to that dtype before ``P @ V``, as fused kernels do, and
+    ``u`` more rounding the output, which is at most ``max|V|``, to it.
     With ``visible`` (which keys each query sees), keys nobody sees do not count;
     non-finite entries (NaN planted in padding) never do.
     """
@@ -144,4 +147,4 @@ def attention_atol(
         v = v.masked_fill(~seen.unsqueeze(-1), 0.0)
     kappa = score_condition(query, key, scale, visible)
     u = torch.finfo(query.dtype).eps / 2
-    return max(atol, (score_eps(query.dtype) * kappa + u) * float(v.max()))
+    return max(atol, (score_eps(query.dtype) * kappa + 2 * u) * float(v.max()))

@@ -581,12 +581,13 @@ def _doc_ids(cu: Tensor, total: int) -> tuple[Tensor, Tensor]:
     return torch.cat([doc, minus]), torch.cat([pos, torch.zeros_like(minus)])
 
 
+@checked
 def _varlen_flex(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    cu_seqlens_q: Tensor,
-    cu_seqlens_k: Tensor,
+    q: Float[Tensor, "total_q h Dh"],
+    k: Float[Tensor, "total_k g Dh"],
+    v: Float[Tensor, "total_k g Dv"],
+    cu_seqlens_q: Int[Tensor, " Nq"],
+    cu_seqlens_k: Int[Tensor, " Nk"],
     max_seqlen_q: int,
     max_seqlen_k: int,
     dropout_p: float = 0.0,
@@ -594,11 +595,14 @@ def _varlen_flex(
     causal: bool = False,
     window_size: tuple[int, int] = (-1, -1),
     softcap: float = 0.0,
-    alibi_slopes: Tensor | None = None,
+    alibi_slopes: Float[Tensor, " h"] | Float[Tensor, "N h"] | None = None,
     deterministic: bool = False,
     return_attn_probs: bool = False,
-    sinks: Tensor | None = None,
-) -> Tensor | tuple[Tensor, Tensor, None]:
+    sinks: Float[Tensor, " h"] | None = None,
+) -> (
+    Float[Tensor, "total_q h Dv"]
+    | tuple[Float[Tensor, "total_q h Dv"], Float[Tensor, "h total_q"], None]
+):
     """FlexAttention's document masking (attention-gym's recipe): the whole pack in one
     call, a ``mask_mod`` that lets a query see only keys of its own sequence, causal and
     windowed at the sequence's own bottom-right offset, and softcap and ALiBi in a

@@ -6,7 +6,7 @@ to the case's dtype, then upcast). A backend's output passes when
     max|out - oracle|  <= max(floor, FUDGE * max|reference_same_dtype - oracle|)
     mean|out - oracle| <= max(floor, FUDGE * mean|reference_same_dtype - oracle|)
 
-with ``floor = max(atol[dtype], (eps * kappa + u) * max|V|)`` (`error_floor`), and it
+with ``floor = max(atol[dtype], (eps * kappa + 2 u) * max|V|)`` (`error_floor`), and it
 has no NaN or inf where the oracle is finite. Gradients follow the same rule with
 ``GRAD_FUDGE`` and a floor set by the size of the terms each gradient entry sums
 (`expect_grads`). Constants and the reasoning behind the floors: `attnref.tolerances`.
@@ -100,7 +100,7 @@ def _bias_bound(inputs: Inputs) -> float:
 
 
 def error_floor(inputs: Inputs) -> float:
-    """``max(atol[dtype], (eps * kappa + u) * max|V|)`` over the visible query-key pairs:
+    """``max(atol[dtype], (eps * kappa + 2 u) * max|V|)`` over the visible query-key pairs:
     the error no correct backend can avoid (see `attnref.tolerances.attention_atol`),
     with the ALiBi bias counted in ``kappa``. A softcap only shrinks score errors."""
     floor = attention_atol(
