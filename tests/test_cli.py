@@ -46,7 +46,7 @@ def test_audit_fails_a_mutant_and_writes_json(
     out = capsys.readouterr().out
     assert "failures (each shrunk to a minimal case):" in out
     assert "gqa [float32]: GQA against expanded heads: max error" in out
-    assert "load_backend('mutant.gqa_tiled')" in out  # the reproducer
+    assert "check_case('gqa', 'mutant.gqa_tiled', case" in out  # the reproducer
     assert "reproducers written to" in out
     data = json.loads(path.read_text())
     assert data["summary"]["ok"] is False

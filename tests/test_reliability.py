@@ -142,7 +142,13 @@ def test_after_a_timeout_later_waits_are_shorter(capsys: pytest.CaptureFixture[s
 
 
 def test_a_deadline_ends_the_audit_incomplete_and_not_ok() -> None:
-    backend = Backend("sdpa", torch.nn.functional.scaled_dot_product_attention, "", Capabilities())
+    backend = Backend(
+        "sdpa",
+        torch.nn.functional.scaled_dot_product_attention,
+        "",
+        Capabilities(),
+        spec="torch-sdpa",  # what its worker resolves
+    )
     report = audit(backend, dtypes=(torch.float32,), device="cpu", progress=False, deadline=0.5)
     assert report.incomplete == "the deadline of 0.5 s passed"
     assert not report.ok

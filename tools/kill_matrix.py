@@ -19,6 +19,7 @@ from pathlib import Path
 from attnref import set_checking
 from attnref.conformance import PROPERTIES, audit
 from attnref.conformance.mutants import MUTANTS
+from attnref.conformance.properties import MATRIX_PROPERTIES
 from attnref.devices import dtype_name
 
 SHORT = {"float64": "f64", "float32": "f32", "float16": "f16", "bfloat16": "bf16"}
@@ -49,7 +50,7 @@ def main() -> int:
     set_checking(False)  # thousands of reference calls; the shapes are the suite's own
     rows: list[str] = []
     escaped: list[str] = []
-    props = list(PROPERTIES)
+    props = list(MATRIX_PROPERTIES)
     start = time.perf_counter()
     for name, mutant in MUTANTS.items():
         if args.mutants and name not in args.mutants:

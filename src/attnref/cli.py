@@ -208,10 +208,21 @@ def _audit(args: argparse.Namespace) -> int:
     if args.list_properties:
         _list_properties()
         return 0
+    from attnref.conformance.worker import InProcess, Supervised, start_forkserver
+
+    start_forkserver()  # the worker's clean parent starts while the options are read
     try:
         settings = audit_settings(lambda dest: getattr(args, dest))
         json_path = _writable(args.json)
-        backend = load_backend(args.backend, settings.api)
+        executor: InProcess | Supervised
+        if settings.isolate:  # the backend's module is imported in the worker only
+            limit = settings.memory_limit_bytes
+            executor = Supervised(
+                args.backend, settings.api, threads=settings.threads, memory_limit=limit
+            )
+        else:
+            executor = InProcess(load_backend(args.backend, settings.api))
+        backend = executor.backend
     except (BackendError, OptionError) as e:
         print(f"attnref audit: {e}", file=sys.stderr)
         return 2
@@ -240,15 +251,19 @@ def _audit(args: argparse.Namespace) -> int:
         audit(
             backend,
             **settings.audit_kwargs(),
+            executor=executor,
             fail_fast=args.fail_fast,
             progress=not args.no_progress and sys.stderr.isatty(),
             on_result=save,
             report=report,
         )
     except KeyboardInterrupt:
+        executor.close()
         where = f"; the partial report is in {json_path}" if json_path else ""
         print(f"attnref audit: interrupted{where}", file=sys.stderr)
         return 130
+    finally:
+        executor.close()  # no backend code runs while the final report is written
     print(report.format_table(verbose=args.verbose))
     if json_path is not None:
         written = report.write_json(json_path)

@@ -57,9 +57,10 @@ class AuditItem(pytest.Item):
 
     def runtest(self) -> None:
         from attnref.conformance import run_property
+        from attnref.conformance.calls import availability
 
         s = self.settings
-        reason = self.backend.available(s.device)
+        reason = availability(self.backend, s.device, s.timeout, self.executor)
         if reason is not None:
             pytest.skip(reason)
         result = run_property(
@@ -124,15 +125,18 @@ def pytest_collection_modifyitems(
         props = [p for p in props if not p.gradient]
     audited: list[pytest.Item] = []
     for spec in specs:
-        try:
-            backend = load_backend(spec, settings.api)
+        executor: InProcess | Supervised
+        try:  # the backend's module is imported in its worker only
+            if settings.isolate:
+                limit = settings.memory_limit_bytes
+                executor = Supervised(
+                    spec, settings.api, threads=settings.threads, memory_limit=limit
+                )
+            else:
+                executor = InProcess(load_backend(spec, settings.api))
         except BackendError as e:
             raise pytest.UsageError(f"--attnref-backend: {e}") from None
-        executor = (
-            Supervised(backend, threads=settings.threads)
-            if settings.isolate
-            else InProcess(backend)
-        )
+        backend = executor.backend
         _EXECUTORS.append(executor)  # one worker per backend, for every item
         for prop in props:
             for dtype in settings.dtypes or backend.capabilities.dtypes:

@@ -1,7 +1,8 @@
 """Running every backend on every case, never raising for what a backend does."""
 
-import functools
+import math
 import platform
+import random
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -13,12 +14,16 @@ from tqdm import tqdm
 
 from attnref._checking import checking_enabled, set_checking
 from attnref.bench.cases import BenchCase, bench_inputs, case_flops
-from attnref.bench.timing import peak_bytes, time_calls
-from attnref.conformance.backends import Backend
+from attnref.conformance.backends import Backend, BackendError
 from attnref.conformance.calls import backend_call, skip_reason
+from attnref.conformance.verdicts import Failure, Skip
+from attnref.conformance.worker import Executor, InProcess, Supervised
 
-#: "ok", "skipped" (declared, refused, out of memory) or "error" (the backend raised)
-BenchStatus = Literal["ok", "skipped", "error"]
+#: "ok" (timed, outputs verified, clocks agree), "skipped" (declared, refused, out of
+#: memory), "error" (the backend raised), "wrong" (an output checked against the oracle
+#: was wrong: no rate is given) or "flagged" (the worker's clock disagrees with the
+#: judge's, or the rate is above the device's peak: no rate is given)
+BenchStatus = Literal["ok", "skipped", "error", "wrong", "flagged"]
 
 __all__ = ["BenchResult", "BenchStatus", "environment", "run_benchmarks", "run_case"]
 
@@ -37,6 +42,10 @@ class BenchResult:
     peak_mem_bytes: int | None = None
     runs: int = 0
     note: str = ""
+    #: seconds this row took in all (prepare, timed and dry batches, checks), and of
+    #: them the oracle's checks of the sampled outputs: the cost of verification
+    wall_s: float | None = None
+    verify_s: float | None = None
 
     def row(self) -> dict[str, Any]:
         """A flat dict for CSV and JSON."""
@@ -53,54 +62,154 @@ class BenchResult:
             else round(self.peak_mem_bytes / 2**20, 3),
             runs=self.runs,
             note=self.note,
+            wall_s=None if self.wall_s is None else round(self.wall_s, 4),
+            verify_s=None if self.verify_s is None else round(self.verify_s, 4),
         )
         return out
 
 
 def _first_line(e: BaseException) -> str:
     text = (str(e).strip().splitlines() or [""])[0]
-    return f"{type(e).__name__}: {text}"[:300]
+    name = getattr(e, "type_name", type(e).__name__)
+    return f"{name}: {text}"[:300]
+
+
+#: how many timed calls' outputs the judge checks against the oracle, besides the first
+SAMPLES = 2
+
+
+def _verify(backend: Backend, case: BenchCase, seed: int, raw: Any, what: str) -> str | None:
+    """Why the output ``raw`` of the call on seed ``seed``'s values is wrong, or None."""
+    from attnref.conformance.calls import check_output
+    from attnref.conformance.families import family_of
+    from attnref.conformance.oracle import close, expect
+
+    inputs = bench_inputs(case, seed)
+    try:
+        out, _ = family_of(backend).read(raw, inputs, False)
+        shape = (*inputs.query.shape[:-1], inputs.value.shape[-1])
+        got = check_output(out, shape, inputs).to(torch.float64)
+        native = family_of(backend).native_causal(backend.capabilities, inputs)
+        exp = expect(inputs, backend.capabilities.empty_row, native)
+        close(got, exp.value, *exp.bounds(), "output")
+    except Failure as f:
+        return f"{what}: {f}"
+    return None
+
+
+def _clocks(times: list[float], wall: float, dry_wall: float, runs: int) -> str | None:
+    """Why the worker's clock cannot be believed, or None: its calls must take about the
+    time the judge's clock saw for the batch, less a dry run of the same loop."""
+    worker = sum(times)
+    judge = wall - dry_wall
+    noise = max(2e-3, 0.1 * dry_wall)  # calls much shorter than this cannot be told apart
+    if worker > wall + 1e-3 or worker < 0.5 * judge - noise:
+        return (
+            f"clocks disagree: the worker's clock counts {worker * 1e3:.3f} ms for {runs} "
+            f"calls, the judge's {judge * 1e3:.3f} ms (the batch's {wall * 1e3:.3f} ms less "
+            f"a dry run's {dry_wall * 1e3:.3f} ms)"
+        )
+    return None
 
 
 def run_case(
     backend: Backend,
     case: BenchCase,
     *,
+    executor: Executor | None = None,
     warmup: int = 2,
     runs: int = 10,
     rotate: int = 3,
     peak_tflops: float | None = None,
     memory: bool = True,
+    timeout: float = 600.0,
+    seed: int = 0,
 ) -> BenchResult:
-    """Time ``backend`` on ``case``; never raises for what the backend does."""
+    """Time ``backend`` on ``case`` in its worker (``executor``; default: in this
+    process) and check its outputs; never raises for what the backend does.
+
+    The inputs change before every call (``rotate`` is kept for compatibility: every
+    call now has values of its own). The first call's output and `SAMPLES` timed
+    calls', chosen here after all came back, are checked against the float64 oracle: a
+    wrong one makes the row ``wrong``. The worker's clock is checked against this
+    process's (`_clocks`), and a rate above the declared or measured peak is flagged.
+    """
+    from attnref.bench.worker import BenchJob
+    from attnref.conformance.calls import availability, invoke
+
     flops = case_flops(case)
-    reason = backend.available(case.device)
+    started = time.perf_counter()
+    executor = executor or InProcess(backend)
+    reason = availability(backend, case.device, timeout, executor)
     if reason is not None:
         return BenchResult(backend.name, case, "skipped", flops, note=reason)
     try:
-        sets = [bench_inputs(case, seed) for seed in range(max(rotate, 1))]
+        first = bench_inputs(case, seed)
     except torch.OutOfMemoryError as e:
         return BenchResult(backend.name, case, "skipped", flops, note=_first_line(e))
-    args_kwargs = [backend_call(backend, inputs) for inputs in sets]
-    declared = skip_reason(backend, sets[0], args_kwargs[0][1])
+    declared = skip_reason(backend, first, backend_call(backend, first)[1])
+    del first
     if declared is not None:
         return BenchResult(backend.name, case, "skipped", flops, note=declared)
-    calls = [functools.partial(backend, *a, **k) for a, k in args_kwargs]
+    data = asdict(case)
+    timed_seed = seed + warmup + 1
     try:
-        with torch.inference_mode():
-            times = time_calls(calls, warmup=warmup, runs=runs, device=case.device)
-            peak = peak_bytes(calls[0], case.device) if memory else None
-    except Exception as e:  # a refusal, an unsupported shape, out of memory: reported
-        refused = any(r in str(e) for r in backend.capabilities.refuses)
-        oom = isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower()
+        prepared = invoke(
+            backend,
+            BenchJob("prepare", data, seed, warmup=warmup, memory=memory),
+            timeout,
+            executor,
+        )
+        t0 = time.perf_counter()
+        timed = invoke(backend, BenchJob("time", data, timed_seed, runs=runs), timeout, executor)
+        wall = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        invoke(backend, BenchJob("dry", data, timed_seed, runs=runs), timeout, executor)
+        dry_wall = time.perf_counter() - t0
+    except (Failure, Skip) as e:
+        message = str(e)
+        refused = isinstance(e, Skip) or any(r in message for r in backend.capabilities.refuses)
+        oom = "out of memory" in message.lower()
         status: BenchStatus = "skipped" if refused or oom else "error"
-        return BenchResult(backend.name, case, status, flops, note=_first_line(e))
+        return BenchResult(backend.name, case, status, flops, note=message[:300])
     finally:
-        del sets, args_kwargs, calls
         if case.device == "cuda":
             torch.cuda.empty_cache()
+    try:
+        times = [float(t) for t in timed["times"]]
+        outputs = list(timed["outputs"])
+        peak = prepared["peak"]
+        if len(times) != runs or len(outputs) != runs or not all(t >= 0 for t in times):
+            raise ValueError("a reply of the wrong length")
+        if not (peak is None or type(peak) is int):
+            raise ValueError("a peak memory that is not a number")
+    except (KeyError, TypeError, ValueError) as e:
+        note = f"the worker sent a malformed timing reply ({e})"
+        return BenchResult(backend.name, case, "wrong", flops, note=note)
+    # the sample is drawn after every output came back: the worker could not know it
+    picks = sorted(
+        random.Random(f"{seed}:{case}:{time.time_ns()}").sample(range(runs), min(SAMPLES, runs))
+    )
+    checks = [(seed, prepared["output"], "the first call")]
+    checks += [(timed_seed + i, outputs[i], f"timed call {i + 1} of {runs}") for i in picks]
+    t0 = time.perf_counter()
+    for value_seed, raw, what in checks:
+        wrong = _verify(backend, case, value_seed, raw, what)
+        if wrong is not None:
+            return BenchResult(backend.name, case, "wrong", flops, runs=runs, note=wrong[:300])
+    verify_s = time.perf_counter() - t0
     median = statistics.median(times)
-    tflops = flops / median / 1e12
+    tflops = flops / median / 1e12 if median > 0 else math.inf
+    suspect = _clocks(times, wall, dry_wall, runs)
+    if suspect is None and peak_tflops and tflops > peak_tflops:
+        suspect = f"{tflops:.3g} TFLOP/s is above the device's peak of {peak_tflops:.3g}"
+    note = f"verified: the first call and {len(picks)} of {runs} timed calls"
+    if suspect is not None:
+        return BenchResult(
+            backend.name, case, "flagged", flops, median_s=median, runs=runs,
+            peak_mem_bytes=peak, note=suspect[:300], verify_s=verify_s,
+            wall_s=time.perf_counter() - started,
+        )  # fmt: skip
     return BenchResult(
         backend.name,
         case,
@@ -111,13 +220,18 @@ def run_case(
         peak_fraction=None if not peak_tflops else tflops / peak_tflops,
         peak_mem_bytes=peak,
         runs=runs,
+        note=note,
+        wall_s=time.perf_counter() - started,
+        verify_s=verify_s,
     )
 
 
 def run_benchmarks(
-    backends: Sequence[Backend],
+    backends: Sequence[Backend | str],
     cases: Sequence[BenchCase],
     *,
+    api: str | None = None,
+    isolate: bool = True,
     warmup: int = 2,
     runs: int = 10,
     rotate: int = 3,
@@ -129,14 +243,23 @@ def run_benchmarks(
 ) -> list[BenchResult]:
     """Every backend on every case, with a progress bar (``None``: on a terminal only).
 
-    Runtime shape checking is off while it runs (the reference's checker would add a
-    fixed cost per call), and restored after. Once ``budget_s`` seconds have passed, the
+    Each backend (a `Backend`, or a spec only its worker resolves, ``api`` its family)
+    runs in a supervised worker behind the trust boundary (``isolate=False``: in this
+    process, trusted), started once and stopped at the end. Runtime shape checking is off
+    while it runs (the reference's checker would add a fixed cost per call), in the
+    judge and the workers, and restored after. Once ``budget_s`` seconds have passed, the
     remaining rows are ``skipped`` ("time budget spent") rather than run; ``on_result``
     gets the rows so far after each one (to save them as they come)."""
     deadline = None if budget_s is None else time.monotonic() + budget_s
     results: list[BenchResult] = []
     was_checking = checking_enabled()
     set_checking(False)
+    workers: list[tuple[Backend | str, Executor | str]] = []
+    for b in backends:
+        try:
+            workers.append((b, Supervised(b, api) if isolate else InProcess(_local(b, api))))
+        except BackendError as e:
+            workers.append((b, str(e)))
     bar = tqdm(
         total=len(backends) * len(cases),
         desc="bench",
@@ -144,15 +267,20 @@ def run_benchmarks(
     )
     try:
         for case in cases:
-            for backend in backends:
-                bar.set_postfix_str(f"{backend.name} {case.label}")
-                if deadline is not None and time.monotonic() > deadline:
+            for spec, executor in workers:
+                name = spec if isinstance(spec, str) else spec.name
+                bar.set_postfix_str(f"{name} {case.label}")
+                if isinstance(executor, str):  # it could not be resolved
+                    result = BenchResult(name, case, "error", case_flops(case), note=executor)
+                elif deadline is not None and time.monotonic() > deadline:
                     note = f"time budget spent ({budget_s:g} s)"
-                    result = BenchResult(backend.name, case, "skipped", case_flops(case), note=note)
+                    result = BenchResult(name, case, "skipped", case_flops(case), note=note)
                 else:
+                    backend = executor.backend  # type: ignore[attr-defined]
                     result = run_case(
                         backend,
                         case,
+                        executor=executor,
                         warmup=warmup,
                         runs=runs,
                         rotate=rotate,
@@ -165,8 +293,17 @@ def run_benchmarks(
                 bar.update()
     finally:
         bar.close()
+        for _, executor in workers:
+            if not isinstance(executor, str):
+                executor.close()
         set_checking(was_checking)
     return results
+
+
+def _local(backend: Backend | str, api: str | None) -> Backend:
+    from attnref.conformance.options import load_backend
+
+    return load_backend(backend, api) if isinstance(backend, str) else backend
 
 
 def environment(device: str) -> dict[str, Any]:

@@ -16,6 +16,7 @@ absent, or not declared for the dtype, gets a ``skipped`` row; one that raises, 
 
 import csv
 import functools
+import importlib.util
 import json
 import statistics
 from collections.abc import Callable, Sequence
@@ -165,6 +166,8 @@ def _skip(backend: Backend, case: ServingCase) -> str | None:
     caps = backend.capabilities
     if backend.api != case.api:
         return f"a backend of the {backend.api!r} family, not {case.api!r}"
+    if backend.needs is not None and importlib.util.find_spec(backend.needs) is None:
+        return f"{backend.name} needs the {backend.needs} package, which is not installed here"
     reason = backend.available(case.device)
     if reason is not None:
         return reason

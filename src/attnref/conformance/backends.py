@@ -12,7 +12,7 @@ import importlib.util
 import inspect
 import math
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, Literal, get_args
 
 import torch
@@ -35,6 +35,8 @@ __all__ = [
     "Capabilities",
     "EmptyLse",
     "EmptyRows",
+    "declaration",
+    "from_declaration",
     "resolve_backend",
 ]
 
@@ -182,27 +184,117 @@ class Backend:
     api: str = "sdpa"
     #: a module the backend needs; without it the backend is skipped with the reason
     needs: str | None = None
+    #: how a worker resolves it (`resolve_backend`'s spec; "": its name)
+    spec: str = ""
 
     def available(self, device: str) -> str | None:
-        """``None`` if the backend can run on ``device``, else why not."""
-        if self.needs is not None and importlib.util.find_spec(self.needs) is None:
-            return f"{self.name} needs the {self.needs} package, which is not installed here"
+        """``None`` if the backend can run on ``device``, else why not: what its
+        declaration says. Whether its package is there and a probe call runs is asked of
+        the worker (`attnref.conformance.calls.availability`)."""
         if device not in self.capabilities.devices:
             return f"{self.name} does not run on {device}"
         if device == "cuda" and not torch.cuda.is_available():
             return "no CUDA device is present"
-        if self.probe:
-            q = torch.randn(1, 1, 8, 64, device=device, dtype=self.capabilities.dtypes[-1])
-            try:
-                self(q, q, q)
-            except Exception as e:  # the backend says why it cannot run here
-                first = (str(e).strip().splitlines() or [""])[0]
-                return f"{self.name} is unavailable on {device}: {first}"
         return None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         with self.context():
             return self.fn(*args, **kwargs)
+
+
+def _runs_in_its_worker(*args: Any, **kwargs: Any) -> Any:
+    raise RuntimeError("this backend was declared by its worker: its code runs only there")
+
+
+def declaration(backend: Backend) -> dict[str, Any]:
+    """What ``backend`` declares, as plain data (what a worker sends the judge)."""
+    caps: dict[str, Any] = {}
+    for f in fields(Capabilities):
+        value = getattr(backend.capabilities, f.name)
+        if f.name == "dtypes":
+            value = [str(d).removeprefix("torch.") for d in value]
+        elif isinstance(value, EmptyRows):
+            value = {c: value.of(c) for c in get_args(Cause)}
+        elif isinstance(value, tuple):
+            value = list(value)
+        caps[f.name] = value
+    return {
+        "name": backend.name,
+        "description": backend.description,
+        "api": backend.api,
+        "probe": backend.probe,
+        "needs": backend.needs,
+        "spec": backend.spec or backend.name,
+        "capabilities": caps,
+    }
+
+
+def _strings(value: object, what: str) -> tuple[str, ...]:
+    if type(value) is not list or not all(type(x) is str for x in value):
+        raise ValueError(f"{what} must be a list of strings, got {str(value)[:100]}")
+    return tuple(value)
+
+
+def from_declaration(data: object) -> Backend:
+    """The `Backend` a worker declared, checked field by field; its code stays there.
+
+    Raises:
+        ValueError: a field is missing, unknown, or of the wrong type or value.
+    """
+    if type(data) is not dict:
+        raise ValueError(f"a declaration must be a dict, got {type(data).__name__}")
+    expected = {"name", "description", "api", "probe", "needs", "spec", "capabilities"}
+    if set(data) != expected:
+        raise ValueError(f"a declaration has the fields {sorted(expected)}, got {sorted(data)}")
+    for key in ("name", "description", "api", "spec"):
+        if type(data[key]) is not str:
+            raise ValueError(f"the declaration's {key} must be a string")
+    if type(data["probe"]) is not bool or not (data["needs"] is None or type(data["needs"]) is str):
+        raise ValueError("the declaration's probe must be a bool and needs a string or None")
+    raw = data["capabilities"]
+    defaults = Capabilities()
+    names = {f.name for f in fields(Capabilities)}
+    if type(raw) is not dict or set(raw) != names:
+        raise ValueError(f"capabilities must have the fields of Capabilities, got {str(raw)[:200]}")
+    caps: dict[str, Any] = {}
+    for name, value in raw.items():
+        default = getattr(defaults, name)
+        where = f"capabilities.{name}"
+        if name == "dtypes":
+            from attnref.devices import DTYPES
+
+            names_given = _strings(value, where)
+            unknown = [d for d in names_given if d not in DTYPES]
+            if unknown:
+                raise ValueError(f"{where}: unknown dtype {unknown[0]!r}")
+            caps[name] = tuple(DTYPES[d] for d in names_given)
+        elif name == "empty_row":
+            if type(value) is dict:
+                if set(value) != set(get_args(Cause)):
+                    raise ValueError(f"{where} must name the causes {get_args(Cause)}")
+                caps[name] = EmptyRows(**{k: str(v) for k, v in value.items()})  # type: ignore[arg-type]
+            else:
+                caps[name] = value
+        elif isinstance(default, tuple):
+            caps[name] = _strings(value, where)
+        elif name == "max_head_dim":
+            if not (value is None or type(value) is int):
+                raise ValueError(f"{where} must be an int or None")
+            caps[name] = value
+        elif type(default) is not type(value):
+            raise ValueError(f"{where} must be a {type(default).__name__}, got {str(value)[:50]}")
+        else:
+            caps[name] = value
+    return Backend(
+        data["name"],
+        _runs_in_its_worker,
+        data["description"][:500],
+        Capabilities(**caps),
+        api=data["api"],
+        probe=data["probe"],
+        needs=data["needs"],
+        spec=data["spec"],
+    )
 
 
 def _reference(*args: Any, **kwargs: Any) -> Any:
@@ -914,4 +1006,4 @@ def resolve_backend(spec: str, api: str | None = None) -> Backend:
     if not isinstance(caps, Capabilities):
         raise BackendError(f"{spec}.capabilities must be an attnref Capabilities, got {caps!r}")
     doc = (inspect.getdoc(fn) or "").split("\n")[0]
-    return Backend(spec, fn, doc or spec, caps, api=family.name)
+    return Backend(spec, fn, doc or spec, caps, api=family.name, spec=spec)

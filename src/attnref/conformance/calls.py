@@ -17,11 +17,23 @@ from attnref._checking import checked
 from attnref.conformance.backends import Backend, Capabilities
 from attnref.conformance.cases import Inputs
 from attnref.conformance.verdicts import Failure, Skip, one_line
-from attnref.conformance.worker import BackendDied, Executor, InProcess, Job, ModifiedInputs, Raised
+from attnref.conformance.worker import (
+    BackendDied,
+    Executor,
+    InProcess,
+    InternalError,
+    Job,
+    LateWrite,
+    ModifiedInputs,
+    Probe,
+    Raised,
+    Unaccepted,
+)
 
 __all__ = [
     "TIMED_OUT",
     "arguments",
+    "availability",
     "backend_call",
     "call",
     "call_lse",
@@ -83,7 +95,7 @@ def skip_reason(backend: Backend, inputs: Inputs, kwargs: dict[str, Any]) -> str
 
 def raise_for_error(backend: Backend, error: BaseException) -> None:
     """Turn what the backend raised into `Skip` (a declared refusal) or `Failure`."""
-    if isinstance(error, ModifiedInputs):
+    if isinstance(error, ModifiedInputs | LateWrite | Unaccepted):
         raise Failure(str(error))
     if any(pattern in str(error) for pattern in backend.capabilities.refuses):
         raise Skip(f"refused: {one_line(error)}", refused=True)
@@ -119,24 +131,76 @@ def arguments(
     return args, kwargs
 
 
-def invoke(backend: Backend, job: Job, timeout: float, executor: Executor | None = None) -> Any:
-    """What ``job`` (backend code) returns, run by ``executor`` (default: in this process);
-    whatever the backend does becomes `Skip` or `Failure`.
+def invoke(
+    backend: Backend, job: Job | Probe | Any, timeout: float, executor: Executor | None = None
+) -> Any:
+    """What ``job`` returns, run by ``executor`` (default: in this process): the one way
+    backend code is called. Whatever the backend does becomes `Skip` or `Failure`.
 
     Raises:
         Skip: it refused the call with an error the backend declares as a refusal.
-        Failure: it raised anything else, modified its inputs, ended or crashed its
-            process, or hung past ``timeout`` seconds (fatal: the search stops).
+        Failure: it raised anything else, modified its inputs, wrote its output after it
+            returned, returned an object the audit does not accept, ended or crashed its
+            process, or hung past ``timeout`` seconds (fatal: the search stops); or
+            attnref's own code failed in the worker (the message says it is attnref's).
     """
     executor = executor or InProcess(backend)
     try:
-        return executor.run(job, timeout)
+        result = executor.run(job, timeout)
+        remember(executor, result)
+        return result
     except Raised as e:
         raise_for_error(backend, e.error)
     except BackendDied as e:
         raise Failure(str(e)) from None
     except TimeoutError as e:
         raise Failure(f"{TIMED_OUT}{e}", fatal=True) from None
+    except InternalError as e:
+        raise Failure(str(e).splitlines()[0], fatal=True) from None
+
+
+#: how many of a backend's latest output elements an executor keeps (`remember`)
+HISTORY = 2**22
+
+
+def remember(executor: Executor, result: Any) -> None:
+    """Keep the output tensors of ``result`` in ``executor.history`` (the latest
+    `HISTORY` elements): a replayed output is recognised even when it comes from an earlier case
+    or property (`attnref.conformance.attacks`)."""
+    history = getattr(executor, "history", None)
+    if history is None:
+        return
+    stack = [result]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, Tensor) and x.is_floating_point() and x.numel():
+            history.append(x)
+        elif isinstance(x, tuple | list):
+            stack.extend(x)
+        elif isinstance(x, dict):
+            stack.extend(x.values())
+    total = 0
+    for i in range(len(history) - 1, -1, -1):
+        total += history[i].numel()
+        if total > HISTORY:
+            del history[: i + 1]
+            break
+
+
+def availability(
+    backend: Backend, device: str, timeout: float, executor: Executor | None = None
+) -> str | None:
+    """``None`` if ``backend`` can run on ``device``, else why not: asked of its worker,
+    its package and a probe call; then its declaration."""
+    try:
+        answer = invoke(backend, Probe(device), timeout, executor)
+    except Skip as e:
+        return f"{backend.name} could not be probed on {device}: {e}"
+    except Failure:  # it crashed or raised: the audit's cases will say so
+        return None
+    if answer is not None:
+        return str(answer)[:300]
+    return backend.available(device)
 
 
 @checked

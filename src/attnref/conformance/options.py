@@ -101,8 +101,10 @@ def add_audit_options(add: Callable[..., Any], prefix: str = "", *, choices: boo
     option(
         "in-process",
         action="store_true",
-        help="run the backend in this process, not a supervised worker (for debugging; "
-        "an exit or a crash of the backend then ends the audit)",
+        help="run the backend in this process, not a supervised worker behind the trust "
+        "boundary (for debugging with pdb or a profiler). The verdict then TRUSTS the "
+        "backend: an exit or a crash ends the audit, and a backend that attacks the "
+        "harness can forge the result; the report says so",
     )
     option("no-grad", action="store_true", help="leave out the gradient property")
 
@@ -123,6 +125,10 @@ class AuditSettings:
     isolate: bool = True
     memory_limit: float | None = None  # GiB
     api: str | None = None  # the API family of a module:function backend (None: sdpa)
+
+    @property
+    def memory_limit_bytes(self) -> int | None:
+        return None if self.memory_limit is None else int(self.memory_limit * 2**30)
 
     def audit_kwargs(self) -> dict[str, Any]:
         """Keyword arguments of `attnref.conformance.audit`."""

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, replace
 import torch
 from hypothesis import strategies as st
 
-from attnref.conformance import checks, serving_checks
+from attnref.conformance import attacks, checks, serving_checks
 from attnref.conformance.backends import Backend, Capabilities
 from attnref.conformance.cases import Case, fixed_grid, variant_grid
 from attnref.conformance.checks import Check, Context
@@ -29,7 +29,15 @@ from attnref.conformance.strategies import (
 )
 from attnref.conformance.verdicts import Failure, Skip
 
-__all__ = ["PROPERTIES", "Context", "Property", "check_case", "get_property"]
+__all__ = [
+    "JUDGE_CLASS",
+    "MATRIX_PROPERTIES",
+    "PROPERTIES",
+    "Context",
+    "Property",
+    "check_case",
+    "get_property",
+]
 
 Cases = Callable[[Profile, Capabilities], st.SearchStrategy[Case]]
 
@@ -131,6 +139,10 @@ def _alignments(c: Capabilities) -> st.SearchStrategy[str]:
     if not c.bool_mask:
         return st.sampled_from(c.causal_alignments)
     return st.sampled_from(("top_left", "bottom_right"))
+
+
+#: one plain case: the late-write check waits a moment after each call, so it runs once
+_SETTLED = Case("settled_output", batch=(2,), h=2, g=2, Tq=7, Tk=13, Dh=8, Dv=8, seed=3)
 
 
 def _any_variant(caps: Capabilities) -> str | None:
@@ -672,8 +684,33 @@ PROPERTIES: dict[str, Property] = {
             requires=_needs_rotary_window,
             families=_KVCACHE,
         ),
+        Property(
+            "fresh_values",
+            "outputs follow values, not addresses: new values in the same buffers, the "
+            "same values in new buffers, calls interleaved and repeated",
+            (31,),
+            lambda p, c: case_strategy("fresh_values", p, c, batch=st.just((1,))),
+            attacks.fresh_values,
+        ),
+        Property(
+            "settled_output",
+            "the output as it stood at the return is right, and unchanged a moment later "
+            "(no thread or stream still writing it)",
+            (31,),
+            lambda p, c: st.just(_SETTLED),
+            attacks.settled_output,
+        ),
     ]
 }
+
+
+#: the bug class of attacks on the judge: its properties are proven on the backends of
+#: tests/hostile, not on the mutants
+JUDGE_CLASS = 31
+#: the properties of the kill matrix (docs/kill-matrix.md): those aimed at attention bugs
+MATRIX_PROPERTIES: tuple[str, ...] = tuple(
+    pid for pid, p in PROPERTIES.items() if JUDGE_CLASS not in p.classes
+)
 
 
 def get_property(pid: str) -> Property:
@@ -686,22 +723,31 @@ def get_property(pid: str) -> Property:
 
 def check_case(
     pid: str,
-    backend: Backend,
+    backend: Backend | str,
     case: Case,
     dtype: torch.dtype,
     device: str = "cpu",
     *,
+    api: str | None = None,
     isolate: bool = True,
     timeout: float = 60.0,
 ) -> str:
     """Check one case of property ``pid``: ``"pass"``, ``"skip: why"`` or ``"FAIL: why"``.
 
-    What reproducers call. ``isolate``: the backend runs in a supervised worker, so
-    that a crash is reported as a failure rather than ending the reproducer.
+    What reproducers call. ``backend``: a `Backend`, or a spec that only the worker
+    resolves (``api``: its family). ``isolate``: the backend runs in a supervised worker
+    behind the trust boundary, so that a crash is a failure rather than the end of the
+    reproducer; ``False`` runs it in this process, trusting it.
     """
+    from attnref.conformance.options import load_backend
     from attnref.conformance.worker import InProcess, Supervised
 
-    executor = Supervised(backend) if isolate else InProcess(backend)
+    executor: Supervised | InProcess
+    if isolate:
+        executor = Supervised(backend, api)
+    else:
+        executor = InProcess(load_backend(backend, api) if isinstance(backend, str) else backend)
+    backend = executor.backend
     try:
         get_property(pid).check(Context(backend, dtype, device, timeout, executor), case)
     except Skip as s:

@@ -1,14 +1,15 @@
 """Audit reports: a verdict per (property, dtype), a terminal table, a versioned JSON document.
 
-JSON schema (``schema_version`` 3; 3 added ``api``)::
+JSON schema (``schema_version`` 4; 3 added ``api``, 4 ``trusted``)::
 
     {
-      "schema_version": 3,
+      "schema_version": 4,
       "attnref_version": str, "torch_version": str,
       "backend": str, "api": "sdpa" | "flash", "device": str, "dtypes": [str],
       "profile": "quick" | "ci" | "thorough", "seed": int,
       "capabilities": {field of Capabilities: value},
       "started": ISO-8601 str, "seconds": float, "stopped_early": bool,
+      "trusted": bool,             # the backend ran in the judge's process (--in-process)
       "incomplete": null | str,    # why the audit did not finish (then "ok" is false)
       "summary": {"passed": int, "failed": int, "skipped": int, "checks": int, "ok": bool},
       "results": [
@@ -31,6 +32,7 @@ JSON schema (``schema_version`` 3; 3 added ``api``)::
 import datetime
 import json
 import math
+import os
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -44,7 +46,7 @@ from attnref.devices import dtype_name
 
 __all__ = ["SCHEMA_VERSION", "AuditReport", "Finding", "PropertyResult", "Status", "reproducer"]
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 
 #: the verdict on one (property, dtype)
 Status = Literal["pass", "fail", "skip"]
@@ -129,11 +131,10 @@ def reproducer(
         "import torch\n"
         "\n"
         "from attnref.conformance import Case, check_case\n"
-        "from attnref.conformance.options import load_backend\n"
         "\n"
         f"case = {case!r}\n"
-        f"verdict = check_case({pid!r}, load_backend({backend!r}{api_arg}), case, "
-        f"torch.{dt}, {device!r})\n"
+        "# the backend is imported and run in a supervised worker (isolate=False: here)\n"
+        f"verdict = check_case({pid!r}, {backend!r}, case, torch.{dt}, {device!r}{api_arg})\n"
         "print(verdict)\n"
         'sys.exit(1 if verdict.startswith("FAIL") else 0)\n'
     )
@@ -156,6 +157,8 @@ class AuditReport:
     api: str = "sdpa"  # the backend's calling convention (attnref.conformance.families)
     #: why the audit did not finish ("" when it did): a deadline, an interrupt
     incomplete: str = ""
+    #: the backend ran in the judge's own process (``--in-process``): the verdict trusts it
+    trusted: bool = False
     _t0: float = 0.0
 
     @classmethod
@@ -190,8 +193,18 @@ class AuditReport:
 
     @property
     def ok(self) -> bool:
-        """True when the audit finished and nothing failed."""
-        return self.count("fail") == 0 and not self.incomplete
+        """True when the audit finished, checked something, and nothing failed (an audit
+        whose every property was skipped vouches for nothing: a backend that calls itself
+        unavailable, or refuses every call, does not pass)."""
+        return self.count("fail") == 0 and self.count("pass") > 0 and not self.incomplete
+
+    def verdict(self) -> str:
+        """``OK``, ``FAILED``, or ``NOTHING CHECKED`` (every property skipped)."""
+        if self.ok:
+            return "OK"
+        if not self.count("fail") and not self.count("pass") and not self.incomplete:
+            return "NOTHING CHECKED (not OK: every property was skipped)"
+        return "FAILED"
 
     def failed_properties(self) -> set[str]:
         """The ids of the properties that failed in at least one dtype."""
@@ -218,6 +231,7 @@ class AuditReport:
             "started": self.started,
             "seconds": round(self.seconds, 3),
             "stopped_early": self.stopped_early,
+            "trusted": self.trusted,
             "incomplete": self.incomplete or None,
             "summary": {
                 "passed": self.count("pass"),
@@ -236,7 +250,7 @@ class AuditReport:
         Returns the files written.
         """
         path = Path(path)
-        path.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+        _write_atomically(path, json.dumps(self.to_dict(), indent=2) + "\n")
         written = [path]
         findings = [r for r in self.results if r.finding is not None]
         if findings:
@@ -245,7 +259,7 @@ class AuditReport:
             for r in findings:
                 assert r.finding is not None
                 out = folder / f"{r.property}-{dtype_name(r.dtype)}.py"
-                out.write_text(r.finding.reproducer)
+                _write_atomically(out, r.finding.reproducer)
                 written.append(out)
         return written
 
@@ -292,14 +306,28 @@ class AuditReport:
             lines += ["", "stopped at the first failure (--fail-fast)"]
         if self.incomplete:
             lines += ["", f"INCOMPLETE: {self.incomplete}"]
+        if self.trusted:
+            lines += [
+                "",
+                "TRUSTED: the backend ran in the judge's own process (--in-process); a "
+                "backend that attacks the harness could have forged this verdict",
+            ]
         checks = sum(r.checks for r in self.results)
         lines += [
             "",
             f"{self.count('pass')} passed, {self.count('fail')} failed, "
             f"{self.count('skip')} skipped ({checks} cases checked) in {self.seconds:.1f} s: "
-            + ("OK" if self.ok else "FAILED"),
+            + self.verdict(),
         ]
         return "\n".join(lines)
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    """Write ``text`` to a temporary file beside ``path``, then rename it over ``path``: a
+    reader sees the old file or the new one, never a mix."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
 
 
 def _cell(r: PropertyResult | None) -> str:

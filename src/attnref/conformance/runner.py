@@ -8,6 +8,7 @@ backend never crashes or hangs the audit: its code runs in a supervised worker
 into a verdict.
 """
 
+import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -17,9 +18,11 @@ from hypothesis import HealthCheck, Phase, Verbosity, given, settings
 from hypothesis import seed as hypothesis_seed
 from tqdm import tqdm
 
+from attnref._checking import checking_enabled, set_checking
 from attnref.conformance.backends import Backend
-from attnref.conformance.calls import TIMED_OUT
+from attnref.conformance.calls import TIMED_OUT, availability
 from attnref.conformance.cases import Case
+from attnref.conformance.options import load_backend
 from attnref.conformance.profiles import Profile, get_profile
 from attnref.conformance.properties import (
     PROPERTIES,
@@ -177,8 +180,10 @@ def run_property(
 
 
 def audit(
-    backend: Backend,
+    backend: Backend | str,
     *,
+    api: str | None = None,
+    executor: Executor | None = None,
     profile: str | Profile = "quick",
     device: str | None = None,
     dtypes: Sequence[torch.dtype] | None = None,
@@ -197,15 +202,23 @@ def audit(
 ) -> AuditReport:
     """Audit ``backend`` against the float64 oracle: every property in every dtype.
 
+    ``backend``: a `Backend`, or a spec (``module:function``, a built-in, ``mutant.NAME``)
+    that only the worker resolves (``api``: its API family), its declaration read back as
+    data. ``executor``: where its code runs (default: a new supervised worker, closed
+    at the end; one given is left open for the caller to close).
+
     ``dtypes`` defaults to every dtype the backend declares; ``properties`` to all of
     them (`PROPERTIES`); ``gradients=False`` leaves out the gradient property;
     ``fail_fast`` stops after the first failing property. A property the backend
     cannot be held to (an undeclared capability) is skipped and counted. The audit never
     raises because of the backend.
 
-    ``isolate``: the backend's code runs in a supervised worker process
-    (`attnref.conformance.worker.Supervised`), so that an exit, a crash or a hang is a
-    failure of one case; ``False`` runs it in a thread of this process. ``threads``:
+    ``isolate``: the backend's code runs in a supervised worker process behind the trust
+    boundary (`attnref.conformance.worker.Supervised`), so that an exit, a crash or a
+    hang is a failure of one case and nothing it does reaches the judge; ``False`` runs
+    it in a thread of this process, trusting it. The judge runs its own oracle with
+    runtime shape checking off (its inputs are the audit's own cases, and the test suite
+    runs the same oracle checked); ``ATTNREF_CHECK_JUDGE=1`` keeps it on. ``threads``:
     torch's intra-op threads here and in the worker (the cases are small: one is
     fastest, and far faster on a loaded machine). After the backend's first timeout,
     later calls wait at most ten times its slowest answer (at least 1 s).
@@ -219,6 +232,20 @@ def audit(
     """
     prof = get_profile(profile) if isinstance(profile, str) else profile
     device = device or best_device()
+    limit = None if memory_limit is None else int(memory_limit * 2**30)
+    owned = executor is None
+    if executor is None:
+        if isolate:
+            executor = Supervised(backend, api, threads=threads, memory_limit=limit)
+        else:
+            executor = InProcess(
+                load_backend(backend, api) if isinstance(backend, str) else backend
+            )
+    if isinstance(backend, str):
+        declared = getattr(executor, "backend", None)
+        if not isinstance(declared, Backend):
+            raise TypeError("an executor for a backend given by its spec must know its backend")
+        backend = declared
     if properties:
         chosen = [get_property(p) for p in properties]
     else:  # every property a backend of its API family can be held to
@@ -235,18 +262,18 @@ def audit(
         backend.capabilities,
         backend.api,
     )
-    unavailable = backend.available(device)
+    report.trusted = executor.trusted
     work = [(p, d) for p in chosen for d in dtype_list]
     stop_at = None if deadline is None else time.perf_counter() + deadline
     threads_before = torch.get_num_threads()
     torch.set_num_threads(threads)
-    limit = None if memory_limit is None else int(memory_limit * 2**30)
-    executor: Executor = (
-        Supervised(backend, threads=threads, memory_limit=limit) if isolate else InProcess(backend)
-    )
+    was_checking = checking_enabled()
     wait = timeout
     bar = tqdm(work, desc=f"audit {backend.name}", disable=not progress, leave=False)
     try:
+        if os.environ.get("ATTNREF_CHECK_JUDGE") != "1":
+            set_checking(False)
+        unavailable = availability(backend, device, timeout, executor)
         for prop, dtype in bar:
             bar.set_postfix_str(f"{prop.id} {dtype_name(dtype)}")
             if unavailable is not None:
@@ -290,7 +317,9 @@ def audit(
         raise
     finally:
         bar.close()
-        executor.close()
+        if owned:
+            executor.close()
+        set_checking(was_checking)
         torch.set_num_threads(threads_before)
         report.finish()
     return report

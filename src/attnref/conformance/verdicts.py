@@ -41,4 +41,5 @@ class Skip(Exception):  # noqa: N818 (a signal, like pytest.skip)
 def one_line(e: BaseException) -> str:
     """``Type: first line of the message``."""
     text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0] if text else ''}"
+    name = getattr(e, "type_name", type(e).__name__)  # a RemoteError: the backend's type
+    return f"{name}: {text[0] if text else ''}"

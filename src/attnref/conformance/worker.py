@@ -1,48 +1,82 @@
-"""Where backend code runs: a supervised worker process, or (``--in-process``) a thread.
+"""Where backend code runs: a supervised worker process behind a trust boundary.
 
-A backend under audit may do anything to the process it runs in: exit (with any code),
-segfault, abort, hang, allocate without bound. The audit's verdict must survive all of
-it, so by default backend code runs in one long-lived worker process that the audit
-supervises (`Supervised`): a call that never answers is killed after its timeout, a
-worker that dies in the middle of a call is reported with its exit code or signal, and
-either way a fresh worker serves the next call. The worker is forked where that is safe
-(Linux, CUDA not initialised in the audit's process) and spawned otherwise; a spawned
-worker resolves the backend again by its name.
+The process that judges (draws cases, computes the oracle, writes the report, decides the
+exit code) never runs a line of backend code. A backend under audit may do anything to
+the process it runs in: exit, segfault, hang, patch torch, register ``atexit`` hooks,
+start threads, return objects that run code when read. So:
 
-A `Job` is what crosses into the worker: the call's arguments (and, for the gradient
-property, the output's gradient). The worker also checks that the backend left its
-inputs exactly as it got them, bit for bit.
+- The backend's module is imported in the worker only. The worker is forked from a
+  forkserver, a clean interpreter that has imported torch and attnref and nothing else
+  (spawned where there is no forkserver), never from the judge, which holds cases and
+  expected outputs. Its first message is the backend's declaration, as plain data
+  (`attnref.conformance.backends.declaration`), which the judge validates.
+- Everything crosses as data through `attnref.conformance.wire`: jobs one way; outputs,
+  errors (type name, message, traceback text) and verdicts of the worker's own checks
+  the other. Nothing is unpickled.
+- The worker checks, around each call, that the backend left its inputs as it got them
+  (bit for bit, but for the arguments it may write, `Job.writable`), snapshots the output
+  the moment the call returns, and, when the backend left a thread running (or the job
+  asks, `Job.recheck`), reads the output again a moment later: a backend still writing
+  after it returned is caught, and its thread named.
 
-`InProcess` runs the same jobs in a daemon thread of the audit's own process, as before
-(``--in-process``, for debugging a backend with pdb or a profiler).
+`Supervised` is the judge's handle on such a worker: a call that never answers is killed
+after its timeout, a worker that dies is reported with its exit code or signal, and a
+fresh worker serves the next call. `InProcess` runs the same jobs in a thread of the
+judge's own process (``--in-process``, for debugging with pdb or a profiler): it then
+trusts the backend.
 """
 
 import contextlib
-import ctypes
 import faulthandler
 import multiprocessing
 import multiprocessing.connection
-import pickle
+import os
 import signal
 import sys
 import threading
 import time
+import traceback
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 import torch
-from jaxtyping import Shaped
 from torch import Tensor
 
-from attnref._checking import checked_internal
-from attnref.conformance.backends import Backend
+from attnref._checking import checking_enabled, set_checking
+from attnref.conformance.backends import Backend, BackendError, declaration, from_declaration
+from attnref.conformance.wire import Rejected, decode, encode
 
-__all__ = ["BackendDied", "Executor", "InProcess", "Job", "ModifiedInputs", "Raised", "Supervised"]
+__all__ = [
+    "BackendDied",
+    "Executor",
+    "InProcess",
+    "InternalError",
+    "Job",
+    "LateWrite",
+    "ModifiedInputs",
+    "Probe",
+    "Raised",
+    "RemoteError",
+    "Series",
+    "Supervised",
+    "Unaccepted",
+]
+
+
+class RemoteError(Exception):
+    """An exception raised by backend code, as it crossed the boundary: its type's name,
+    its message and its traceback's text (the exception object itself never crosses)."""
+
+    def __init__(self, type_name: str, message: str, traceback_text: str = "") -> None:
+        super().__init__(message)
+        self.type_name = type_name
+        self.traceback_text = traceback_text
 
 
 class Raised(Exception):  # noqa: N818 (a wrapper, not an error of ours)
-    """What the backend raised (``.error``), carried out of the executor as it was, so
-    that the audit's own interrupts (Ctrl-C in this process) are never mistaken for it."""
+    """What the backend raised (``.error``), carried out of the executor, so that the
+    audit's own interrupts (Ctrl-C in this process) are never mistaken for it."""
 
     def __init__(self, error: BaseException) -> None:
         super().__init__(str(error))
@@ -57,73 +91,16 @@ class ModifiedInputs(Exception):  # noqa: N818 (a verdict on the backend)
     """The backend changed a tensor it was given."""
 
 
-class _Packed:
-    """A CPU tensor as plain data: its storage's bytes and how it views them (dtype,
-    shape, strides, offset), so that layouts (transposed, sliced, stride 0) cross the
-    pipe as they are. Much cheaper than pickling the tensor itself."""
-
-    __slots__ = ("data", "dtype", "offset", "shape", "stride")
-
-    def __init__(self, t: Shaped[Tensor, "..."]) -> None:
-        storage = t.untyped_storage()
-        self.data = ctypes.string_at(storage.data_ptr(), storage.nbytes())
-        self.dtype = str(t.dtype).removeprefix("torch.")
-        self.shape, self.stride, self.offset = tuple(t.shape), t.stride(), t.storage_offset()
-
-    def tensor(self) -> Shaped[Tensor, "..."]:
-        dtype = getattr(torch, self.dtype)
-        raw = (
-            torch.frombuffer(bytearray(self.data), dtype=torch.uint8)
-            if self.data
-            else torch.empty(0, dtype=torch.uint8)
-        )
-        return raw.view(dtype).as_strided(self.shape, self.stride, self.offset)
+class LateWrite(Exception):  # noqa: N818 (a verdict on the backend)
+    """The backend's output changed after its call returned."""
 
 
-def _pack(obj: Any) -> Any:
-    """``obj`` with every CPU tensor in it (in a `Job`, tuples, lists, dicts) as `_Packed`."""
-    if isinstance(obj, Tensor) and obj.device.type == "cpu" and not obj.requires_grad:
-        return _Packed(obj)
-    if isinstance(obj, Job):
-        return Job(_pack(obj.args), _pack(obj.kwargs), _pack(obj.d_out), obj.writable)
-    if isinstance(obj, tuple | list):
-        return type(obj)(_pack(x) for x in obj)
-    if isinstance(obj, dict):
-        return {k: _pack(v) for k, v in obj.items()}
-    return obj
+class Unaccepted(Exception):  # noqa: N818 (a verdict on the backend)
+    """The backend returned (or its worker sent) something the audit does not accept."""
 
 
-def _unpack(obj: Any) -> Any:
-    if isinstance(obj, _Packed):
-        return obj.tensor()
-    if isinstance(obj, Job):
-        return Job(_unpack(obj.args), _unpack(obj.kwargs), _unpack(obj.d_out), obj.writable)
-    if isinstance(obj, tuple | list):
-        return type(obj)(_unpack(x) for x in obj)
-    if isinstance(obj, dict):
-        return {k: _unpack(v) for k, v in obj.items()}
-    return obj
-
-
-def _dumps(obj: Any) -> bytes:
-    return pickle.dumps(_pack(obj), protocol=pickle.HIGHEST_PROTOCOL)
-
-
-def _loads(data: bytes) -> Any:
-    return _unpack(pickle.loads(data))
-
-
-@checked_internal
-def _fingerprint(t: Shaped[Tensor, "..."]) -> tuple[Any, ...]:
-    """Shape, strides, offset and every byte of ``t``: equal only if nothing changed (NaN
-    compared as bits, so a NaN left in place is unchanged)."""
-    data = t.detach().contiguous().cpu()
-    raw = data.view(torch.uint8) if data.element_size() == 1 else data.view(-1).view(torch.uint8)
-    return (tuple(t.shape), t.stride(), t.storage_offset(), t.dtype, raw.clone())
-
-
-def _same(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
-    return a[:4] == b[:4] and torch.equal(a[4], b[4])
+class InternalError(Exception):
+    """attnref's own code failed in the worker: an error of attnref, not of the backend."""
 
 
 @dataclass
@@ -132,63 +109,371 @@ class Job:
     backward pass, returning ``(dQ, dK, dV)`` for the first three arguments.
 
     ``writable``: the positional arguments the backend may change in place (a KV cache
-    it appends to); the job then returns ``(result, those arguments as it left them)``,
-    so that a supervised worker sends them back to be judged.
+    it appends to); the job then returns ``(result, those arguments as it left them)``.
+    ``recheck``: read the output again this many seconds after the call returned, and
+    fail if it changed (0: only when the backend left a thread running).
     """
 
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
     d_out: Tensor | None = None
     writable: tuple[int, ...] = ()
+    recheck: float = 0.0
 
-    def run(self, backend: Backend) -> Any:
-        args, kwargs = self.args, self.kwargs
-        sinks = None
-        if self.d_out is not None:  # the query, key and value (and sinks) become leaves
-            args = (*(t.detach().requires_grad_(True) for t in args[:3]), *args[3:])
-            if isinstance(kwargs.get("sinks"), Tensor):
-                sinks = kwargs["sinks"].detach().requires_grad_(True)
-                kwargs = {**kwargs, "sinks": sinks}
-        tensors = [
-            (f"argument {i}", t)
-            for i, t in enumerate(args)
-            if isinstance(t, Tensor) and i not in self.writable
-        ] + [(k, t) for k, t in kwargs.items() if isinstance(t, Tensor)]
-        before = [_fingerprint(t) for _, t in tensors]
+    def message(self) -> dict[str, Any]:
+        return {
+            "job": "call",
+            "args": self.args,
+            "kwargs": self.kwargs,
+            "d_out": self.d_out,
+            "writable": list(self.writable),
+            "recheck": self.recheck,
+        }
+
+
+@dataclass
+class Series:
+    """Several calls in one worker, in order; ``into[i] = j`` writes call ``i``'s tensor
+    values into call ``j``'s buffers in place and calls the backend on those buffers
+    (``None``: on call ``i``'s own, new buffers). Returns each call's outcome: its
+    output, or the exception it raised (`Raised`, `ModifiedInputs`, ...)."""
+
+    calls: tuple[Job, ...]
+    into: tuple[int | None, ...]
+
+    def message(self) -> dict[str, Any]:
+        return {"job": "series", "calls": [c.message() for c in self.calls], "into": self.into}
+
+
+@dataclass
+class Probe:
+    """Whether the backend can run on ``device``: ``None``, or why not (its package is
+    missing, or a small call raised)."""
+
+    device: str
+
+    def message(self) -> dict[str, Any]:
+        return {"job": "probe", "device": self.device}
+
+
+# ----------------------------------------------------------- the worker's side
+
+
+class _Unsupported:
+    """What `snapshot` puts where the backend returned something that may not cross."""
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+
+
+def snapshot(obj: Any) -> Any:
+    """``obj`` with every plain tensor copied as it is now (so a later write by the
+    backend cannot change what is judged), and anything else that may not cross named."""
+    if type(obj) is Tensor:
+        if obj.layout != torch.strided:
+            return _Unsupported(f"a {str(obj.layout).removeprefix('torch.')} tensor")
+        return obj.detach().clone()
+    if isinstance(obj, Tensor):
+        kind = type(obj)
+        return _Unsupported(
+            f"a tensor subclass {kind.__module__}.{kind.__qualname__} (only plain strided "
+            "torch.Tensor outputs are accepted)"
+        )
+    if type(obj) in (tuple, list):
+        return type(obj)(snapshot(x) for x in obj)
+    if type(obj) is dict:
+        return {k: snapshot(v) for k, v in obj.items()}
+    if obj is None or type(obj) in (bool, int, float, str):
+        return obj
+    kind = type(obj)
+    return _Unsupported(f"an object of type {kind.__module__}.{kind.__qualname__}")
+
+
+def _tensors(obj: Any) -> list[Tensor]:
+    if type(obj) is Tensor:
+        return [obj]
+    if type(obj) in (tuple, list):
+        return [t for x in obj for t in _tensors(x)]
+    if type(obj) is dict:
+        return [t for x in obj.values() for t in _tensors(x)]
+    return []
+
+
+def _fingerprint(t: Tensor) -> tuple[Any, ...]:
+    """Shape, strides, offset and every byte of ``t``'s values: equal only if nothing
+    changed (NaN compared as bits). Any layout: a size-1 dimension may have any stride."""
+    data = t.detach().cpu().clone(memory_format=torch.contiguous_format).reshape(-1)
+    raw = data.view(torch.uint8)
+    return (tuple(t.shape), t.stride(), t.storage_offset(), t.dtype, raw)
+
+
+def _same(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
+    return a[:4] == b[:4] and torch.equal(a[4], b[4])
+
+
+def error_reply(status: str, e: BaseException) -> dict[str, Any]:
+    try:
+        message = str(e)
+    except BaseException:
+        message = "<the exception's message could not be read>"
+    try:
+        text = "".join(traceback.format_exception(e))
+    except BaseException:
+        text = ""
+    return {"status": status, "type": type(e).__name__, "message": message, "traceback": text}
+
+
+def _encode_unsupported(obj: Any) -> Any:
+    """The snapshot with `_Unsupported` markers as the wire's ``unsupported`` nodes."""
+    if isinstance(obj, _Unsupported):
+        raise Rejected(obj.what)
+    if type(obj) in (tuple, list):
+        return type(obj)(_encode_unsupported(x) for x in obj)
+    if type(obj) is dict:
+        return {k: _encode_unsupported(v) for k, v in obj.items()}
+    return obj
+
+
+def _call(backend: Backend, job: dict[str, Any], buffers: tuple[Any, Any] | None = None) -> Any:
+    """Run one call job in this (the worker's) process; a reply tree."""
+    args, kwargs = buffers if buffers is not None else (tuple(job["args"]), dict(job["kwargs"]))
+    d_out, writable, recheck = job["d_out"], tuple(job["writable"]), float(job["recheck"])
+    sinks = None
+    if d_out is not None:  # the query, key and value (and sinks) become leaves
+        args = (*(t.detach().requires_grad_(True) for t in args[:3]), *args[3:])
+        if isinstance(kwargs.get("sinks"), Tensor):
+            sinks = kwargs["sinks"].detach().requires_grad_(True)
+            kwargs = {**kwargs, "sinks": sinks}
+    tensors = [
+        (f"argument {i}", t)
+        for i, t in enumerate(args)
+        if isinstance(t, Tensor) and i not in writable
+    ] + [(k, t) for k, t in kwargs.items() if isinstance(t, Tensor)]
+    before = [_fingerprint(t) for _, t in tensors]
+    threads = set(threading.enumerate())
+    try:
         out: Any = backend(*args, **kwargs)
-        if self.d_out is not None:
+        if d_out is not None:
             if not isinstance(out, Tensor) or not out.requires_grad:
                 raise RuntimeError("the output does not require grad: no gradient reaches Q, K, V")
             # backward() as a training loop calls it (torch.autograd.grad would refuse a
             # reentrant torch.utils.checkpoint inside the backend)
-            torch.autograd.backward(out, self.d_out)
+            torch.autograd.backward(out, d_out)
             leaves = (*args[:3], *(() if sinks is None else (sinks,)))
             out = tuple(None if t.grad is None else t.grad.detach() for t in leaves)
-        changed = [
-            name
-            for (name, t), b in zip(tensors, before, strict=True)
-            if not _same(_fingerprint(t), b)
-        ]
-        if changed:
-            names = {"argument 0": "query", "argument 1": "key", "argument 2": "value"}
-            raise ModifiedInputs(
-                "the backend modified its inputs: " + ", ".join(names.get(n, n) for n in changed)
+        if writable:
+            out = (out, tuple(args[i] for i in writable))
+        if out is not None and type(out) is Tensor:
+            out = out.detach()
+        value = snapshot(out)  # as it stood when the call returned
+    except BaseException as e:
+        return error_reply("raised", e)
+    changed = [
+        name for (name, t), b in zip(tensors, before, strict=True) if not _same(_fingerprint(t), b)
+    ]
+    if changed:
+        names = {"argument 0": "query", "argument 1": "key", "argument 2": "value"}
+        return {"status": "modified", "names": [names.get(n, n) for n in changed]}
+    left = [t for t in threading.enumerate() if t not in threads and t.is_alive()]
+    if left or recheck > 0:
+        late = _late_write(out, value, max(recheck, 0.05), left)
+        if late is not None:
+            return {"status": "late", "message": late}
+    try:
+        return {"status": "ok", "value": _encode_unsupported(value)}
+    except Rejected as e:
+        return {"status": "unaccepted", "message": str(e)}
+
+
+def _late_write(out: Any, value: Any, wait: float, left: list[threading.Thread]) -> str | None:
+    """Why the output changed since ``value`` was taken, ``wait`` seconds later, or None."""
+    time.sleep(wait)
+    if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+        torch.cuda.synchronize()  # work on a side stream lands too
+    now, then = _tensors(snapshot(out)), _tensors(value)
+    if len(now) == len(then) and all(
+        _same(_fingerprint(a), _fingerprint(b)) for a, b in zip(now, then, strict=True)
+    ):
+        return None
+    threads = ", ".join(repr(t.name) for t in left)
+    running = f"; a thread it left running: {threads}" if threads else ""
+    return (
+        f"the backend was still writing its output after it returned (it changed within "
+        f"{wait:g} s of the return){running}"
+    )
+
+
+def rewrite(dst: Any, src: Any) -> None:
+    """Write every tensor of ``src`` into the tensor at the same place in ``dst``."""
+    for a, b in zip(_tensors(dst), _tensors(src), strict=True):
+        same_view = (a.shape, a.stride(), a.storage_offset()) == (
+            b.shape,
+            b.stride(),
+            b.storage_offset(),
+        )
+        if same_view and a.untyped_storage().nbytes() == b.untyped_storage().nbytes():
+            a.untyped_storage().copy_(b.untyped_storage())  # stride 0 and padding included
+        else:
+            a.copy_(b)
+
+
+def _series(backend: Backend, job: dict[str, Any]) -> Any:
+    kept: list[tuple[Any, Any]] = []
+    replies = []
+    for call, into in zip(job["calls"], job["into"], strict=True):
+        buffers = (tuple(call["args"]), dict(call["kwargs"]))
+        if into is not None:
+            rewrite(kept[into], buffers)
+            buffers = kept[into]
+        kept.append(buffers)
+        replies.append(_call(backend, call, buffers))
+    return {"status": "ok", "value": replies}
+
+
+def _probe(backend: Backend, job: dict[str, Any]) -> Any:
+    import importlib.util
+
+    device = str(job["device"])
+    if backend.needs is not None and importlib.util.find_spec(backend.needs) is None:
+        why = f"{backend.name} needs the {backend.needs} package, which is not installed here"
+        return {"status": "ok", "value": why}
+    if backend.probe and backend.available(device) is None:
+        q = torch.randn(1, 1, 8, 64, device=device, dtype=backend.capabilities.dtypes[-1])
+        try:
+            backend(q, q, q)
+        except Exception as e:  # the backend says why it cannot run here
+            first = (str(e).strip().splitlines() or [""])[0]
+            return {"status": "ok", "value": f"{backend.name} is unavailable on {device}: {first}"}
+    return {"status": "ok", "value": None}
+
+
+#: what the worker does for each kind of job; more kinds register here (the bench's)
+HANDLERS: dict[str, Callable[[Backend, dict[str, Any]], Any]] = {
+    "call": _call,
+    "series": _series,
+    "probe": _probe,
+}
+
+
+def handle(backend: Backend, message: dict[str, Any]) -> bytes:
+    """The encoded reply to one job message; attnref's own failures are marked internal."""
+    try:
+        kind = message["job"]
+        if kind.startswith("bench_") and kind not in HANDLERS:
+            import attnref.bench.worker  # noqa: F401 (registers the bench's jobs)
+        reply = _encode_unsupported(HANDLERS[kind](backend, message))
+    except Rejected as e:  # the backend returned something that may not cross
+        reply = {"status": "unaccepted", "message": str(e)}
+    except BaseException as e:
+        reply = error_reply("internal", e)
+    try:
+        return encode(reply)
+    except Rejected as e:  # the backend returned something that may not cross
+        return encode({"status": "unaccepted", "message": str(e)})
+    except BaseException as e:
+        return encode(error_reply("internal", e))
+
+
+def _serve(
+    conn: multiprocessing.connection.Connection,
+    spec: str,
+    api: str | None,
+    threads: int,
+    memory_limit: int | None,
+    checking: bool = True,
+) -> None:
+    """The worker's loop: say what the backend declares, then answer job after job."""
+    with contextlib.suppress(OSError):
+        os.setpgid(0, 0)  # its own process group, so that the judge can end what it starts
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the audit's to handle
+    faulthandler.disable()  # a crash is the audit's to report, in one line
+    torch.set_num_threads(threads)
+    set_checking(checking)  # as in the judge when the worker was asked for
+    if memory_limit is not None:
+        import resource
+
+        resource.setrlimit(resource.RLIMIT_AS, (memory_limit, memory_limit))
+    from attnref.conformance.options import load_backend
+
+    try:
+        backend = load_backend(spec, api)
+        conn.send_bytes(encode({"status": "ok", "value": declaration(backend)}))
+    except BaseException as e:
+        conn.send_bytes(encode(error_reply("raised", e)))
+        return
+    while True:
+        try:
+            message = conn.recv_bytes()
+        except EOFError:
+            return
+        conn.send_bytes(handle(backend, decode(message)))
+        sys.stdout.flush()
+
+
+# ------------------------------------------------------------ the judge's side
+
+
+def outcome(reply: Any) -> Any:
+    """The value of a decoded reply, or the exception it stands for (raised).
+
+    Raises:
+        Raised: the backend raised (``.error`` a `RemoteError`), modified its inputs
+            (`ModifiedInputs`), wrote its output late (`LateWrite`), or returned something
+            the audit does not accept (`Unaccepted`).
+        InternalError: attnref's own code failed in the worker.
+    """
+    if type(reply) is not dict or type(reply.get("status")) is not str:
+        raise Raised(Unaccepted(f"the worker sent a malformed reply: {str(reply)[:200]}"))
+    status = reply["status"]
+    if status == "ok":
+        return reply.get("value")
+    text = {k: str(reply.get(k, "")) for k in ("type", "message", "traceback")}
+    if status == "raised":
+        raise Raised(RemoteError(text["type"], text["message"], text["traceback"]))
+    if status == "modified":
+        names = reply.get("names")
+        listed = ", ".join(str(n) for n in names) if type(names) is list else "?"
+        raise Raised(ModifiedInputs(f"the backend modified its inputs: {listed}"))
+    if status == "late":
+        raise Raised(LateWrite(text["message"]))
+    if status == "unaccepted":
+        raise Raised(
+            Unaccepted(
+                f"the backend returned an object the audit does not accept: {text['message']}"
             )
-        result = out.detach() if isinstance(out, Tensor) else out
-        if self.writable:
-            return result, tuple(args[i] for i in self.writable)
-        return result
+        )
+    if status == "internal":
+        raise InternalError(
+            f"attnref's own code failed in the worker (a bug of attnref, not of the backend): "
+            f"{text['type']}: {text['message']}\n{text['traceback']}"
+        )
+    raise Raised(Unaccepted(f"the worker sent a reply of unknown status {status[:50]!r}"))
+
+
+def series_outcomes(replies: Any, count: int) -> list[Any]:
+    """A `Series`' replies, each its value or the `Raised` / `InternalError` it stands for."""
+    if type(replies) is not list or len(replies) != count:
+        raise Raised(Unaccepted("the worker sent a malformed reply to a series of calls"))
+    results: list[Any] = []
+    for reply in replies:
+        try:
+            results.append(outcome(reply))
+        except (Raised, InternalError) as e:
+            results.append(e)
+    return results
 
 
 @runtime_checkable
 class Executor(Protocol):
-    """Runs jobs for one backend; ``slowest`` is its slowest answered job, in seconds."""
+    """Runs jobs for one backend; ``slowest`` is its slowest answered job, in seconds;
+    ``trusted``: whether the backend runs in the judge's own process."""
 
     slowest: float
+    trusted: bool
 
-    def run(self, job: Job, timeout: float) -> Any:
-        """What the job returns. Raises `Raised` (what the backend raised, including
-        `ModifiedInputs`), `BackendDied`, or ``TimeoutError`` after ``timeout`` seconds."""
+    def run(self, job: Job | Series | Probe | Any, timeout: float) -> Any:
+        """What the job returns. Raises `Raised` (what the backend did wrong),
+        `BackendDied`, ``TimeoutError`` after ``timeout`` seconds, or `InternalError`."""
         ...
 
     def close(self) -> None: ...
@@ -196,22 +481,24 @@ class Executor(Protocol):
 
 class InProcess:
     """Jobs in a daemon thread of this process; a job still running after its timeout is
-    abandoned (the thread cannot be killed)."""
+    abandoned (the thread cannot be killed). The replies take the same path as a
+    worker's (encoded, decoded), so every check holds, but the backend is trusted: its
+    code runs in the judge's process."""
+
+    trusted = True
 
     def __init__(self, backend: Backend) -> None:
         self.backend = backend
         self.slowest = 0.0
+        self.history: list[Tensor] = []  # the latest outputs (`calls.remember`)
 
-    def run(self, job: Job, timeout: float) -> Any:
+    def run(self, job: Any, timeout: float) -> Any:
         t0 = time.perf_counter()
-        result: list[Any] = []
-        error: list[BaseException] = []
+        result: list[bytes] = []
+        message = decode(encode(job.message()))
 
         def target() -> None:
-            try:
-                result.append(job.run(self.backend))
-            except BaseException as e:
-                error.append(e)
+            result.append(handle(self.backend, message))
 
         thread = threading.Thread(target=target, daemon=True)
         thread.start()
@@ -219,12 +506,25 @@ class InProcess:
         if thread.is_alive():
             raise TimeoutError(f"no answer within {timeout:g} s")
         self.slowest = max(self.slowest, time.perf_counter() - t0)
-        if error:
-            raise Raised(error[0])
-        return result[0]
+        return _read(result[0])
 
     def close(self) -> None:
         pass
+
+
+def _read(data: bytes) -> Any:
+    try:
+        reply = decode(data)
+    except Rejected as e:
+        raise Raised(
+            Unaccepted(f"the worker sent a message the audit does not accept: {e}")
+        ) from None
+    except Exception as e:  # a tensor that cannot be rebuilt here, say
+        message = f"{type(e).__name__}: {e}"[:300]
+        raise Raised(
+            Unaccepted(f"the worker sent a message the audit cannot read: {message}")
+        ) from None
+    return outcome(reply)
 
 
 def _describe_exit(code: int | None) -> str:
@@ -239,106 +539,160 @@ def _describe_exit(code: int | None) -> str:
     return f"the backend ended its process with exit code {code}"
 
 
-def _serve(
-    conn: multiprocessing.connection.Connection,
-    backend: Backend | None,
-    spec: str,
-    api: str,
-    threads: int,
-    memory_limit: int | None,
-) -> None:
-    """The worker's loop: receive a pickled job, run it, send back a pickled result."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the audit's to handle
-    faulthandler.disable()  # a crash is the audit's to report, in one line
-    torch.set_num_threads(threads)
-    if memory_limit is not None:
-        import resource
+def _context() -> Any:
+    """A forkserver that has imported torch and attnref (a clean process, never a fork of
+    the judge); spawn where there is none."""
+    if "forkserver" in multiprocessing.get_all_start_methods():
+        ctx = multiprocessing.get_context("forkserver")
+        ctx.set_forkserver_preload(["attnref.conformance.worker"])
+        return ctx
+    return multiprocessing.get_context("spawn")
 
-        resource.setrlimit(resource.RLIMIT_AS, (memory_limit, memory_limit))
-    if backend is None:  # spawned: resolve the backend again, by name
-        from attnref.conformance.options import load_backend
 
-        backend = load_backend(spec, api)
-    while True:
-        try:
-            message = conn.recv_bytes()
-        except EOFError:
-            return
-        job: Job = _loads(message)
-        try:
-            reply = ("ok", job.run(backend))
-        except BaseException as e:
-            reply = ("error", e)
-        try:
-            data = _dumps(reply)
-        except Exception as e:  # an unpicklable result or exception: say what it was
-            data = _dumps(("error", RuntimeError(f"{type(e).__name__}: {e}")))
-        conn.send_bytes(data)
-        sys.stdout.flush()
+@contextlib.contextmanager
+def _main_hidden() -> Iterator[None]:
+    """The judge's ``__main__`` hidden while a worker starts: the worker needs only
+    attnref, and multiprocessing would otherwise run the judge's script again there."""
+    main = sys.modules["__main__"]
+    saved: dict[str, Any] = {
+        k: main.__dict__[k] for k in ("__file__", "__spec__") if k in main.__dict__
+    }
+    main.__dict__.pop("__file__", None)
+    main.__dict__["__spec__"] = None
+    try:
+        yield
+    finally:
+        main.__dict__.pop("__spec__", None)
+        main.__dict__.update(saved)
+
+
+def start_forkserver() -> None:
+    """Start the forkserver now, in the background of whatever the judge does next."""
+    if "forkserver" in multiprocessing.get_all_start_methods():
+        from multiprocessing import forkserver
+
+        _context()
+        forkserver.ensure_running()
 
 
 class Supervised:
-    """Jobs in a long-lived worker process, restarted after a crash or a timeout.
+    """Jobs in a worker process behind the trust boundary, restarted after a crash or a
+    timeout. The worker starts at once, before any case or oracle value exists.
 
     Args:
-        backend: what the worker calls.
+        backend: a spec (``module:function``, a built-in or ``mutant.NAME``), resolved in
+            the worker only, its declaration read back as data (`backend`); or a `Backend`
+            built by the caller, which the judge keeps (its declaration is the caller's)
+            and the worker resolves by its ``spec``.
+        api: the API family of a spec (default: sdpa; a built-in has its own).
         threads: torch intra-op threads in the worker.
         memory_limit: bytes of address space the worker may use (None: no limit).
+        start_timeout: seconds the worker may take to import the backend.
+
+    Raises:
+        BackendError: the worker could not resolve the backend (its message says why),
+            or sent a declaration the audit does not accept.
     """
 
+    trusted = False
+
     def __init__(
-        self, backend: Backend, *, threads: int = 1, memory_limit: int | None = None
+        self,
+        backend: Backend | str,
+        api: str | None = None,
+        *,
+        threads: int = 1,
+        memory_limit: int | None = None,
+        start_timeout: float = 300.0,
     ) -> None:
-        self.backend = backend
+        self.spec = backend if isinstance(backend, str) else backend.spec or backend.name
+        self.api = api if isinstance(backend, str) else backend.api
         self.threads = threads
         self.memory_limit = memory_limit
+        self.start_timeout = start_timeout
         self.restarts = 0
         self.slowest = 0.0
+        self.history: list[Tensor] = []  # the latest outputs (`calls.remember`)
         self._process: multiprocessing.process.BaseProcess | None = None
         self._conn: multiprocessing.connection.Connection | None = None
+        declared = self._start()
+        self.backend = declared if isinstance(backend, str) else backend
 
-    def _start(self) -> multiprocessing.connection.Connection:
-        cuda_ready: bool = torch.cuda.is_initialized()  # type: ignore[no-untyped-call]
-        fork = sys.platform.startswith("linux") and not cuda_ready
-        ctx = multiprocessing.get_context("fork" if fork else "spawn")
+    def _start(self) -> Backend:
+        ctx = _context()
         parent, child = ctx.Pipe()
-        process = ctx.Process(  # type: ignore[attr-defined]
+        process = ctx.Process(
             target=_serve,
             args=(
                 child,
-                self.backend if fork else None,
-                self.backend.name,
-                self.backend.api,
+                self.spec,
+                self.api,
                 self.threads,
                 self.memory_limit,
+                checking_enabled(),
             ),
             daemon=True,
         )
-        process.start()
+        with _main_hidden():
+            process.start()
         child.close()
         self._process, self._conn = process, parent
-        return parent
+        try:
+            if not parent.poll(self.start_timeout):
+                raise BackendError(
+                    f"{self.spec}: its worker did not finish importing it within "
+                    f"{self.start_timeout:g} s"
+                )
+            first = parent.recv_bytes()
+        except (EOFError, OSError):
+            process.join(5)
+            self._stop()
+            raise BackendError(
+                f"{self.spec}: its worker ended while importing it: "
+                f"{_describe_exit(process.exitcode)}"
+            ) from None
+        except BackendError:
+            self._stop()
+            raise
+        try:
+            return from_declaration(_read(first))
+        except Raised as e:
+            self._stop()
+            error = e.error
+            name = getattr(error, "type_name", type(error).__name__)
+            text = str(error) if name == "BackendError" else f"{name}: {error}"
+            raise BackendError(text) from None
+        except (ValueError, TypeError) as e:
+            self._stop()
+            raise BackendError(f"{self.spec}: its worker sent a bad declaration: {e}") from None
 
     def _stop(self) -> None:
-        if self._process is not None:
+        process, self._process = self._process, None
+        if process is not None:
             with contextlib.suppress(Exception):
-                self._process.kill()
-                self._process.join(5)
+                if process.pid is not None:
+                    os.killpg(process.pid, signal.SIGKILL)  # and whatever it started
+            with contextlib.suppress(Exception):
+                process.kill()
+                process.join(5)
         if self._conn is not None:
             with contextlib.suppress(Exception):
                 self._conn.close()
-        self._process = self._conn = None
+        self._conn = None
 
-    def run(self, job: Job, timeout: float) -> Any:
-        conn = self._conn or self._start()
+    def run(self, job: Any, timeout: float) -> Any:
+        if self._conn is None:
+            self._start()
+        conn = self._conn
+        assert conn is not None
         t0 = time.perf_counter()
         try:
-            conn.send_bytes(_dumps(job))
+            conn.send_bytes(encode(job.message()))
             if not conn.poll(timeout):
                 self._stop()
                 self.restarts += 1
                 raise TimeoutError(f"no answer within {timeout:g} s (the worker was killed)")
-            status, value = _loads(conn.recv_bytes())
+            data = conn.recv_bytes()
             self.slowest = max(self.slowest, time.perf_counter() - t0)
         except TimeoutError:
             raise
@@ -350,9 +704,7 @@ class Supervised:
             self._stop()
             self.restarts += 1
             raise BackendDied(_describe_exit(code)) from None
-        if status == "error":
-            raise Raised(value)
-        return value
+        return _read(data)
 
     def close(self) -> None:
         self._stop()

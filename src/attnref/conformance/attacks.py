@@ -1,0 +1,110 @@
+"""Checks aimed at backends that attack the judge rather than compute attention (class 31).
+
+- `fresh_values`: outputs follow values, not addresses. One series of calls in one
+  worker: the same buffers with new values written in place, the same values in new
+  buffers, calls interleaved and repeated. A cache keyed on ``data_ptr()``, on the shape
+  or on the call count replays an earlier output, and the message says so.
+- `settled_output`: the output is judged as it stood when the call returned (the worker
+  snapshots it then), and read again a moment later; a backend still writing it
+  afterwards (a background thread, a side stream) fails, its thread named.
+
+BUG_CLASSES.md's table "Gaming the judge" lists the patterns; docs/untrusted.md pairs
+each with its defence and its test.
+"""
+
+from dataclasses import replace
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from attnref.conformance.calls import arguments, check_output, invoke, raise_for_error
+from attnref.conformance.cases import Case, Inputs, build
+from attnref.conformance.checks import Context
+from attnref.conformance.families import family_of
+from attnref.conformance.oracle import close
+from attnref.conformance.verdicts import Failure
+from attnref.conformance.worker import InternalError, Job, Raised, Series, series_outcomes
+
+__all__ = ["SERIES", "fresh_values", "settled_output"]
+
+#: the calls of `fresh_values`: (which value set, whose buffers, what the call is)
+SERIES: tuple[tuple[int, int | None, str], ...] = (
+    (0, None, "the first inputs, in new buffers"),
+    (1, 0, "new values written in place into call 1's buffers"),
+    (0, None, "call 1's values again, in new buffers"),
+    (1, None, "call 2's values, in new buffers"),
+    (0, 0, "call 1's values written back in place, after other calls"),
+    (0, 0, "the same call repeated, nothing changed"),
+)
+
+
+def _output(ctx: Context, raw: Any, inputs: Inputs) -> Tensor:
+    if isinstance(raw, Raised):
+        raise_for_error(ctx.backend, raw.error)
+    if isinstance(raw, InternalError):
+        raise Failure(str(raw).splitlines()[0])
+    out, _ = family_of(ctx.backend).read(raw, inputs, False)
+    expected_shape = (*inputs.query.shape[:-1], inputs.value.shape[-1])
+    return check_output(out, expected_shape, inputs).detach().to(torch.float64)
+
+
+def _agrees(ctx: Context, out: Tensor, inputs: Inputs) -> Failure | None:
+    exp = ctx.expect(inputs)
+    try:
+        close(out, exp.value, *exp.bounds(), "output")
+    except Failure as f:
+        return f
+    return None
+
+
+def fresh_values(ctx: Context, case: Case) -> None:
+    """Every call of `SERIES` must give the output of its own values."""
+    sets = [ctx.build(case), build(replace(case, seed=case.seed + 7919), ctx.dtype, ctx.device)]
+    calls = [Job(*arguments(ctx.backend, sets[which])) for which, _, _ in SERIES]
+    series = Series(tuple(calls), tuple(into for _, into, _ in SERIES))
+    history = list(getattr(ctx.executor, "history", ()))  # outputs of earlier calls
+    replies = series_outcomes(
+        invoke(ctx.backend, series, ctx.timeout * len(calls), ctx.executor), len(calls)
+    )
+    outs: list[Tensor] = []
+    for i, ((which, _, what), raw) in enumerate(zip(SERIES, replies, strict=True)):
+        inputs = sets[which]
+        out = _output(ctx, raw, inputs)
+        outs.append(out)
+        failure = _agrees(ctx, out, inputs)
+        if failure is None:
+            continue
+        if not bool(torch.isfinite(out).all()):  # NaN equals nothing: no replay to name
+            raise Failure(f"call {i + 1} of {len(calls)} ({what}): {failure}")
+        for j, earlier in enumerate(outs[:-1]):
+            other = sets[SERIES[j][0]]
+            if SERIES[j][0] != which and (
+                torch.equal(earlier, out) or _agrees(ctx, out, other) is None
+            ):
+                raise Failure(
+                    f"the backend returned an earlier call's result: call {i + 1} ({what}) "
+                    f"returned the output of call {j + 1}'s values, not of its own; outputs "
+                    "must follow values, not buffer addresses, shapes or call counts"
+                )
+        for earlier in history:
+            same = earlier.shape == out.shape
+            if same and torch.equal(earlier.to(torch.float64), out):
+                raise Failure(
+                    f"the backend returned an earlier call's result: call {i + 1} ({what}) "
+                    "returned exactly the output of an earlier call on other values; "
+                    "outputs must follow values, not buffer addresses, shapes or call counts"
+                )
+        raise Failure(f"call {i + 1} of {len(calls)} ({what}): {failure}")
+
+
+def settled_output(ctx: Context, case: Case) -> None:
+    """The output as it stood at the return agrees with the oracle, and has not changed
+    a moment later (`Job.recheck`)."""
+    inputs = ctx.build(case)
+    args, kwargs = arguments(ctx.backend, inputs)
+    raw = invoke(ctx.backend, Job(args, kwargs, recheck=0.2), ctx.timeout + 1.0, ctx.executor)
+    out = _output(ctx, raw, inputs)
+    failure = _agrees(ctx, out, inputs)
+    if failure is not None:
+        raise Failure(f"the output as it stood when the call returned: {failure}")

@@ -1,0 +1,194 @@
+"""What crosses between the judge and the worker: plain data, decoded by a restricted decoder.
+
+The worker runs backend code, so every byte it sends back is untrusted. Nothing here
+unpickles: a message is a JSON tree (``None``, booleans, numbers, strings, and nodes
+tagged ``tuple``, ``list``, ``dict``, ``tensor``, ``unsupported``) followed by the raw
+bytes of the tensors in it. `decode` rebuilds that tree and nothing else: a tensor is
+made by attnref from its bytes, dtype, shape, strides and offset, so it is always a plain
+strided ``torch.Tensor``, whatever the backend returned. What the worker could not
+express (an object of another type, a tensor subclass, a sparse or nested tensor) arrives
+as an ``unsupported`` node that names it, and `decode` raises `Rejected` with that name.
+
+The same codec carries jobs the other way, so no pickle is used in either direction.
+"""
+
+import ctypes
+import json
+import re
+import struct
+from typing import Any
+
+import torch
+from torch import Tensor
+
+__all__ = ["DTYPES", "MAX_DEPTH", "Rejected", "decode", "encode"]
+
+#: the tensor dtypes that may cross, by name
+DTYPES: dict[str, torch.dtype] = {
+    str(d).removeprefix("torch."): d
+    for d in (
+        torch.float64,
+        torch.float32,
+        torch.float16,
+        torch.bfloat16,
+        torch.int64,
+        torch.int32,
+        torch.int16,
+        torch.int8,
+        torch.uint8,
+        torch.bool,
+    )
+}
+#: how deeply containers may nest
+MAX_DEPTH = 16
+_HEADER = struct.Struct("<Q")
+_CUDA = re.compile(r"cuda(:[0-9]{1,3})?")
+
+
+class Rejected(Exception):  # noqa: N818 (a verdict on what the backend sent)
+    """A message holds something the audit does not accept; the message names it."""
+
+
+def _describe(obj: object) -> str:
+    kind = type(obj)
+    if isinstance(obj, Tensor):
+        if kind is not Tensor:
+            return f"a tensor subclass {kind.__module__}.{kind.__qualname__}"
+        return f"a {obj.layout} tensor".replace("torch.", "")
+    return f"an object of type {kind.__module__}.{kind.__qualname__}"
+
+
+def _tensor_bytes(t: Tensor) -> bytes:
+    """Every byte of ``t``'s storage (a CPU copy of it for a tensor on a device)."""
+    storage = t.untyped_storage()
+    if t.device.type != "cpu":
+        storage = storage.cpu()  # type: ignore[no-untyped-call]
+    if storage.nbytes() == 0:
+        return b""
+    return ctypes.string_at(storage.data_ptr(), storage.nbytes())
+
+
+def encode(obj: Any) -> bytes:
+    """``obj`` as a message. Tensors travel as their storage's bytes and how they view it;
+    anything the codec cannot carry becomes an ``unsupported`` node naming its type."""
+    blobs: list[bytes] = []
+
+    def node(x: Any, depth: int) -> Any:
+        if depth > MAX_DEPTH:
+            return {"unsupported": f"containers nested deeper than {MAX_DEPTH}"}
+        if x is None or isinstance(x, bool | str) or type(x) in (int, float):
+            return x
+        if type(x) is Tensor and x.layout == torch.strided:
+            name = str(x.dtype).removeprefix("torch.")
+            if name not in DTYPES:
+                return {"unsupported": f"a tensor of dtype {x.dtype}"}
+            blobs.append(_tensor_bytes(x))
+            return {
+                "tensor": len(blobs) - 1,
+                "dtype": name,
+                "shape": list(x.shape),
+                "stride": list(x.stride()),
+                "offset": x.storage_offset(),
+                "device": str(x.device),
+            }
+        if type(x) is tuple:
+            return {"tuple": [node(y, depth + 1) for y in x]}
+        if type(x) is list:
+            return {"list": [node(y, depth + 1) for y in x]}
+        if type(x) is dict:
+            return {"dict": [[node(k, depth + 1), node(v, depth + 1)] for k, v in x.items()]}
+        return {"unsupported": _describe(x)}
+
+    head = json.dumps(node(obj, 0)).encode()
+    sizes = struct.pack(f"<{len(blobs)}Q", *(len(b) for b in blobs))
+    return b"".join([_HEADER.pack(len(head)), head, _HEADER.pack(len(blobs)), sizes, *blobs])
+
+
+def decode(data: bytes, device: str | None = None) -> Any:
+    """The tree ``data`` holds, built only of ``None``, ``bool``, ``int``, ``float``,
+    ``str``, tuples, lists, dicts and plain strided tensors (on ``device`` if given).
+
+    Raises:
+        Rejected: the message is malformed, or names something the audit does not accept.
+    """
+    try:
+        view = memoryview(data)
+        (n,) = _HEADER.unpack_from(view, 0)
+        head = json.loads(bytes(view[8 : 8 + n]))
+        at = 8 + n
+        (count,) = _HEADER.unpack_from(view, at)
+        sizes = struct.unpack_from(f"<{count}Q", view, at + 8)
+        at += 8 + 8 * count
+    except (struct.error, ValueError, UnicodeDecodeError, RecursionError) as e:
+        raise Rejected(f"a malformed message ({type(e).__name__}: {e})") from None
+    starts = [at]
+    for size in sizes:
+        starts.append(starts[-1] + size)
+    if starts[-1] != len(data):
+        raise Rejected(f"a malformed message ({len(data)} bytes, {starts[-1]} announced)")
+
+    def tensor(x: dict[str, Any]) -> Tensor:
+        index, dtype = x.get("tensor"), DTYPES.get(x.get("dtype", ""))
+        shape: Any = x.get("shape")
+        stride: Any = x.get("stride")
+        offset: Any = x.get("offset")
+        if not (type(index) is int and 0 <= index < len(sizes)) or dtype is None:
+            raise Rejected(f"a tensor the audit cannot read: {str(x)[:200]}")
+        dims = [shape, stride]
+        if not all(type(d) is list and all(type(i) is int and i >= 0 for i in d) for d in dims):
+            raise Rejected(f"a tensor with a bad shape or strides: {str(x)[:200]}")
+        if len(shape) != len(stride) or type(offset) is not int or offset < 0:
+            raise Rejected(f"a tensor with a bad shape, strides or offset: {str(x)[:200]}")
+        item = torch.empty((), dtype=dtype).element_size()
+        size = sizes[index]
+        if size % item:
+            raise Rejected(f"a tensor of {size} bytes, not a whole number of {dtype} elements")
+        reach = offset + sum((s - 1) * st for s, st in zip(shape, stride, strict=True))
+        if 0 not in shape and reach >= size // item:
+            raise Rejected(
+                f"a tensor whose view {tuple(shape)} (strides {tuple(stride)}, offset "
+                f"{offset}) reaches past its {size // item} elements"
+            )
+        numel = 1
+        for s in shape:
+            numel *= s
+        if numel > 2**32:
+            raise Rejected(f"a tensor of {numel} elements, more than the audit reads")
+        raw = bytearray(view[starts[index] : starts[index + 1]])
+        flat = (
+            torch.frombuffer(raw, dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
+        )
+        out = flat.view(dtype).as_strided(shape, stride, offset)
+        where = device or x.get("device", "cpu")
+        if not (where == "cpu" or (type(where) is str and _CUDA.fullmatch(where))):
+            raise Rejected(f"a tensor on an unknown device {str(where)[:50]!r}")
+        return out if where == "cpu" else out.to(where)
+
+    def build(x: Any, depth: int) -> Any:
+        if depth > MAX_DEPTH + 1:
+            raise Rejected(f"containers nested deeper than {MAX_DEPTH}")
+        if x is None or isinstance(x, bool | int | float | str):
+            return x
+        if type(x) is not dict or len(x) < 1:
+            raise Rejected(f"a malformed message node: {str(x)[:200]}")
+        if "unsupported" in x:
+            raise Rejected(str(x["unsupported"])[:300])
+        if "tensor" in x:
+            return tensor(x)
+        ((tag, items),) = x.items() if len(x) == 1 else ((None, None),)
+        if type(items) is not list:
+            raise Rejected(f"a malformed message node: {str(x)[:200]}")
+        if tag == "tuple":
+            return tuple(build(y, depth + 1) for y in items)
+        if tag == "list":
+            return [build(y, depth + 1) for y in items]
+        if tag == "dict":
+            if not all(type(p) is list and len(p) == 2 for p in items):
+                raise Rejected(f"a malformed dict: {str(x)[:200]}")
+            pairs = [(build(k, depth + 1), build(v, depth + 1)) for k, v in items]
+            if not all(isinstance(k, str | int | float | bool) or k is None for k, _ in pairs):
+                raise Rejected("a dict whose keys are not strings or numbers")
+            return dict(pairs)
+        raise Rejected(f"a malformed message node: {str(x)[:200]}")
+
+    return build(head, 0)

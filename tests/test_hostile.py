@@ -1,0 +1,245 @@
+"""The judge that a hostile backend cannot game (class 31, docs/untrusted.md).
+
+Every backend of `tests.hostile` attacks the harness in one of the documented ways; each
+audit must end with exit code 1, a report that says failed and names the cause, and
+each bench row must not be ``ok``. The codec and the declaration that cross the trust
+boundary are tested on bad input here too.
+"""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from attnref.cli import main
+from attnref.conformance import Case, check_case
+from attnref.conformance.backends import from_declaration
+from attnref.conformance.wire import Rejected, decode, encode
+
+pytestmark = pytest.mark.usefixtures("unchecked")
+
+ROOT = Path(__file__).resolve().parents[1]
+PROPS = ("forward", "fresh_values", "settled_output")
+
+#: backend, the cause its report must name
+CATALOGUE = [
+    ("tests.hostile:returns_zeros", "max error"),
+    ("tests.hostile:returns_empty", "max error"),
+    ("tests.hostile:zeroes_inputs", "the backend modified its inputs: query, key, value"),
+    ("tests.hostile:replays_by_pointer", "the backend returned an earlier call's result"),
+    ("tests.hostile:replays_by_shape", "the backend returned an earlier call's result"),
+    ("tests.hostile:right_once_then_stale", "the backend returned an earlier call's result"),
+    ("tests.hostile:tuned_for_benchmark_shapes", "max error"),
+    ("tests.hostile:fills_in_background", "still writing its output after it returned"),
+    ("tests.hostile:fills_in_background_fast", "a thread it left running: 'hostile-scribbler'"),
+    ("tests.hostile:returns_lazy_subclass", "a tensor subclass tests.hostile.LazyTensor"),
+    ("tests.hostile:replies_with_exit", "an object the audit does not accept"),
+    ("tests.hostile:raises_with_exit", "ExitingError: caught me"),
+    ("tests.hostile.at_exit:kernel", "max error"),
+    ("tests.hostile.patches_torch:kernel", "max error"),
+]
+
+
+def _audit(spec: str, path: Path) -> int:
+    args = ["audit", "--backend", spec, "--dtype", "float32", "--no-progress"]
+    args += [x for p in PROPS for x in ("--property", p)]
+    return main([*args, "--timeout", "10", "--json", str(path)])
+
+
+@pytest.mark.parametrize(("spec", "cause"), CATALOGUE, ids=[c[0] for c in CATALOGUE])
+def test_every_attack_on_the_judge_fails_with_its_cause_named(
+    spec: str, cause: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "report.json"
+    code = _audit(spec, path)
+    out = capsys.readouterr().out
+    assert code == 1, out
+    data = json.loads(path.read_text())
+    assert data["summary"]["ok"] is False
+    assert data["trusted"] is False
+    messages = [r["message"] for r in data["results"] if r["status"] == "fail"]
+    assert any(cause in m for m in messages), messages
+    assert "FAILED" in out
+
+
+def test_replays_are_named_by_the_series_property_alone(tmp_path: Path) -> None:
+    """A pointer-keyed cache passes every one-call property: fresh_values is what names it."""
+    path = tmp_path / "r.json"
+    assert _audit("tests.hostile:replays_by_pointer", path) == 1
+    status = {r["property"]: r["status"] for r in json.loads(path.read_text())["results"]}
+    assert status == {"forward": "pass", "fresh_values": "fail", "settled_output": "pass"}
+
+
+def test_refusing_everything_is_not_a_pass(tmp_path: Path) -> None:
+    path = tmp_path / "r.json"
+    assert _audit("tests.hostile:refuses_everything", path) == 1
+    data = json.loads(path.read_text())
+    assert data["summary"]["ok"] is False
+    assert data["summary"]["passed"] == 0
+
+
+def test_a_thread_rewriting_the_report_is_stopped_before_the_final_write(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "r.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "attnref", "audit", "--backend",
+         "tests.hostile.rewrites_report:kernel", "--property", "forward", "--dtype",
+         "float32", "--no-progress", "--json", str(path)],
+        cwd=ROOT, capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    import time
+
+    time.sleep(0.3)  # a forger still alive would have written by now
+    data = json.loads(path.read_text())
+    assert "forged" not in data
+    assert data["summary"]["ok"] is False
+
+
+def test_in_process_audits_say_they_trust_the_backend(tmp_path: Path) -> None:
+    path = tmp_path / "r.json"
+    args = ["audit", "--property", "forward", "--dtype", "float32", "--no-progress"]
+    assert main([*args, "--in-process", "--json", str(path)]) == 0
+    assert json.loads(path.read_text())["trusted"] is True
+
+
+def test_the_size_one_strided_input_is_not_blamed_on_the_backend() -> None:
+    """attnref's own input check once raised on a size-1 dim with a stride that is not
+    1 (thorough profile, property decode, seeds 1 and 3), reported as torch's failure."""
+    case = Case(
+        "decode", batch=(), h=1, g=1, Tq=2, Tk=1, Dh=1, Dv=1, causal="top_left", layout="transposed"
+    )
+    for backend in ("torch-sdpa", "reference"):
+        assert check_case("decode", backend, case, torch.float32) == "pass"
+
+
+# ------------------------------------------------------------------ the boundary
+
+
+def test_the_codec_carries_layouts_and_plain_data() -> None:
+    base = torch.arange(24.0).reshape(2, 3, 4)
+    t = base.transpose(0, 2)[1:]
+    tree = (t, [1, 2.5, None, True, "x"], {"k": base[:, 0, :1]})
+    back = decode(encode(tree))
+    assert type(back) is tuple
+    assert back[0].stride() == t.stride()
+    assert back[0].storage_offset() == t.storage_offset()
+    assert torch.equal(back[0], t)
+    assert back[1] == [1, 2.5, None, True, "x"]
+    assert torch.equal(back[2]["k"], base[:, 0, :1])
+
+
+class _Sub(torch.Tensor):
+    pass
+
+
+def _nested(depth: int) -> object:
+    tree: object = 1
+    for _ in range(depth):
+        tree = [tree]
+    return tree
+
+
+@pytest.mark.parametrize(
+    ("obj", "message"),
+    [
+        (object(), "an object of type builtins.object"),
+        (torch.zeros(2).as_subclass(_Sub), "a tensor subclass"),
+        (torch.zeros(2, 2).to_sparse(), "sparse_coo tensor"),
+        (_nested(20), "nested deeper"),
+    ],
+)
+def test_what_may_not_cross_is_named(obj: object, message: str) -> None:
+    with pytest.raises(Rejected, match=message):
+        decode(encode(obj))
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        b"",
+        b"\x05\x00\x00\x00\x00\x00\x00\x00{bad}" + b"\x00" * 8,
+        encode(torch.zeros(3))[:-4],  # fewer bytes than announced
+    ],
+)
+def test_malformed_messages_are_rejected(data: bytes) -> None:
+    with pytest.raises(Rejected):
+        decode(data)
+
+
+def test_a_view_past_its_bytes_is_rejected() -> None:
+    data = encode(torch.zeros(4)).replace(b'"shape": [4]', b'"shape": [9]')
+    with pytest.raises(Rejected, match="reaches past"):
+        decode(data)
+
+
+def test_a_declaration_is_checked_field_by_field() -> None:
+    from attnref.conformance.backends import BUILTIN_BACKENDS, declaration
+
+    good = declaration(BUILTIN_BACKENDS["torch-sdpa"])
+    assert from_declaration(good).capabilities == BUILTIN_BACKENDS["torch-sdpa"].capabilities
+    for field, value in [("dtypes", ["float8"]), ("gqa", "yes"), ("refuses", "x")]:
+        bad = {**good, "capabilities": {**good["capabilities"], field: value}}
+        with pytest.raises(ValueError, match=field):
+            from_declaration(bad)
+    with pytest.raises(ValueError, match="fields"):
+        from_declaration({**good, "extra": 1})
+
+
+# ------------------------------------------------------------------------ the bench
+
+
+def test_no_attack_on_the_bench_is_listed_ok() -> None:
+    from attnref.bench.cases import BenchCase
+    from attnref.bench.runner import run_benchmarks
+
+    specs = [
+        "torch-sdpa",
+        "tests.hostile:returns_empty",
+        "tests.hostile:replays_by_pointer",
+        "tests.hostile:replays_by_shape",
+        "tests.hostile:fills_in_background",
+        "tests.hostile:returns_lazy_subclass",
+        "tests.hostile.slow_clock:kernel",
+    ]
+    # calls long enough (tens of ms) for a tenfold slower clock to stand out of the noise
+    case = BenchCase(B=8, h=8, Tq=256, Tk=256, Dh=64)
+    results = run_benchmarks(specs, [case], runs=5, warmup=1, memory=False, progress=False)
+    status = {r.backend: (r.status, r.tflops) for r in results}
+    assert status["torch-sdpa"][0] == "ok", results[0].note
+    for spec in specs[1:]:
+        assert status[spec][0] != "ok", (spec, status[spec])
+        assert status[spec][1] is None  # no rate for what was not verified
+    assert status["tests.hostile.slow_clock:kernel"][0] == "flagged"
+    assert status["tests.hostile:replays_by_pointer"][0] == "wrong"
+
+
+# --------------------------------------------------------- the judge as a suspect
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", [1, 3])
+@pytest.mark.parametrize("backend", ["torch-sdpa", "reference"])
+def test_correct_backends_pass_the_thorough_profile(backend: str, seed: int) -> None:
+    """The judge's own code is a suspect too: correct backends at the thorough profile,
+    on the properties whose cases reach the worker's input check and snapshot with every
+    layout (decode and layouts found the size-1 stride false positive), on two seeds.
+    A failure whose cause is attnref's names attnref."""
+    from attnref.conformance import audit
+
+    report = audit(
+        backend,
+        profile="thorough",
+        seed=seed,
+        dtypes=(torch.float32,),
+        properties=["decode", "layouts", "degenerate", "fresh_values"],
+        device="cpu",
+        progress=False,
+        deadline=45.0,  # the rest is searched in other runs; no failure may be found
+    )
+    failures = [r.message for r in report.results if r.status == "fail"]
+    assert not failures, failures
