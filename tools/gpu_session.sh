@@ -46,6 +46,10 @@ mkdir -p "$OUT"
         --out "$work/gpu-serving" ${SERVING_ARGS:---seq 1024 8192 --page-size 0 256 \
         --batch 32 --heads 32 --kv-heads 8 --head-dim 128 --dtype bfloat16 --runs 10}
     echo "serving bench exit: $?"
+    # a backend that works on a side stream (class 31): the audit must fail it (exit 1)
+    timeout 60 "$PY" -m attnref audit --backend tests.hostile:side_stream --device "$DEVICE" \
+        --dtype float32 --property forward --property settled_output --no-progress
+    echo "side-stream audit exit: $? (1 expected)"
 } 2>&1 | tee "$OUT/session.log"
 tar -czf "$OUT/gpu-results.tgz" -C "$work" .
 cp "$work/gpu-audit/README.md" "$OUT/gpu-audit.md" 2>/dev/null

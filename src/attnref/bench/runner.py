@@ -257,7 +257,9 @@ def run_benchmarks(
     workers: list[tuple[Backend | str, Executor | str]] = []
     for b in backends:
         try:
-            workers.append((b, Supervised(b, api) if isolate else InProcess(_local(b, api))))
+            threads = torch.get_num_threads()  # the worker times with this process's
+            executor = Supervised(b, api, threads=threads) if isolate else None
+            workers.append((b, executor or InProcess(_local(b, api))))
         except BackendError as e:
             workers.append((b, str(e)))
     bar = tqdm(
