@@ -258,8 +258,10 @@ def run_benchmarks(
     for b in backends:
         try:
             threads = torch.get_num_threads()  # the worker times with this process's
-            executor = Supervised(b, api, threads=threads) if isolate else None
-            workers.append((b, executor or InProcess(_local(b, api))))
+            worker: Executor = (
+                Supervised(b, api, threads=threads) if isolate else InProcess(_local(b, api))
+            )
+            workers.append((b, worker))
         except BackendError as e:
             workers.append((b, str(e)))
     bar = tqdm(
