@@ -175,3 +175,26 @@ def side_stream(q: Tensor, k: Tensor, v: Tensor, *args: Any, **kwargs: Any) -> T
         torch.cuda._sleep(50_000_000)  # type: ignore[no-untyped-call]
         out.copy_(_sdpa(q, k, v, *args, **kwargs))
     return out
+
+
+_DECODES: dict[tuple[Any, ...], Any] = {}
+
+
+def kvcache_replays_by_shape(q: Tensor, k_cache: Tensor, v_cache: Tensor, **kwargs: Any) -> Any:
+    """A decode kernel (flash-kvcache) that computes once per shape and replays after."""
+    from attnref.kvcache import kvcache_attention
+
+    key = (tuple(q.shape), tuple(k_cache.shape), "block_table" in kwargs)
+    if key not in _DECODES:
+        _DECODES[key] = kvcache_attention(q, k_cache, v_cache, **kwargs)
+    return _DECODES[key].clone()
+
+
+def _declare_decode() -> None:
+    from attnref.conformance import BUILTIN_BACKENDS
+
+    caps = BUILTIN_BACKENDS["kvcache-reference"].capabilities
+    kvcache_replays_by_shape.capabilities = caps  # type: ignore[attr-defined]
+
+
+_declare_decode()

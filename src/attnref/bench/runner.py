@@ -2,7 +2,6 @@
 
 import math
 import platform
-import random
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -14,9 +13,10 @@ from tqdm import tqdm
 
 from attnref._checking import checking_enabled, set_checking
 from attnref.bench.cases import BenchCase, bench_inputs, case_flops
+from attnref.bench.verified import measure
 from attnref.conformance.backends import Backend, BackendError
 from attnref.conformance.calls import backend_call, skip_reason
-from attnref.conformance.verdicts import Failure, Skip
+from attnref.conformance.verdicts import Failure
 from attnref.conformance.worker import Executor, InProcess, Supervised
 
 #: "ok" (timed, outputs verified, clocks agree), "skipped" (declared, refused, out of
@@ -74,10 +74,6 @@ def _first_line(e: BaseException) -> str:
     return f"{name}: {text}"[:300]
 
 
-#: how many timed calls' outputs the judge checks against the oracle, besides the first
-SAMPLES = 2
-
-
 def _verify(backend: Backend, case: BenchCase, seed: int, raw: Any, what: str) -> str | None:
     """Why the output ``raw`` of the call on seed ``seed``'s values is wrong, or None."""
     from attnref.conformance.calls import check_output
@@ -94,21 +90,6 @@ def _verify(backend: Backend, case: BenchCase, seed: int, raw: Any, what: str) -
         close(got, exp.value, *exp.bounds(), "output")
     except Failure as f:
         return f"{what}: {f}"
-    return None
-
-
-def _clocks(times: list[float], wall: float, dry_wall: float, runs: int) -> str | None:
-    """Why the worker's clock cannot be believed, or None: its calls must take about the
-    time the judge's clock saw for the batch, less a dry run of the same loop."""
-    worker = sum(times)
-    judge = wall - dry_wall
-    noise = max(2e-3, 0.1 * dry_wall)  # calls much shorter than this cannot be told apart
-    if worker > wall + 1e-3 or worker < 0.5 * judge - noise:
-        return (
-            f"clocks disagree: the worker's clock counts {worker * 1e3:.3f} ms for {runs} "
-            f"calls, the judge's {judge * 1e3:.3f} ms (the batch's {wall * 1e3:.3f} ms less "
-            f"a dry run's {dry_wall * 1e3:.3f} ms)"
-        )
     return None
 
 
@@ -129,16 +110,15 @@ def run_case(
     process) and check its outputs; never raises for what the backend does.
 
     The inputs change before every call (``rotate`` is kept for compatibility: every
-    call now has values of its own). The first call's output and `SAMPLES` timed
-    calls', chosen here after all came back, are checked against the float64 oracle: a
-    wrong one makes the row ``wrong``. The worker's clock is checked against this
-    process's (`_clocks`), and a rate above the declared or measured peak is flagged.
+    call now has values of its own). The first call's output and
+    `attnref.bench.verified.SAMPLES` timed calls', chosen here after all came back, are
+    checked against the float64 oracle: a wrong one makes the row ``wrong``. The
+    worker's clock is checked against this process's, and a rate above the declared or
+    measured peak is flagged (`attnref.bench.verified.measure`).
     """
-    from attnref.bench.worker import BenchJob
-    from attnref.conformance.calls import availability, invoke
+    from attnref.conformance.calls import availability
 
     flops = case_flops(case)
-    started = time.perf_counter()
     executor = executor or InProcess(backend)
     reason = availability(backend, case.device, timeout, executor)
     if reason is not None:
@@ -151,78 +131,43 @@ def run_case(
     del first
     if declared is not None:
         return BenchResult(backend.name, case, "skipped", flops, note=declared)
-    data = asdict(case)
-    timed_seed = seed + warmup + 1
-    try:
-        prepared = invoke(
-            backend,
-            BenchJob("prepare", data, seed, warmup=warmup, memory=memory),
-            timeout,
-            executor,
-        )
-        t0 = time.perf_counter()
-        timed = invoke(backend, BenchJob("time", data, timed_seed, runs=runs), timeout, executor)
-        wall = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        invoke(backend, BenchJob("dry", data, timed_seed, runs=runs), timeout, executor)
-        dry_wall = time.perf_counter() - t0
-    except (Failure, Skip) as e:
-        message = str(e)
-        refused = isinstance(e, Skip) or any(r in message for r in backend.capabilities.refuses)
-        oom = "out of memory" in message.lower()
-        status: BenchStatus = "skipped" if refused or oom else "error"
-        return BenchResult(backend.name, case, status, flops, note=message[:300])
-    finally:
-        if case.device == "cuda":
-            torch.cuda.empty_cache()
-    try:
-        times = [float(t) for t in timed["times"]]
-        outputs = list(timed["outputs"])
-        peak = prepared["peak"]
-        if len(times) != runs or len(outputs) != runs or not all(t >= 0 for t in times):
-            raise ValueError("a reply of the wrong length")
-        if not (peak is None or type(peak) is int):
-            raise ValueError("a peak memory that is not a number")
-    except (KeyError, TypeError, ValueError) as e:
-        note = f"the worker sent a malformed timing reply ({e})"
-        return BenchResult(backend.name, case, "wrong", flops, note=note)
-    # the sample is drawn after every output came back: the worker could not know it
-    picks = sorted(
-        random.Random(f"{seed}:{case}:{time.time_ns()}").sample(range(runs), min(SAMPLES, runs))
+    m = measure(
+        backend,
+        executor,
+        asdict(case),
+        lambda seed, raw, what: _verify(backend, case, seed, raw, what),
+        device=case.device,
+        warmup=warmup,
+        runs=runs,
+        memory=memory,
+        timeout=timeout,
+        seed=seed,
     )
-    checks = [(seed, prepared["output"], "the first call")]
-    checks += [(timed_seed + i, outputs[i], f"timed call {i + 1} of {runs}") for i in picks]
-    t0 = time.perf_counter()
-    for value_seed, raw, what in checks:
-        wrong = _verify(backend, case, value_seed, raw, what)
-        if wrong is not None:
-            return BenchResult(backend.name, case, "wrong", flops, runs=runs, note=wrong[:300])
-    verify_s = time.perf_counter() - t0
-    median = statistics.median(times)
+    if m.times is None:  # skipped, an error, or wrong: no time to give
+        status: BenchStatus = m.status  # type: ignore[assignment]
+        return BenchResult(backend.name, case, status, flops, runs=runs, note=m.note)
+    median = statistics.median(m.times)
     tflops = flops / median / 1e12 if median > 0 else math.inf
-    suspect = _clocks(times, wall, dry_wall, runs)
-    if suspect is None and peak_tflops and tflops > peak_tflops:
-        suspect = f"{tflops:.3g} TFLOP/s is above the device's peak of {peak_tflops:.3g}"
-    note = f"verified: the first call and {len(picks)} of {runs} timed calls"
-    if suspect is not None:
-        return BenchResult(
-            backend.name, case, "flagged", flops, median_s=median, runs=runs,
-            peak_mem_bytes=peak, note=suspect[:300], verify_s=verify_s,
-            wall_s=time.perf_counter() - started,
-        )  # fmt: skip
+    status, note = m.status, m.note  # type: ignore[assignment]
+    if status == "ok" and peak_tflops and tflops > peak_tflops:
+        status, note = (
+            "flagged",
+            f"{tflops:.3g} TFLOP/s is above the device's peak of {peak_tflops:.3g}",
+        )
+    ok = status == "ok"
     return BenchResult(
         backend.name,
         case,
-        "ok",
+        status,
         flops,
         median_s=median,
-        tflops=tflops,
-        peak_fraction=None if not peak_tflops else tflops / peak_tflops,
-        peak_mem_bytes=peak,
+        tflops=tflops if ok else None,
+        peak_fraction=tflops / peak_tflops if ok and peak_tflops else None,
+        peak_mem_bytes=m.peak,
         runs=runs,
         note=note,
-        wall_s=time.perf_counter() - started,
-        verify_s=verify_s,
+        wall_s=m.wall_s,
+        verify_s=m.verify_s,
     )
 
 

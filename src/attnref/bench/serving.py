@@ -8,18 +8,18 @@
   spread evenly from ``seq`` down to ``seq / 2``, packed end to end. The rate is tokens
   per second: ``total / median``.
 
-Timing is the harness's (`attnref.bench.timing.time_calls`: warm-up, then the median of
-timed calls, inputs rotated); shape checking is off while it runs. A backend that is
+Each backend runs in its supervised worker and is timed and verified as the dense bench
+is (`attnref.bench.verified`): new values before every timed call, sampled outputs
+checked against attnref's reference in float64, the worker's clock checked against the
+judge's; shape checking is off while it runs. A backend that is
 absent, or not declared for the dtype, gets a ``skipped`` row; one that raises, an
 ``error`` row. Rows are written as CSV and JSON.
 """
 
 import csv
-import functools
-import importlib.util
 import json
 import statistics
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -28,7 +28,6 @@ import torch
 from tqdm import tqdm
 
 from attnref._checking import checking_enabled, set_checking
-from attnref.bench.timing import time_calls
 from attnref.conformance.backends import Backend
 from attnref.devices import DTYPES
 
@@ -143,7 +142,8 @@ class ServingResult:
 
     backend: str
     case: ServingCase
-    status: Literal["ok", "skipped", "error"]
+    #: as the dense bench's (`attnref.bench.runner.BenchStatus`)
+    status: Literal["ok", "skipped", "error", "wrong", "flagged"]
     median_s: float | None = None
     tokens_per_s: float | None = None
     runs: int = 0
@@ -166,8 +166,6 @@ def _skip(backend: Backend, case: ServingCase) -> str | None:
     caps = backend.capabilities
     if backend.api != case.api:
         return f"a backend of the {backend.api!r} family, not {case.api!r}"
-    if backend.needs is not None and importlib.util.find_spec(backend.needs) is None:
-        return f"{backend.name} needs the {backend.needs} package, which is not installed here"
     reason = backend.available(case.device)
     if reason is not None:
         return reason
@@ -180,19 +178,75 @@ def _skip(backend: Backend, case: ServingCase) -> str | None:
     return None
 
 
+def _verify(case: ServingCase, seed: int, raw: Any, what: str) -> str | None:
+    """Why ``raw``, the output of the call on seed ``seed``'s values, is wrong, or None:
+    it must match attnref's reference in float64 within 16 times the reference's own
+    error in the case's dtype (at least that dtype's epsilon), times max |V|."""
+    from attnref.conformance.backends import BUILTIN_BACKENDS
+
+    reference = BUILTIN_BACKENDS[
+        "kvcache-reference" if case.api == "flash-kvcache" else "varlen-reference"
+    ]
+
+    def f64(x: Any) -> Any:
+        return x.to(torch.float64) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
+
+    args, kwargs = serving_call(case, seed)
+    exact = reference(*map(f64, args), **{k: f64(v) for k, v in kwargs.items()})
+    args, kwargs = serving_call(case, seed)  # the reference appends to the cache
+    rounded = reference(*args, **kwargs)
+    if type(raw) is not torch.Tensor:
+        return f"{what}: returned {type(raw).__name__}, not a tensor"
+    if raw.shape != exact.shape or raw.dtype != DTYPES[case.dtype]:
+        return f"{what}: returned {tuple(raw.shape)} {raw.dtype}, expected {tuple(exact.shape)}"
+    got = raw.to(device=exact.device, dtype=torch.float64)
+    if not bool(torch.isfinite(got).all()):
+        return f"{what}: NaN/inf values where the reference is finite"
+    own = float((rounded.to(torch.float64) - exact).abs().max()) if exact.numel() else 0.0
+    scale = max(1.0, float(args[2].abs().max()))
+    bound = 16 * max(own, torch.finfo(DTYPES[case.dtype]).eps) * scale
+    error = float((got - exact).abs().max()) if exact.numel() else 0.0
+    if error > bound:
+        return f"{what}: max error {error:.3g} against attnref's reference (bound {bound:.3g})"
+    return None
+
+
 def run_serving(
-    backends: Sequence[Backend],
+    backends: Sequence[Backend | str],
     cases: Sequence[ServingCase],
     *,
     warmup: int = 2,
     runs: int = 10,
     rotate: int = 2,
     progress: bool | None = None,
+    isolate: bool = True,
+    timeout: float = 600.0,
 ) -> list[ServingResult]:
-    """Every backend on every case; never raises for what a backend does."""
+    """Every backend on every case, each in its supervised worker (``isolate=False``: in
+    this process, trusted), timed and verified as the dense bench is
+    (`attnref.bench.verified.measure`); never raises for what a backend does. A spec is
+    resolved in the worker only, in the family of the first case. ``rotate`` is kept for
+    compatibility: every call now has values of its own."""
+    from attnref.conformance.backends import BackendError
+    from attnref.conformance.options import load_backend
+    from attnref.conformance.worker import Executor, InProcess, Supervised
+
     results = []
     was_checking = checking_enabled()
     set_checking(False)
+    api = cases[0].api if cases else None
+    workers: list[tuple[str, Executor | str]] = []
+    for b in backends:
+        name = b if isinstance(b, str) else b.name
+        try:
+            threads = torch.get_num_threads()
+            if isolate:
+                worker: Executor = Supervised(b, api, threads=threads)
+            else:
+                worker = InProcess(load_backend(b, api) if isinstance(b, str) else b)
+            workers.append((name, worker))
+        except BackendError as e:
+            workers.append((name, str(e)))
     bar = tqdm(
         total=len(backends) * len(cases),
         desc="bench",
@@ -200,40 +254,49 @@ def run_serving(
     )
     try:
         for case in cases:
-            for backend in backends:
-                bar.set_postfix_str(f"{backend.name} {case.label}")
-                results.append(_run_one(backend, case, warmup, runs, rotate))
+            for name, executor in workers:
+                bar.set_postfix_str(f"{name} {case.label}")
+                if isinstance(executor, str):
+                    results.append(ServingResult(name, case, "error", note=executor))
+                else:
+                    results.append(_run_one(executor, case, warmup, runs, timeout))
                 bar.update()
     finally:
         bar.close()
+        for _, executor in workers:
+            if not isinstance(executor, str):
+                executor.close()
         set_checking(was_checking)
     return results
 
 
 def _run_one(
-    backend: Backend, case: ServingCase, warmup: int, runs: int, rotate: int
+    executor: Any, case: ServingCase, warmup: int, runs: int, timeout: float
 ) -> ServingResult:
-    reason = _skip(backend, case)
+    from attnref.bench.verified import measure
+    from attnref.conformance.calls import availability
+
+    backend: Backend = executor.backend
+    reason = availability(backend, case.device, timeout, executor) or _skip(backend, case)
     if reason is not None:
         return ServingResult(backend.name, case, "skipped", note=reason)
-    calls: list[Callable[[], Any]] = []
-    for seed in range(max(rotate, 1)):
-        args, kwargs = serving_call(case, seed)
-        calls.append(functools.partial(backend, *args, **kwargs))
-    try:
-        with torch.inference_mode():
-            times = time_calls(calls, warmup=warmup, runs=runs, device=case.device)
-    except Exception as e:
-        text = (str(e).strip().splitlines() or [""])[0]
-        refused = any(r in str(e) for r in backend.capabilities.refuses)
-        return ServingResult(
-            backend.name,
-            case,
-            "skipped" if refused else "error",
-            note=f"{type(e).__name__}: {text}"[:300],
-        )
-    median = statistics.median(times)
-    return ServingResult(backend.name, case, "ok", median, case.tokens / median, runs)
+    m = measure(
+        backend,
+        executor,
+        asdict(case),
+        lambda seed, raw, what: _verify(case, seed, raw, what),
+        device=case.device,
+        warmup=warmup,
+        runs=runs,
+        memory=False,
+        timeout=timeout,
+    )
+    if m.times is None or m.status != "ok":
+        status: Any = m.status
+        median = None if m.times is None else statistics.median(m.times)
+        return ServingResult(backend.name, case, status, median, None, runs, m.note)
+    median = statistics.median(m.times)
+    return ServingResult(backend.name, case, "ok", median, case.tokens / median, runs, m.note)
 
 
 def format_serving(results: Sequence[ServingResult]) -> str:

@@ -83,12 +83,19 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()  # every stream of the device, not the current one only
 
 
-def _arguments(backend: Backend, case: BenchCase, seed: int) -> tuple[Any, Any]:
-    return backend_call(backend, bench_inputs(case, seed))
+def _arguments(backend: Backend, case: dict[str, Any], seed: int) -> tuple[Any, Any]:
+    """The call's arguments for seed ``seed``: a dense case's in the backend's family, or
+    a serving case's (it names its ``api``)."""
+    if "api" in case:
+        from attnref.bench.serving import ServingCase, serving_call
+
+        return serving_call(ServingCase(**case), seed)
+    return backend_call(backend, bench_inputs(BenchCase(**case), seed))
 
 
 def _prepare(backend: Backend, job: dict[str, Any]) -> Any:
-    case = BenchCase(**job["case"])
+    case = dict(job["case"])
+    device = str(case["device"])
     args, kwargs = _arguments(backend, case, int(job["seed"]))
     _STATE.clear()
     _STATE.update(case=case, args=args, kwargs=kwargs)
@@ -98,25 +105,26 @@ def _prepare(backend: Backend, job: dict[str, Any]) -> Any:
             rewrite((args, kwargs), _arguments(backend, case, int(job["seed"]) + 1 + i))
             _call(backend, args, kwargs)
         memory = job["memory"]
-        peak = peak_bytes(lambda: _call(backend, args, kwargs), case.device) if memory else None
-    _sync(case.device)
+        peak = peak_bytes(lambda: _call(backend, args, kwargs), device) if memory else None
+    _sync(device)
     _STATE["last"] = first
     return {"status": "ok", "value": {"output": first, "peak": peak}}
 
 
 def _loop(backend: Backend, job: dict[str, Any], call: bool) -> Any:
     start = time.perf_counter()
-    case: BenchCase = _STATE["case"]
+    case: dict[str, Any] = _STATE["case"]
+    device = str(case["device"])
     args, kwargs = _STATE["args"], _STATE["kwargs"]
     times: list[float] = []
     outputs: list[Any] = []
     with torch.inference_mode():
         for i in range(int(job["runs"])):
             rewrite((args, kwargs), _arguments(backend, case, int(job["seed"]) + i))
-            _sync(case.device)
+            _sync(device)
             t0 = time.perf_counter()
             out = _call(backend, args, kwargs) if call else _STATE["last"]
-            _sync(case.device)
+            _sync(device)
             times.append(time.perf_counter() - t0)
             outputs.append(snapshot(out))
     if call and outputs:

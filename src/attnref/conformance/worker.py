@@ -613,6 +613,7 @@ class Supervised:
         self.restarts = 0
         self.slowest = 0.0
         self.history: list[Tensor] = []  # the latest outputs (`calls.remember`)
+        self.last_read = 0.0  # seconds the last reply took to receive and decode
         self._process: multiprocessing.process.BaseProcess | None = None
         self._conn: multiprocessing.connection.Connection | None = None
         declared = self._start()
@@ -692,6 +693,7 @@ class Supervised:
                 self._stop()
                 self.restarts += 1
                 raise TimeoutError(f"no answer within {timeout:g} s (the worker was killed)")
+            t1 = time.perf_counter()
             data = conn.recv_bytes()
             self.slowest = max(self.slowest, time.perf_counter() - t0)
         except TimeoutError:
@@ -704,7 +706,10 @@ class Supervised:
             self._stop()
             self.restarts += 1
             raise BackendDied(_describe_exit(code)) from None
-        return _read(data)
+        try:
+            return _read(data)
+        finally:  # receiving and decoding the reply, on the judge's clock
+            self.last_read = time.perf_counter() - t1
 
     def close(self) -> None:
         self._stop()
