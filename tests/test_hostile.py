@@ -242,7 +242,7 @@ def test_correct_backends_pass_the_thorough_profile(backend: str, seed: int) -> 
         properties=["decode", "layouts", "degenerate", "fresh_values"],
         device="cpu",
         progress=False,
-        deadline=45.0,  # the rest is searched in other runs; no failure may be found
+        deadline=30.0,  # the rest is searched in other runs; no failure may be found
     )
     failures = [r.message for r in report.results if r.status == "fail"]
     assert not failures, failures
