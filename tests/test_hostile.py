@@ -24,37 +24,45 @@ pytestmark = pytest.mark.usefixtures("unchecked")
 ROOT = Path(__file__).resolve().parents[1]
 PROPS = ("forward", "fresh_values", "settled_output")
 
-#: backend, the cause its report must name
+#: backend, the property that meets its attack, the cause its report must name
 CATALOGUE = [
-    ("tests.hostile:returns_zeros", "max error"),
-    ("tests.hostile:returns_empty", "max error"),
-    ("tests.hostile:zeroes_inputs", "the backend modified its inputs: query, key, value"),
-    ("tests.hostile:replays_by_pointer", "the backend returned an earlier call's result"),
-    ("tests.hostile:replays_by_shape", "the backend returned an earlier call's result"),
-    ("tests.hostile:right_once_then_stale", "the backend returned an earlier call's result"),
-    ("tests.hostile:tuned_for_benchmark_shapes", "max error"),
-    ("tests.hostile:fills_in_background", "still writing its output after it returned"),
-    ("tests.hostile:fills_in_background_fast", "a thread it left running: 'hostile-scribbler'"),
-    ("tests.hostile:returns_lazy_subclass", "a tensor subclass tests.hostile.LazyTensor"),
-    ("tests.hostile:replies_with_exit", "an object the audit does not accept"),
-    ("tests.hostile:raises_with_exit", "ExitingError: caught me"),
-    ("tests.hostile.at_exit:kernel", "max error"),
-    ("tests.hostile.patches_torch:kernel", "max error"),
+    ("tests.hostile:returns_zeros", "forward", "max error"),
+    ("tests.hostile:returns_empty", "forward", "max error"),
+    (
+        "tests.hostile:zeroes_inputs",
+        "forward",
+        "the backend modified its inputs: query, key, value",
+    ),
+    ("tests.hostile:replays_by_pointer", "fresh_values", "the backend returned an earlier call's"),
+    ("tests.hostile:replays_by_shape", "fresh_values", "the backend returned an earlier call's"),
+    ("tests.hostile:right_once_then_stale", "fresh_values", "returned an earlier call's result"),
+    ("tests.hostile:tuned_for_benchmark_shapes", "forward", "max error"),
+    ("tests.hostile:fills_in_background", "settled_output", "still writing its output after"),
+    ("tests.hostile:fills_in_background_fast", "forward", "a thread it left running: 'hostile-"),
+    (
+        "tests.hostile:returns_lazy_subclass",
+        "forward",
+        "a tensor subclass tests.hostile.LazyTensor",
+    ),
+    ("tests.hostile:replies_with_exit", "forward", "an object the audit does not accept"),
+    ("tests.hostile:raises_with_exit", "forward", "ExitingError: caught me"),
+    ("tests.hostile.at_exit:kernel", "forward", "max error"),
+    ("tests.hostile.patches_torch:kernel", "forward", "max error"),
 ]
 
 
-def _audit(spec: str, path: Path) -> int:
+def _audit(spec: str, path: Path, props: tuple[str, ...] = PROPS) -> int:
     args = ["audit", "--backend", spec, "--dtype", "float32", "--no-progress"]
-    args += [x for p in PROPS for x in ("--property", p)]
+    args += [x for p in props for x in ("--property", p)]
     return main([*args, "--timeout", "10", "--json", str(path)])
 
 
-@pytest.mark.parametrize(("spec", "cause"), CATALOGUE, ids=[c[0] for c in CATALOGUE])
+@pytest.mark.parametrize(("spec", "prop", "cause"), CATALOGUE, ids=[c[0] for c in CATALOGUE])
 def test_every_attack_on_the_judge_fails_with_its_cause_named(
-    spec: str, cause: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    spec: str, prop: str, cause: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     path = tmp_path / "report.json"
-    code = _audit(spec, path)
+    code = _audit(spec, path, (prop,))
     out = capsys.readouterr().out
     assert code == 1, out
     data = json.loads(path.read_text())
