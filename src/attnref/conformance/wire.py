@@ -19,7 +19,10 @@ import struct
 from typing import Any
 
 import torch
+from jaxtyping import Shaped
 from torch import Tensor
+
+from attnref._checking import checked_internal
 
 __all__ = ["DTYPES", "MAX_DEPTH", "Rejected", "decode", "encode"]
 
@@ -58,7 +61,8 @@ def _describe(obj: object) -> str:
     return f"an object of type {kind.__module__}.{kind.__qualname__}"
 
 
-def _tensor_bytes(t: Tensor) -> bytes:
+@checked_internal
+def _tensor_bytes(t: Shaped[Tensor, "..."]) -> bytes:
     """Every byte of ``t``'s storage (a CPU copy of it for a tensor on a device)."""
     storage = t.untyped_storage()
     if t.device.type != "cpu":

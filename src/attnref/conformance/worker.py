@@ -41,9 +41,10 @@ from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 import torch
+from jaxtyping import Shaped
 from torch import Tensor
 
-from attnref._checking import checking_enabled, set_checking
+from attnref._checking import checked_internal, checking_enabled, set_checking
 from attnref.conformance.backends import Backend, BackendError, declaration, from_declaration
 from attnref.conformance.wire import Rejected, decode, encode
 
@@ -199,7 +200,8 @@ def _tensors(obj: Any) -> list[Tensor]:
     return []
 
 
-def _fingerprint(t: Tensor) -> tuple[Any, ...]:
+@checked_internal
+def _fingerprint(t: Shaped[Tensor, "..."]) -> tuple[Any, ...]:
     """Shape, strides, offset and every byte of ``t``'s values: equal only if nothing
     changed (NaN compared as bits). Any layout: a size-1 dimension may have any stride."""
     data = t.detach().cpu().clone(memory_format=torch.contiguous_format).reshape(-1)
