@@ -418,7 +418,7 @@ def test_json_report_and_reproducer_files(tmp_path: Path) -> None:
     path = tmp_path / "report.json"
     written = report.write_json(path)
     data = json.loads(path.read_text())
-    assert data["schema_version"] == 4
+    assert data["schema_version"] == 5
     assert data["api"] == "sdpa"
     assert data["backend"] == "mutant.gqa_tiled"
     assert data["profile"] == "quick"
@@ -456,7 +456,10 @@ def test_builtin_names_are_listed() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"empty_row": "zeros"}, "empty_row must be one of zero, nan, uniform or an EmptyRows"),
+        (
+            {"empty_row": "zeros"},
+            "empty_row must be one of zero, nan, uniform, unmasked or an EmptyRows",
+        ),
         ({"empty_row": {"bool_mask": "zero"}}, "or an EmptyRows (one per cause), got {'bool_mask"),
         ({"masked_nan": "maybe"}, "masked_nan must be one of contained, propagates"),
         ({"causal_alignments": ("diagonal",)}, "unknown alignment 'diagonal'"),

@@ -44,14 +44,25 @@ def test_audit_fails_a_mutant_and_writes_json(
     )
     assert code == 1
     out = capsys.readouterr().out
-    assert "failures (each shrunk to a minimal case):" in out
-    assert "gqa [float32]: GQA against expanded heads: max error" in out
+    assert "findings (failures grouped by cause, each shrunk to a minimal case):" in out
+    assert "gqa [float32]: GQA against expanded heads: max difference" in out
     assert "check_case('gqa', 'mutant.gqa_tiled', case" in out  # the reproducer
     assert "reproducers written to" in out
     data = json.loads(path.read_text())
     assert data["summary"]["ok"] is False
     assert data["seed"] == 7
     assert (tmp_path / "r.reproducers" / "gqa-float32.py").exists()
+    # a law names both of the backend's calls and the oracle; neither is "expected"
+    assert "the call on the changed inputs gave" in out
+    assert "the oracle" in out
+    (finding,) = data["findings"]
+    assert finding["count"] == 1
+    assert finding["results"] == ["gqa [float32]"]
+    # a later run into the same path leaves none of this run's reproducers beside it
+    args = ["audit", "--backend", "reference", "--dtype", "float32", "--property", "gqa"]
+    assert main([*args, "--no-progress", "--json", str(path)]) == 0
+    assert not (tmp_path / "r.reproducers").exists()
+    assert json.loads(path.read_text())["findings"] == []
 
 
 def test_fail_fast(capsys: pytest.CaptureFixture[str]) -> None:

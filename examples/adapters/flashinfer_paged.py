@@ -36,20 +36,17 @@ from attnref.conformance import Capabilities
 __all__ = ["CAPABILITIES", "flashinfer_kvcache", "paged_layout", "reference_decode"]
 
 #: decode only (one query per request), paged, no ALiBi and no rotary here (FlashInfer's
-#: own positional modes are not flash_attn_with_kvcache's tables)
-CAPABILITIES = Capabilities(
+#: own positional modes are not flash_attn_with_kvcache's tables); declared from the
+#: flash-kvcache family's preset (FlashAttention 2's flash_attn_with_kvcache)
+CAPABILITIES = Capabilities.preset(
+    "flash-kvcache",
     dtypes=(torch.float32, torch.float16, torch.bfloat16),
-    bool_mask=False,
-    float_mask=False,
-    causal_alignments=("bottom_right",),
-    gradients=False,
     dropout=False,
-    zero_head_dim=False,
-    distinct_value_dim=False,
-    window=True,
-    softcap=True,
-    lse=True,
-    paged=True,
+    max_head_dim=None,
+    alibi=False,
+    rotary=False,
+    page_multiple=1,  # any page size
+    empty_lse="-inf",
     refuses=("FlashInfer's decode takes one query per request",),
 )
 

@@ -86,7 +86,7 @@ def _verify(backend: Backend, case: BenchCase, seed: int, raw: Any, what: str) -
         shape = (*inputs.query.shape[:-1], inputs.value.shape[-1])
         got = check_output(out, shape, inputs).to(torch.float64)
         native = family_of(backend).native_causal(backend.capabilities, inputs)
-        exp = expect(inputs, backend.capabilities.empty_row, native)
+        exp = expect(inputs, backend.capabilities.for_dtype(inputs.query.dtype).empty_row, native)
         close(got, exp.value, *exp.bounds(), "output")
     except Failure as f:
         return f"{what}: {f}"

@@ -14,6 +14,11 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from attnref.conformance.backends import (
         BUILTIN_BACKENDS,
+        FLASH_ATTN_2,
+        FLASH_ATTN_2_KVCACHE,
+        FLASH_ATTN_2_VARLEN,
+        PRESETS,
+        SDPA_DEFAULTS,
         Backend,
         BackendError,
         Capabilities,
@@ -31,6 +36,11 @@ if TYPE_CHECKING:
 _WHERE = {
     "backends": (
         "BUILTIN_BACKENDS",
+        "FLASH_ATTN_2",
+        "FLASH_ATTN_2_KVCACHE",
+        "FLASH_ATTN_2_VARLEN",
+        "PRESETS",
+        "SDPA_DEFAULTS",
         "Backend",
         "BackendError",
         "Capabilities",
@@ -49,8 +59,13 @@ _MODULE = {name: module for module, names in _WHERE.items() for name in names}
 
 __all__ = [
     "BUILTIN_BACKENDS",
+    "FLASH_ATTN_2",
+    "FLASH_ATTN_2_KVCACHE",
+    "FLASH_ATTN_2_VARLEN",
+    "PRESETS",
     "PROFILES",
     "PROPERTIES",
+    "SDPA_DEFAULTS",
     "AuditReport",
     "Backend",
     "BackendError",

@@ -1,8 +1,13 @@
-"""Backends: callables with torch SDPA's signature, plus what they declare they support.
+"""Backends: callables of an API family, plus what they declare they support.
 
-A plain function with no declaration is taken to claim torch SDPA's semantics: top-left
-causal alignment only, ``is_causal`` not combined with a mask, zeros for a query with no
-visible key, every float dtype, boolean and float masks, GQA through ``enable_gqa``.
+A plain function with no declaration is taken to claim its family's defaults, its
+preset (`PRESETS`): for torch SDPA's family, top-left causal alignment only,
+``is_causal`` not combined with a mask, zeros for a query with no visible key, every
+float dtype, boolean and float masks, GQA through ``enable_gqa``; for the flash
+families, what FlashAttention 2 documents (`FLASH_ATTN_2`). A declaration starts from
+one family's preset and names it (`Capabilities.family`): `Capabilities.preset` or
+``replace(FLASH_ATTN_2, ...)``. One that starts from another family's defaults is an
+error, never read silently as that family's.
 """
 
 import contextlib
@@ -29,6 +34,10 @@ from attnref.varlen import varlen_attention
 __all__ = [
     "BUILTIN_BACKENDS",
     "FLASH_ATTN_2",
+    "FLASH_ATTN_2_KVCACHE",
+    "FLASH_ATTN_2_VARLEN",
+    "PRESETS",
+    "SDPA_DEFAULTS",
     "VARIANTS",
     "Backend",
     "BackendError",
@@ -42,8 +51,11 @@ __all__ = [
 
 #: a backend's function: it returns a tensor, or a tuple when asked for the LSE
 SDPA = Callable[..., Any]
-#: the output for a query with no visible key: zeros, NaN, or the mean of V
-EmptyRow = Literal["zero", "nan", "uniform"]
+#: the output for a query with no visible key: zeros, NaN, the mean of V ("uniform": a
+#: finite fill that *replaces* the hidden scores, as ``masked_fill(~mask, finfo.min)``),
+#: or "unmasked": attention over the keys the mask hid, as if it hid none (a finite fill
+#: *added* to the scores, as diffusers' ``-10000``: every score of the row moves alike)
+EmptyRow = Literal["zero", "nan", "uniform", "unmasked"]
 #: "contained": NaN/inf in K/V at keys no query sees never reaches the output;
 #: "propagates": it may (0 * NaN = NaN in a materialised P @ V, as torch's CPU kernels)
 MaskedNaN = Literal["contained", "propagates"]
@@ -68,27 +80,36 @@ class EmptyRows:
     causal diagonal empties the row (a finite fill value). ``causal`` applies only when
     the backend computes the alignment itself; an alignment it does not declare reaches
     it as a boolean mask. A row that a mask alone empties is the mask's; one that the
-    diagonal empties, alone or together with a mask, is ``causal``.
+    diagonal empties, alone or together with a mask, is ``causal``. ``causal_masked``
+    (default: ``causal``'s) is the policy of such a row in a call that was also passed a
+    mask: for a backend whose answer depends on whether a mask was passed (one that
+    folds its diagonal into the mask it is given, with a finite fill).
     """
 
     bool_mask: EmptyRow = "zero"
     float_mask: EmptyRow = "zero"
     causal: EmptyRow = "zero"
+    causal_masked: EmptyRow | None = None
 
     def __post_init__(self) -> None:
-        for cause in get_args(Cause):
-            if getattr(self, cause) not in get_args(EmptyRow):
+        for name in (*get_args(Cause), "causal_masked"):
+            value = getattr(self, name)
+            if value not in get_args(EmptyRow) and not (name == "causal_masked" and value is None):
                 raise ValueError(
-                    f"EmptyRows.{cause} must be one of {', '.join(get_args(EmptyRow))}, "
-                    f"got {getattr(self, cause)!r}"
+                    f"EmptyRows.{name} must be one of {', '.join(get_args(EmptyRow))}, "
+                    f"got {value!r}"
                 )
 
-    def of(self, cause: Cause) -> EmptyRow:
+    def of(self, cause: Cause, masked: bool = False) -> EmptyRow:
+        """The policy of a row that ``cause`` empties (``masked``: in a call that was
+        also passed a mask)."""
+        if cause == "causal" and masked and self.causal_masked is not None:
+            return self.causal_masked
         policy: EmptyRow = getattr(self, cause)
         return policy
 
     def policies(self) -> set[EmptyRow]:
-        return {self.of(c) for c in get_args(Cause)}
+        return {self.of(c, m) for c in get_args(Cause) for m in (False, True)}
 
 
 class BackendError(Exception):
@@ -97,8 +118,18 @@ class BackendError(Exception):
 
 @dataclass(frozen=True)
 class Capabilities:
-    """What a backend declares it supports; cases outside it are skipped and counted."""
+    """What a backend declares it supports. The audit draws its cases inside the
+    declaration; a call a check derives that falls outside it is skipped and counted,
+    and a property no declared call can meet is skipped with the reason.
 
+    The defaults are the ``sdpa`` family's (`SDPA_DEFAULTS`); a backend of another
+    family starts from that family's preset (`PRESETS`, `Capabilities.preset`), and
+    ``family`` says which: a declaration whose ``family`` is not the backend's is an
+    error (`BackendError`), not read as the other family's.
+    """
+
+    #: the API family whose preset this declaration starts from
+    family: str = "sdpa"
     dtypes: tuple[torch.dtype, ...] = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
     devices: tuple[str, ...] = ("cpu", "cuda")
     bool_mask: bool = True
@@ -130,8 +161,47 @@ class Capabilities:
     rotary: bool = False  # rotary_cos / rotary_sin for the new tokens, both layouts
     paged: bool = False  # a paged cache through block_table
     page_multiple: int = 1  # page sizes must be multiples of this (FlashAttention 2: 256)
+    # narrow libraries: what they take of the whole space
+    #: only self-attention: queries and keys of one length (Tq = Tk); cases are drawn so,
+    #: and a property that needs Tq != Tk (decode, merge) is skipped
+    self_attention_only: bool = False
+    #: only causal calls (its causal alignments, `causal_alignments`); cases are drawn
+    #: causal, and a property that needs a non-causal call is skipped
+    causal_only: bool = False
+    #: takes an explicit ``scale``; False: only the default 1/sqrt(Dqk) (scale=None)
+    explicit_scale: bool = True
+    #: one sink logit shared by every head (cases draw one value for all heads)
+    sink_shared: bool = False
+    #: the sink logits taken (() : any); cases draw among them, ``-inf`` is no sink
+    sink_values: tuple[float, ...] = ()
+    #: a gradient with respect to the sinks (False: the sink is a constant)
+    sink_gradients: bool = True
+    #: the empty-row policy of some dtypes, where it differs from ``empty_row`` (a dict
+    #: ``{"float64": "nan"}`` is taken, kept as pairs)
+    empty_row_by_dtype: (
+        tuple[tuple[str, EmptyRow | EmptyRows], ...] | dict[str, EmptyRow | EmptyRows]
+    ) = ()
 
     def __post_init__(self) -> None:
+        by_dtype: object = self.empty_row_by_dtype
+        if isinstance(by_dtype, dict):
+            object.__setattr__(self, "empty_row_by_dtype", tuple(by_dtype.items()))
+        _check_by_dtype(self.empty_row_by_dtype)
+        if self.family not in PRESET_NAMES:
+            raise ValueError(
+                f"Capabilities.family must be one of {', '.join(PRESET_NAMES)}, got {self.family!r}"
+            )
+        values = tuple(float(v) for v in self.sink_values)
+        if any(math.isnan(v) for v in values):
+            raise ValueError(
+                f"Capabilities.sink_values must not hold NaN, got {self.sink_values!r}"
+            )
+        object.__setattr__(self, "sink_values", values)
+        if self.causal_only and not self.causal_alignments:
+            raise ValueError(
+                "Capabilities.causal_only needs the alignment the backend computes in "
+                "causal_alignments (top_left or bottom_right)"
+            )
         for name, kind, other in (
             ("empty_row", EmptyRow, " or an EmptyRows (one per cause)"),
             ("masked_nan", MaskedNaN, ""),
@@ -167,6 +237,58 @@ class Capabilities:
             return self.empty_row
         return EmptyRows(self.empty_row, self.empty_row, self.empty_row)
 
+    def for_dtype(self, dtype: torch.dtype) -> "Capabilities":
+        """The declaration as it holds in ``dtype``: its `empty_row_by_dtype` entry, if
+        any, as ``empty_row`` (what the checks of one dtype read)."""
+        name = str(dtype).removeprefix("torch.")
+        pairs = self.empty_row_by_dtype
+        for key, policy in pairs.items() if isinstance(pairs, dict) else pairs:
+            if key == name:
+                return replace(self, empty_row=policy, empty_row_by_dtype=())
+        return self
+
+    @classmethod
+    def preset(cls, family: str, **changes: Any) -> "Capabilities":
+        """Family ``family``'s preset (`PRESETS`) with ``changes``: how a backend of a
+        family other than ``sdpa`` declares, e.g. ``Capabilities.preset("flash",
+        window=False)``."""
+        if family not in PRESETS:
+            raise ValueError(f"unknown API family {family!r}: use one of {', '.join(PRESETS)}")
+        return replace(PRESETS[family], **changes)
+
+    def narrow(self) -> bool:
+        """Whether it declares any of the narrow-library limits (the cases then draw
+        inside them; a declaration without one draws as it always has)."""
+        return (
+            self.self_attention_only
+            or self.causal_only
+            or not self.explicit_scale
+            or self.sink_shared
+            or bool(self.sink_values)
+        )
+
+
+def _check_by_dtype(pairs: object) -> None:
+    from attnref.devices import DTYPES
+
+    if type(pairs) is not tuple:
+        raise ValueError(f"Capabilities.empty_row_by_dtype must be a dict or pairs, got {pairs!r}")
+    for pair in pairs:
+        if type(pair) is not tuple or len(pair) != 2 or pair[0] not in DTYPES:
+            raise ValueError(
+                f"Capabilities.empty_row_by_dtype: {pair!r} is not (dtype name, policy); "
+                f"dtype names: {', '.join(DTYPES)}"
+            )
+        if pair[1] not in get_args(EmptyRow) and not isinstance(pair[1], EmptyRows):
+            raise ValueError(
+                f"Capabilities.empty_row_by_dtype[{pair[0]!r}] must be one of "
+                f"{', '.join(get_args(EmptyRow))} or an EmptyRows, got {pair[1]!r}"
+            )
+
+
+#: the API families that have a preset (`PRESETS`)
+PRESET_NAMES = ("sdpa", "flash", "flash-varlen", "flash-kvcache")
+
 
 @dataclass(frozen=True)
 class Backend:
@@ -187,6 +309,11 @@ class Backend:
     #: how a worker resolves it (`resolve_backend`'s spec; "": its name)
     spec: str = ""
 
+    def __post_init__(self) -> None:
+        family = self.capabilities.family
+        if family != self.api:
+            raise BackendError(family_mismatch(self.name, family, self.api))
+
     def available(self, device: str) -> str | None:
         """``None`` if the backend can run on ``device``, else why not: what its
         declaration says. Whether its package is there and a probe call runs is asked of
@@ -202,6 +329,17 @@ class Backend:
             return self.fn(*args, **kwargs)
 
 
+def family_mismatch(name: str, declared: str, api: str) -> str:
+    """Why a declaration that starts from family ``declared``'s preset cannot be read as
+    one of family ``api``."""
+    return (
+        f"{name} declares Capabilities that start from the {declared!r} family's defaults, "
+        f"but it is audited in the {api!r} family, whose defaults differ (masks, causal "
+        f"alignment, dtypes, the LSE): start the declaration from that family's preset, "
+        f"Capabilities.preset({api!r}, ...) or dataclasses.replace(PRESETS[{api!r}], ...)"
+    )
+
+
 def _runs_in_its_worker(*args: Any, **kwargs: Any) -> Any:
     raise RuntimeError("this backend was declared by its worker: its code runs only there")
 
@@ -214,7 +352,11 @@ def declaration(backend: Backend) -> dict[str, Any]:
         if f.name == "dtypes":
             value = [str(d).removeprefix("torch.") for d in value]
         elif isinstance(value, EmptyRows):
-            value = {c: value.of(c) for c in get_args(Cause)}
+            value = _rows_data(value)
+        elif f.name == "empty_row_by_dtype":
+            value = [[d, _rows_data(p) if isinstance(p, EmptyRows) else p] for d, p in value]
+        elif f.name == "sink_values":
+            value = [repr(v) for v in value]  # -inf and inf as text: JSON has no infinity
         elif isinstance(value, tuple):
             value = list(value)
         caps[f.name] = value
@@ -227,6 +369,23 @@ def declaration(backend: Backend) -> dict[str, Any]:
         "spec": backend.spec or backend.name,
         "capabilities": caps,
     }
+
+
+def _rows_data(rows: EmptyRows) -> dict[str, Any]:
+    return {f.name: getattr(rows, f.name) for f in fields(EmptyRows)}
+
+
+def _rows_from(value: object, where: str) -> EmptyRow | EmptyRows:
+    if type(value) is dict:
+        names = {f.name for f in fields(EmptyRows)}
+        if set(value) != names:
+            raise ValueError(f"{where} must name the fields {sorted(names)}")
+        if not all(v is None or type(v) is str for v in value.values()):
+            raise ValueError(f"{where}: each policy must be a string")
+        return EmptyRows(**value)
+    if type(value) is not str or value not in get_args(EmptyRow):
+        raise ValueError(f"{where} must be one of {', '.join(get_args(EmptyRow))}")
+    return value  # type: ignore[return-value]
 
 
 def _strings(value: object, what: str) -> tuple[str, ...]:
@@ -269,12 +428,18 @@ def from_declaration(data: object) -> Backend:
                 raise ValueError(f"{where}: unknown dtype {unknown[0]!r}")
             caps[name] = tuple(DTYPES[d] for d in names_given)
         elif name == "empty_row":
-            if type(value) is dict:
-                if set(value) != set(get_args(Cause)):
-                    raise ValueError(f"{where} must name the causes {get_args(Cause)}")
-                caps[name] = EmptyRows(**{k: str(v) for k, v in value.items()})  # type: ignore[arg-type]
-            else:
-                caps[name] = value
+            caps[name] = _rows_from(value, where)
+        elif name == "empty_row_by_dtype":
+            if type(value) is not list or not all(
+                type(x) is list and len(x) == 2 and type(x[0]) is str for x in value
+            ):
+                raise ValueError(f"{where} must be a list of [dtype, policy] pairs")
+            caps[name] = tuple((d, _rows_from(p, f"{where}[{d!r}]")) for d, p in value)
+        elif name == "sink_values":
+            try:
+                caps[name] = tuple(float(x) for x in _strings(value, where))
+            except ValueError:
+                raise ValueError(f"{where} must be numbers, got {str(value)[:100]}") from None
         elif isinstance(default, tuple):
             caps[name] = _strings(value, where)
         elif name == "max_head_dim":
@@ -285,6 +450,8 @@ def from_declaration(data: object) -> Backend:
             raise ValueError(f"{where} must be a {type(default).__name__}, got {str(value)[:50]}")
         else:
             caps[name] = value
+    if caps["family"] != data["api"]:
+        raise ValueError(family_mismatch(data["name"], caps["family"], data["api"]))
     return Backend(
         data["name"],
         _runs_in_its_worker,
@@ -530,10 +697,12 @@ _NAIVE_CAPS = Capabilities(
 )
 
 
-def _flash_caps(caps: Capabilities) -> Capabilities:
-    """``caps`` as a flash-convention backend declares them: no masks, bottom-right."""
+def _flash_caps(caps: Capabilities, family: str = "flash") -> Capabilities:
+    """``caps`` as a flash-convention backend of ``family`` declares them: no masks,
+    bottom-right."""
     return replace(
         caps,
+        family=family,
         bool_mask=False,
         float_mask=False,
         causal_alignments=("bottom_right",),
@@ -544,8 +713,10 @@ def _flash_caps(caps: Capabilities) -> Capabilities:
 #: what FlashAttention 2 documents for flash_attn_func (its README and docstring):
 #: fp16 and bf16, head dims up to 256 with Dv = Dqk, bottom-right causal, a window,
 #: softcap, ALiBi, the log-sum-exp (+inf for a query with no visible key), no sinks, no
-#: masks. The default of an undeclared ``--api flash`` function.
+#: masks. The preset of the ``flash`` family: the default of an undeclared ``--api
+#: flash`` function, and where a declaration of one starts (``replace(FLASH_ATTN_2, ...)``)
 FLASH_ATTN_2 = Capabilities(
+    family="flash",
     dtypes=(torch.float16, torch.bfloat16),
     bool_mask=False,
     float_mask=False,
@@ -559,6 +730,31 @@ FLASH_ATTN_2 = Capabilities(
     lse=True,
     empty_lse="+inf",
 )
+
+
+#: the ``flash-varlen`` family's preset: FlashAttention 2 documents flash_attn_varlen_func
+#: as flash_attn_func
+FLASH_ATTN_2_VARLEN = replace(FLASH_ATTN_2, family="flash-varlen")
+#: the ``flash-kvcache`` family's preset: flash_attn_with_kvcache has no backward, and
+#: takes rotary and a paged cache (pages of a multiple of 256 tokens)
+FLASH_ATTN_2_KVCACHE = replace(
+    FLASH_ATTN_2,
+    family="flash-kvcache",
+    gradients=False,
+    rotary=True,
+    paged=True,
+    page_multiple=256,
+)
+#: the ``sdpa`` family's preset: torch SDPA's semantics (`Capabilities()`)
+SDPA_DEFAULTS = Capabilities()
+#: each API family's preset: what an undeclared function of it claims, and where a
+#: declaration of one starts (`Capabilities.preset`)
+PRESETS: dict[str, Capabilities] = {
+    "sdpa": SDPA_DEFAULTS,
+    "flash": FLASH_ATTN_2,
+    "flash-varlen": FLASH_ATTN_2_VARLEN,
+    "flash-kvcache": FLASH_ATTN_2_KVCACHE,
+}
 
 
 def _flash_attn(*args: Any, **kwargs: Any) -> Any:
@@ -626,13 +822,15 @@ def _varlen_reference(
     return result
 
 
-_VARLEN_REFERENCE_CAPS = _flash_caps(replace(_REFERENCE_CAPS, dropout=False))
+_VARLEN_REFERENCE_CAPS = _flash_caps(replace(_REFERENCE_CAPS, dropout=False), "flash-varlen")
 _SERVING = {"gradients": False, "sinks": False, "rotary": True, "paged": True, "dropout": False}
 #: the packed and paged conventions (flash_attn_varlen_func, flash_attn_with_kvcache):
 #: the reference itself, and the naive kernel and torch SDPA (with the window and ALiBi
 #: folded into a float mask) driven sequence by sequence, row by row
 varlen_reference = _declared(_varlen_reference, _VARLEN_REFERENCE_CAPS)
-varlen_naive = _declared(varlen_form(flash_naive, "varlen_naive"), _flash_caps(_NAIVE_CAPS))
+varlen_naive = _declared(
+    varlen_form(flash_naive, "varlen_naive"), _flash_caps(_NAIVE_CAPS, "flash-varlen")
+)
 _SDPA_BIAS_CAPS = Capabilities(
     dtypes=(torch.float64, torch.float32),
     causal_alignments=("top_left", "bottom_right"),
@@ -642,23 +840,23 @@ _SDPA_BIAS_CAPS = Capabilities(
 )
 varlen_sdpa = _declared(
     varlen_form(flash_form(_sdpa_with_bias, "flash_sdpa"), "varlen_sdpa"),
-    _flash_caps(replace(_SDPA_BIAS_CAPS, gradients=True)),
+    _flash_caps(replace(_SDPA_BIAS_CAPS, gradients=True), "flash-varlen"),
 )
 kvcache_flex = _declared(
     kvcache_form(flash_flex, "kvcache_flex"),
-    _flash_caps(replace(_FLEX_CAPS, **_SERVING)),  # type: ignore[arg-type]
+    _flash_caps(replace(_FLEX_CAPS, **_SERVING), "flash-kvcache"),  # type: ignore[arg-type]
 )
 kvcache_reference = _declared(
     kvcache_attention,
-    _flash_caps(replace(_REFERENCE_CAPS, **_SERVING)),  # type: ignore[arg-type]
+    _flash_caps(replace(_REFERENCE_CAPS, **_SERVING), "flash-kvcache"),  # type: ignore[arg-type]
 )
 kvcache_naive = _declared(
     kvcache_form(flash_naive, "kvcache_naive"),
-    _flash_caps(replace(_NAIVE_CAPS, **_SERVING)),  # type: ignore[arg-type]
+    _flash_caps(replace(_NAIVE_CAPS, **_SERVING), "flash-kvcache"),  # type: ignore[arg-type]
 )
 kvcache_sdpa = _declared(
     kvcache_form(flash_form(_sdpa_with_bias, "flash_sdpa"), "kvcache_sdpa"),
-    _flash_caps(replace(_SDPA_BIAS_CAPS, **_SERVING)),  # type: ignore[arg-type]
+    _flash_caps(replace(_SDPA_BIAS_CAPS, **_SERVING), "flash-kvcache"),  # type: ignore[arg-type]
 )
 
 
@@ -760,7 +958,9 @@ def _varlen_flex(
     return (packed, lse[0], None) if return_attn_probs else packed
 
 
-varlen_flex = _declared(_varlen_flex, _flash_caps(replace(_FLEX_CAPS, gradients=False)))
+varlen_flex = _declared(
+    _varlen_flex, _flash_caps(replace(_FLEX_CAPS, gradients=False), "flash-varlen")
+)
 
 
 def _flash_attn_varlen(*args: Any, **kwargs: Any) -> Any:
@@ -925,7 +1125,7 @@ def _builtin() -> dict[str, Backend]:
                 "flash-attn-varlen",
                 _flash_attn_varlen,
                 "FlashAttention 2's flash_attn_varlen_func (skipped where flash_attn is absent)",
-                replace(FLASH_ATTN_2, devices=("cuda",)),
+                replace(FLASH_ATTN_2_VARLEN, devices=("cuda",)),
                 api="flash-varlen",
                 needs="flash_attn",
             ),
@@ -933,14 +1133,7 @@ def _builtin() -> dict[str, Backend]:
                 "flash-attn-kvcache",
                 _flash_attn_kvcache,
                 "FlashAttention 2's flash_attn_with_kvcache (skipped where flash_attn is absent)",
-                replace(
-                    FLASH_ATTN_2,
-                    devices=("cuda",),
-                    gradients=False,
-                    rotary=True,
-                    paged=True,
-                    page_multiple=256,
-                ),
+                replace(FLASH_ATTN_2_KVCACHE, devices=("cuda",)),
                 api="flash-kvcache",
                 needs="flash_attn",
             ),
@@ -1005,5 +1198,7 @@ def resolve_backend(spec: str, api: str | None = None) -> Backend:
     caps = getattr(fn, "capabilities", family.defaults)
     if not isinstance(caps, Capabilities):
         raise BackendError(f"{spec}.capabilities must be an attnref Capabilities, got {caps!r}")
+    if caps.family != family.name:
+        raise BackendError(family_mismatch(spec, caps.family, family.name))
     doc = (inspect.getdoc(fn) or "").split("\n")[0]
     return Backend(spec, fn, doc or spec, caps, api=family.name, spec=spec)

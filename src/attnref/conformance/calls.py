@@ -7,6 +7,7 @@ backend declared it does not support the call). Every call of backend code goes 
 `call`, and the gradient property's forward and backward.
 """
 
+import hashlib
 from typing import Any
 
 import torch
@@ -90,6 +91,29 @@ def skip_reason(backend: Backend, inputs: Inputs, kwargs: dict[str, Any]) -> str
         return f"head dim {max(Dh, Dv)} above the declared {caps.max_head_dim}"
     if Dv != Dh and not caps.distinct_value_dim:
         return "Dv != Dqk not declared"
+    Tq, Tk = inputs.query.shape[-2], inputs.key.shape[-2]
+    if caps.self_attention_only and Tq != Tk:
+        return f"Tq = {Tq} != Tk = {Tk}: self-attention only declared"
+    if caps.causal_only and not native_causal(caps, inputs, backend.api):
+        return "a call that is not causal: causal only declared"
+    if not caps.explicit_scale and inputs.scale is not None:
+        return f"an explicit scale ({inputs.scale:g}): only the default scale declared"
+    return _sink_reason(caps, inputs.sinks)
+
+
+def _sink_reason(caps: Capabilities, sinks: Tensor | None) -> str | None:
+    """Why sink logits ``sinks`` are outside the declaration (shared, declared values)."""
+    if sinks is None or sinks.numel() == 0:
+        return None
+    values = sinks.detach().double().cpu()
+    if caps.sink_shared and bool((values != values[0]).any()):
+        return "a sink logit per head: one sink shared by every head declared"
+    if caps.sink_values:
+        allowed = torch.tensor(caps.sink_values, dtype=torch.float64)
+        outside = [float(v) for v in values if not bool((allowed == v).any())]
+        if outside:
+            declared = ", ".join(f"{v:g}" for v in caps.sink_values)
+            return f"sink logit {outside[0]:g}: the declared sink logits are {declared}"
     return None
 
 
@@ -147,7 +171,7 @@ def invoke(
     executor = executor or InProcess(backend)
     try:
         result = executor.run(job, timeout)
-        remember(executor, result)
+        remember(executor, result, job)
         return result
     except Raised as e:
         raise_for_error(backend, e.error)
@@ -163,25 +187,48 @@ def invoke(
 HISTORY = 2**22
 
 
-def remember(executor: Executor, result: Any) -> None:
+def digest(job: object) -> str:
+    """A digest of the values (not the buffers) of a job's tensors: equal for two calls
+    on the same values."""
+    h = hashlib.blake2b(digest_size=16)
+    stack: list[object] = [getattr(job, "args", ()), getattr(job, "kwargs", {})]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, Tensor):
+            t = torch.empty(x.shape, dtype=x.dtype).copy_(x.detach())  # standard strides
+            h.update(f"{t.dtype}{tuple(t.shape)}".encode())
+            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        elif isinstance(x, tuple | list):
+            stack.extend(x)
+        elif isinstance(x, dict):
+            stack.extend(x[k] for k in sorted(x, key=str))
+        else:
+            h.update(repr(x).encode())
+    return h.hexdigest()
+
+
+def remember(executor: Executor, result: Any, job: object = None) -> None:
     """Keep the output tensors of ``result`` in ``executor.history`` (the latest
-    `HISTORY` elements): a replayed output is recognised even when it comes from an earlier case
-    or property (`attnref.conformance.attacks`)."""
+    `HISTORY` elements), each with the `digest` of the call's inputs: a replayed output
+    is recognised even when it comes from an earlier case or property
+    (`attnref.conformance.attacks`), and told apart from the same output of a call on
+    the same values (Hypothesis replays a case)."""
     history = getattr(executor, "history", None)
-    if history is None:
+    if history is None or not isinstance(job, Job):
         return
+    key = digest(job)
     stack = [result]
     while stack:
         x = stack.pop()
         if isinstance(x, Tensor) and x.is_floating_point() and x.numel():
-            history.append(x)
+            history.append((x, key))
         elif isinstance(x, tuple | list):
             stack.extend(x)
         elif isinstance(x, dict):
             stack.extend(x.values())
     total = 0
     for i in range(len(history) - 1, -1, -1):
-        total += history[i].numel()
+        total += history[i][0].numel()
         if total > HISTORY:
             del history[: i + 1]
             break

@@ -82,6 +82,8 @@ class Case:
     softcap: float = 0.0
     alibi: Alibi = "none"
     sinks: bool = False
+    #: the one sink logit of every head (None: one random logit per head)
+    sink: float | None = None
     # packed sequences (the flash-varlen family, docs/varlen.md): ``(Tq, Tk)`` of each
     # sequence, and how many padding tokens of garbage follow the pack
     seqlens: tuple[tuple[int, int], ...] = ()
@@ -256,6 +258,8 @@ def build(case: Case, dtype: torch.dtype, device: str | torch.device = "cpu") ->
             slopes = slopes * (0.5 + torch.rand((*B, 1), generator=gen))
     if case.sinks:
         sinks = 2 * torch.randn(case.h, generator=gen)
+        if case.sink is not None:
+            sinks = torch.full((case.h,), case.sink)
     return Inputs(
         q,
         k,

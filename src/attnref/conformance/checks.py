@@ -16,6 +16,7 @@ cases it runs on.
 """
 
 import contextlib
+import functools
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
@@ -86,9 +87,10 @@ class Context:
         default_factory=dict, repr=False, compare=False
     )
 
-    @property
+    @functools.cached_property
     def caps(self) -> Capabilities:
-        return self.backend.capabilities
+        """The backend's declaration as it holds in this dtype (`Capabilities.for_dtype`)."""
+        return self.backend.capabilities.for_dtype(self.dtype)
 
     def native(self, inputs: Inputs) -> bool:
         """Whether the backend applies the causal diagonal of ``inputs`` itself."""
@@ -136,12 +138,29 @@ class Context:
         visible = inputs.visible()[index]
         query = f"query {where[-2]}"
         if bool(visible.any()):
-            return f"{query} sees {int(visible.sum())} of {visible.numel()} keys"
+            seen = f"{query} sees {int(visible.sum())} of {visible.numel()} keys"
+            return seen + self._spread(inputs, where)
         causes = empty_row_causes(inputs, self.native(inputs))
         cause = next(c for c, rows in causes.items() if bool(rows[index].any()))
-        policy = self.caps.empty_rows.of(cause)
+        policy = self.caps.empty_rows.of(cause, inputs.attn_mask is not None)
         why = "there are none" if inputs.key.shape[-2] == 0 else _CAUSES[cause]
         return f"{query} sees no key ({why}; declared policy {policy!r})"
+
+    def _spread(self, inputs: Inputs, where: tuple[int, ...]) -> str:
+        """For a row that sees keys: a head at the same query position that sees none,
+        whose NaN a projection mixing heads (before or after attention) may have
+        spread, as `naming_the_row` adds it to a NaN failure."""
+        if len(where) < 4:
+            return ""
+        index: tuple[int | slice, ...] = (*where[:-3], slice(None), where[-2])
+        heads = inputs.visible()[index]  # (h, Tk)
+        empty = [int(i) for i in (~heads.any(dim=-1)).nonzero().flatten()]
+        if not empty:
+            return ""
+        return (
+            f"; head {empty[0]} at the same position sees no key: if the backend mixes "
+            "heads (a projection), a NaN or value of that row spreads to the others"
+        )
 
     @contextlib.contextmanager
     def naming_the_row(self, inputs: Inputs) -> Iterator[None]:
@@ -156,13 +175,7 @@ class Context:
                 row = self.row(inputs, where)
             except (IndexError, StopIteration):  # an index the inputs do not explain
                 raise f from None
-            raise Failure(
-                f"{f}; {row}",
-                got=f.got,
-                expected=f.expected,
-                where=f.where,
-                fatal=f.fatal,
-            ) from None
+            raise f.reworded(f"{f}; {row}") from None
 
 
 Check = Callable[[Context, Case], None]
@@ -225,6 +238,7 @@ def _law(
             gmean + abs(factor) * bmean + delta,
             what,
             sel,
+            law=eg.value,
         )
 
 
@@ -260,7 +274,7 @@ def forward(ctx: Context, case: Case) -> None:
 
 def gradient(ctx: Context, case: Case) -> None:
     inputs = ctx.build(case)
-    policies: tuple[EmptyRow, ...] = ("nan", "uniform")
+    policies: tuple[EmptyRow, ...] = ("nan", "uniform", "unmasked")
     for policy in policies:
         if bool(ctx.empty(inputs, policy).any()):
             raise Skip(f"gradients of rows with no visible key under policy {policy!r}")
@@ -282,7 +296,7 @@ def gradient(ctx: Context, case: Case) -> None:
             raise Failure(f"{name} has shape {tuple(g.shape)}, expected {tuple(arg.shape)}")
         back = family.from_layout(g.detach(), leaf)
         close(back.to(torch.float64), exp.value, *exp.bounds(), name)
-    if inputs.sinks is not None:
+    if inputs.sinks is not None and ctx.caps.sink_gradients:
         d_sinks = grads[3] if len(grads) > 3 else None
         if d_sinks is None:
             raise Failure("dSinks is None: the output does not depend on the sink logits")
@@ -298,14 +312,16 @@ def gradient(ctx: Context, case: Case) -> None:
 
 def masked_keys(ctx: Context, case: Case) -> None:
     """Rows that see a key must not change; a row that sees none holds its policy's value,
-    and under the "uniform" policy that is the mean of every V, poisoned ones included, so
-    those rows are left out (they are the empty-row property's business)."""
+    and under the "uniform" and "unmasked" policies that reads the hidden keys, poisoned
+    ones included, so those rows are left out (they are the empty-row property's
+    business)."""
     dirty_inputs = ctx.build(case)
     clean_inputs = ctx.build(replace(case, poison="none"))
     clean = ctx.run(clean_inputs)
     dirty = ctx.run(dirty_inputs)
-    uniform = ctx.empty(clean_inputs, "uniform")
-    sel = ~uniform if bool(uniform.any()) else None
+    # rows whose policy reads the hidden keys: the mean of every V, or attention over them
+    reads = ctx.empty(clean_inputs, "uniform") | ctx.empty(clean_inputs, "unmasked")
+    sel = ~reads if bool(reads.any()) else None
     _law(
         ctx,
         dirty,
@@ -538,8 +554,24 @@ def softcap_bound(ctx: Context, case: Case) -> None:
     with ctx.naming_the_row(probe):
         _finite_where_the_oracle_is(weights, ctx.expect(probe).value, "the weights (V = I)")
     seen = inputs.visible()
-    n = seen.sum(dim=-1, keepdim=True).clamp(min=1).to(torch.float64)
     eps = torch.finfo(v.dtype).eps
+    # first, what is judged must be softcap: a hidden key with weight is a mask not
+    # applied, whatever the scores, and the bound below would blame the cap for it
+    exact = ctx.expect(probe)
+    hidden = ~seen & (weights.abs() > exact.bounds()[0] + eps) & inputs.visible().any(-1, True)
+    if bool(hidden.any()):
+        where = tuple(int(i) for i in hidden.nonzero()[0])
+        w = float(weights[where])
+        raise Failure(
+            f"softcap {c:g}: key {where[-1]} is hidden from query {where[-2]} "
+            f"({_why_hidden(ctx, probe, where)}) but has weight {w:.4g}: the mask is not "
+            f"applied under softcap; {int(hidden.sum())} hidden (query, key) pairs have "
+            f"weight; first at {where}",
+            got=w,
+            expected=0.0,
+            where=where,
+        )
+    n = seen.sum(dim=-1, keepdim=True).clamp(min=1).to(torch.float64)
     rel = 4 * eps + 4 * ctx.expect(probe).floor  # rounding w, and the score error
     lo = math.exp(-2 * c) / n * (1 - rel)
     hi = math.exp(2 * c) / n * (1 + rel) + eps
@@ -557,6 +589,20 @@ def softcap_bound(ctx: Context, case: Case) -> None:
             expected=math.exp(2 * c) / count,
             where=where,
         )
+
+
+def _why_hidden(ctx: Context, inputs: Inputs, where: tuple[int, ...]) -> str:
+    """What hides key ``where[-1]`` from query ``where[-2]``: the mask, the causal
+    diagonal, the window."""
+    mask = inputs.attn_mask
+    if mask is not None:
+        entry = mask.expand(*inputs.query.shape[:-1], inputs.key.shape[-2])[where]
+        if (not bool(entry)) if entry.dtype == torch.bool else bool(torch.isinf(entry)):
+            kind = "boolean" if mask.dtype == torch.bool else "float"
+            return f"a {kind} mask hides it"
+    if inputs.causal is not None:
+        return "the causal diagonal hides it"
+    return "the window hides it"
 
 
 def sink_law(ctx: Context, case: Case) -> None:
@@ -581,6 +627,8 @@ def sink_law(ctx: Context, case: Case) -> None:
         transform=lambda out: out * factor,
         sel=seen,
     )
+    if ctx.caps.sink_values and -math.inf not in ctx.caps.sink_values:
+        return  # a sink of -inf is not among those declared
     none = replace(inputs, sinks=torch.full_like(sinks, -math.inf))
     _law(ctx, ctx.run(none), none, base, plain, "a sink of -inf against no sink")
 

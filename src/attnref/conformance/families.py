@@ -25,13 +25,13 @@ import inspect
 import itertools
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from attnref.conformance.backends import FLASH_ATTN_2, Backend, BackendError, Capabilities
+from attnref.conformance.backends import PRESETS, Backend, BackendError, Capabilities
 from attnref.conformance.cases import Inputs
 from attnref.conformance.serving import CacheCall, Pack, dense_cache, dense_pack
 from attnref.conformance.verdicts import Failure, Skip
@@ -214,7 +214,7 @@ SDPA_FAMILY = ApiFamily(
     "sinks=None, return_lse=False)",
     positional=3,
     keywords=("attn_mask", "dropout_p", "is_causal", "scale"),
-    defaults=Capabilities(),
+    defaults=PRESETS["sdpa"],
     build=_sdpa_build,
     read=_sdpa_read,
     to_layout=_same,
@@ -305,7 +305,7 @@ FLASH_FAMILY = ApiFamily(
     "return_attn_probs=False)",
     positional=3,
     keywords=("softmax_scale", "causal"),
-    defaults=FLASH_ATTN_2,
+    defaults=PRESETS["flash"],
     build=_flash_build,
     read=_flash_read,
     to_layout=_flash_layout,
@@ -437,7 +437,7 @@ FLASH_VARLEN_FAMILY = ApiFamily(
     "alibi_slopes=None, deterministic=False, return_attn_probs=False)",
     positional=7,
     keywords=("cu_seqlens_q", "cu_seqlens_k", "softmax_scale", "causal"),
-    defaults=FLASH_ATTN_2,
+    defaults=PRESETS["flash-varlen"],
     build=_varlen_build,
     read=_varlen_read,
     to_layout=_packed_layout,
@@ -535,7 +535,7 @@ FLASH_KVCACHE_FAMILY = ApiFamily(
     "rotary_interleaved=True, alibi_slopes=None, num_splits=0, return_softmax_lse=False)",
     positional=3,
     keywords=("cache_seqlens", "softmax_scale", "causal"),
-    defaults=replace(FLASH_ATTN_2, gradients=False, rotary=True, paged=True, page_multiple=256),
+    defaults=PRESETS["flash-kvcache"],
     build=_kvcache_build,
     read=_kvcache_read,
     to_layout=_flash_layout,

@@ -12,7 +12,8 @@ has no NaN or inf where the oracle is finite. Gradients follow the same rule wit
 (`expect_grads`). Constants and the reasoning behind the floors: `attnref.tolerances`.
 
 Rows of a query with no visible key hold what the backend's declared policy says for
-what hid the keys (`empty_row_causes`): zeros, NaN, or the mean of V.
+what hid the keys (`empty_row_causes`): zeros, NaN, the mean of V, or attention over
+the keys the mask hid ("unmasked", a finite fill added to the scores).
 """
 
 import math
@@ -28,6 +29,7 @@ from attnref._checking import checked, checked_internal
 from attnref.conformance.backends import Cause, EmptyLse, EmptyRow, EmptyRows
 from attnref.conformance.cases import Inputs
 from attnref.conformance.verdicts import Failure
+from attnref.masks import causal_mask
 from attnref.tolerances import (
     FUDGE,
     GRAD_FUDGE,
@@ -173,19 +175,59 @@ def empty_row_causes(
     return {kind: by_mask, "causal": empty & ~by_mask}
 
 
+def _cause_rows(
+    inputs: Inputs, empty_row: EmptyRow | EmptyRows, native_causal: bool
+) -> list[tuple[Cause, EmptyRow, Tensor]]:
+    """``(cause, declared policy, rows)`` for each cause that empties some row."""
+    policy = empty_row if isinstance(empty_row, EmptyRows) else EmptyRows(*(empty_row,) * 3)
+    masked = inputs.attn_mask is not None
+    return [
+        (cause, policy.of(cause, masked), sel)
+        for cause, sel in empty_row_causes(inputs, native_causal).items()
+        if bool(sel.any())
+    ]
+
+
 @checked
 def policy_rows(
     inputs: Inputs, empty_row: EmptyRow | EmptyRows = "zero", native_causal: bool = False
 ) -> dict[EmptyRow, Bool[Tensor, "*batch h Tq 1"]]:
     """``(*batch, h, Tq, 1)`` booleans: the queries that see no key, by the policy that
     the declaration gives them (policies no row falls under are left out)."""
-    policy = empty_row if isinstance(empty_row, EmptyRows) else EmptyRows(*(empty_row,) * 3)
     rows: dict[EmptyRow, Bool[Tensor, "*batch h Tq 1"]] = {}
-    for cause, sel in empty_row_causes(inputs, native_causal).items():
-        if bool(sel.any()):
-            p = policy.of(cause)
-            rows[p] = rows[p] | sel if p in rows else sel
+    for _, p, sel in _cause_rows(inputs, empty_row, native_causal):
+        rows[p] = rows[p] | sel if p in rows else sel
     return rows
+
+
+#: the finite fill whose rounding bounds a row under the "unmasked" policy (diffusers')
+UNMASKED_FILL = -1e4
+
+
+def _unhidden(inputs: Inputs, cause: Cause, native_causal: bool) -> tuple[Inputs, Inputs]:
+    """``inputs`` as a backend with a finite fill *added* to hidden scores computes a row
+    that ``cause`` empties: every hidden key of the row shifted alike, so none hidden.
+    Returns them without the hiding (the exact answer) and with `UNMASKED_FILL` added
+    instead (whose rounding in the dtype bounds the error). The mask goes (a float mask
+    keeps its finite entries); the causal diagonal goes too when it emptied the row or
+    reached the backend folded into the mask, and a window when it emptied the row."""
+    mask = inputs.attn_mask
+    T = (inputs.query.shape[-2], inputs.key.shape[-2])
+    hidden = torch.zeros(T, dtype=torch.bool, device=inputs.query.device)
+    if mask is not None:
+        hidden = (~mask if mask.dtype == torch.bool else torch.isinf(mask)) | hidden
+        mask = None if mask.dtype == torch.bool else mask.masked_fill(torch.isinf(mask), 0.0)
+    folded = inputs.causal is not None and (cause == "causal" or not native_causal)
+    causal = None if folded else inputs.causal
+    window = None if cause == "causal" else inputs.window
+    if folded:
+        hidden = hidden | ~causal_mask(*T, inputs.causal, device=hidden.device)  # type: ignore[arg-type]
+    opened = replace(inputs, attn_mask=mask, causal=causal, window=window)
+    base = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
+    if mask is not None:
+        base = base + mask.to(torch.float32)
+    fill = base.masked_fill(hidden, UNMASKED_FILL).to(inputs.query.dtype)
+    return opened, replace(opened, attn_mask=fill)
 
 
 def expect(
@@ -199,16 +241,22 @@ def expect(
     oracle = reference(inputs.to(torch.float64))
     ref_err = (reference(inputs).to(torch.float64) - oracle).abs()
     # what follows applies the declared policy to rows with no visible key
-    for name, empty in policy_rows(inputs, empty_row, native_causal).items():
+    for cause, name, empty in _cause_rows(inputs, empty_row, native_causal):
         if name == "zero":
             continue  # the reference's own policy
         if name == "nan":
             policy = torch.full_like(oracle, math.nan)
-        else:  # "uniform": the mean of every V
+        elif name == "uniform":  # the mean of every V
             v = F.expand_kv_heads(inputs.value.to(torch.float64), inputs.query.shape[-3])
             policy = v.mean(dim=-2, keepdim=True).expand_as(oracle)
+        else:  # "unmasked": attention over the keys the mask hid
+            opened, filled = _unhidden(inputs, cause, native_causal)
+            policy = reference(opened.to(torch.float64))
+            fill_err = (reference(filled).to(torch.float64) - policy).abs()
+            ref_err = torch.where(empty, fill_err, ref_err)
         oracle = torch.where(empty, policy, oracle)
-        ref_err = ref_err.masked_fill(empty, 0.0)
+        if name != "unmasked":
+            ref_err = ref_err.masked_fill(empty, 0.0)
     return Expected(oracle, torch.nan_to_num(ref_err, nan=0.0), error_floor(inputs))
 
 
@@ -361,11 +409,18 @@ def close(
     mean_bound: float,
     what: str,
     sel: Bool[Tensor, "*#shape"] | None = None,
+    *,
+    law: Float64[Tensor, "*shape"] | None = None,
 ) -> None:
     """Raise `Failure` unless ``got`` is within the bounds of ``want`` where ``sel`` holds.
 
     NaN in ``want`` means the declared policy expects a non-finite value there; NaN or
     inf in ``got`` where ``want`` is finite is always a failure, whatever the bounds.
+
+    ``law``: ``want`` is not the oracle but another call of the backend (a law), and
+    ``law`` is the oracle of ``got``'s call. The message then names the two calls, says
+    which the oracle sides with, and calls neither "expected"; the failure's
+    ``expected`` is the oracle's value.
     """
     sel = torch.ones_like(got, dtype=torch.bool) if sel is None else sel.expand_as(got)
     want_nan = ~torch.isfinite(want) & sel
@@ -374,15 +429,38 @@ def close(
     def at(mask: Tensor) -> tuple[int, ...]:
         return tuple(int(i) for i in mask.nonzero()[0])
 
+    def values(where: tuple[int, ...]) -> tuple[str, float]:
+        """The two values at ``where`` as the message names them, and the failure's
+        expected value (the oracle's, for a law)."""
+        g, w = float(got[where]), float(want[where])
+        if law is None:
+            return f"got {g:.6g}, expected {w:.6g}", w
+        truth = float(law[where])
+        side = ""
+        if math.isfinite(truth):
+            dg, dw = abs(g - truth), abs(w - truth)
+            dg, dw = (math.inf if math.isnan(x) else x for x in (dg, dw))
+            if dg != dw:
+                side = " (the oracle sides with the {} call)".format(
+                    "changed" if dg < dw else "original"
+                )
+        return (
+            f"the call on the changed inputs gave {g:.6g}, the call on the original inputs "
+            f"{w:.6g} (as the law carries it over), the oracle {truth:.6g}{side}",
+            truth,
+        )
+
     wrong = got_bad & ~want_nan
     if wrong.any():
         where = at(wrong)
+        text, expected = values(where)
         raise Failure(
             f"{what}: {int(wrong.sum())} NaN/inf values where a finite value is expected; "
-            f"first at {where}: got {float(got[where])}, expected {float(want[where]):.6g}",
+            f"first at {where}: {text}",
             got=float(got[where]),
-            expected=float(want[where]),
+            expected=expected,
             where=where,
+            kind="nan",
         )
     missing = want_nan & ~got_bad
     if missing.any():
@@ -393,6 +471,7 @@ def close(
             got=float(got[where]),
             expected=math.nan,
             where=where,
+            kind="policy",
         )
     judged = sel & ~want_nan
     n = int(judged.sum())
@@ -403,12 +482,15 @@ def close(
     if max_err <= max_bound and mean_err <= mean_bound:
         return
     where = tuple(int(i) for i in torch.unravel_index(err.argmax(), err.shape))
-    g, w = float(got[where]), float(want[where])
+    text, expected = values(where)
+    kind = "difference" if law is not None else "error"
+    size = float(torch.where(judged, want.abs(), 0.0).max())
     raise Failure(
-        f"{what}: max error {max_err:.3g} (bound {max_bound:.3g}), mean error "
-        f"{mean_err:.3g} (bound {mean_bound:.3g}); worst at {where}: got {g:.6g}, "
-        f"expected {w:.6g}",
-        got=g,
-        expected=w,
+        f"{what}: max {kind} {max_err:.3g} (bound {max_bound:.3g}), mean {kind} "
+        f"{mean_err:.3g} (bound {mean_bound:.3g}); worst at {where}: {text}",
+        got=float(got[where]),
+        expected=expected,
         where=where,
+        kind="error",
+        small=max_err < 0.05 * max(1.0, size),
     )

@@ -67,10 +67,36 @@ class Property:
     #: the API families whose calls it needs (empty: every family; a dense case runs in
     #: each of them, `attnref.conformance.families`)
     families: tuple[str, ...] = ()
+    #: why it cannot be met by a narrow declaration: it needs calls with Tq != Tk
+    #: (``cross``) or calls that are not causal (``non_causal``)
+    needs: tuple[str, ...] = ()
 
     def applies_to(self, api: str) -> bool:
         """Whether a backend of API family ``api`` can be held to this property."""
         return not self.families or api in self.families
+
+    def why_not(self, caps: Capabilities) -> str | None:
+        """Why a backend that declares ``caps`` cannot be held to this property (a
+        capability it lacks, or calls its narrow declaration rules out), or None."""
+        reason = self.requires(caps)
+        if reason is not None:
+            return reason
+        if "cross" in self.needs and caps.self_attention_only:
+            return f"needs calls with Tq != Tk ({_CROSS[self.id]}); self-attention only declared"
+        if "non_causal" in self.needs and caps.causal_only:
+            return f"needs calls that are not causal ({_NON_CAUSAL[self.id]}); causal only declared"
+        return None
+
+
+#: what a property does with Tq != Tk, and with non-causal calls (its skip reason)
+_CROSS = {
+    "decode": "one query against its visible prefix",
+    "merge": "attention over a part of the keys",
+}
+_NON_CAUSAL = {
+    "key_permutation": "permuting keys moves them across the causal diagonal",
+    "merge": "attention over a part of the keys",
+}
 
 
 # ------------------------------------------------------------------------ registry
@@ -143,6 +169,31 @@ def _alignments(c: Capabilities) -> st.SearchStrategy[str]:
 
 #: one plain case: the late-write check waits a moment after each call, so it runs once
 _SETTLED = Case("settled_output", batch=(2,), h=2, g=2, Tq=7, Tk=13, Dh=8, Dv=8, seed=3)
+
+
+def _can_empty_a_row(caps: Capabilities) -> str | None:
+    """A query sees no key under a mask, or under bottom-right causal with Tq > Tk."""
+    if caps.self_attention_only and not (caps.bool_mask or caps.float_mask):
+        return (
+            "no declared call leaves a query without keys: self-attention only (a query "
+            "always sees its own position) and no masks"
+        )
+    return None
+
+
+def _empty_row_cases(p: Profile, c: Capabilities) -> st.SearchStrategy[Case]:
+    masked = case_strategy(
+        "empty_rows", p, c, mask=st.sampled_from(masks_for(c, ("empty_rows", "float_empty_rows")))
+    )
+    if c.self_attention_only:  # bottom-right with Tq > Tk is not declared
+        return masked
+    return st.one_of(
+        masked,
+        case_strategy(
+            "empty_rows", p, c, causal="bottom_right", Tq=st.integers(2, p.max_len),
+            Tk=st.integers(1, 8),
+        ),
+    )  # fmt: skip
 
 
 def _any_variant(caps: Capabilities) -> str | None:
@@ -331,6 +382,7 @@ PROPERTIES: dict[str, Property] = {
             (6, 12, 13),
             lambda p, c: case_strategy("key_permutation", p, c, causal=None),
             checks.key_permutation,
+            needs=("non_causal",),
         ),
         Property(
             "row_independence",
@@ -379,6 +431,7 @@ PROPERTIES: dict[str, Property] = {
                 mask=st.sampled_from(masks_for(c, ("none", "padding", "bool", "float"))),
             ),
             checks.decode,
+            needs=("cross",),
         ),
         Property(
             "gqa",
@@ -406,23 +459,9 @@ PROPERTIES: dict[str, Property] = {
             "empty_rows",
             "a query with no visible key gets the declared policy (zeros by default)",
             (1, 2),
-            lambda p, c: st.one_of(
-                case_strategy(
-                    "empty_rows",
-                    p,
-                    c,
-                    mask=st.sampled_from(masks_for(c, ("empty_rows", "float_empty_rows"))),
-                ),
-                case_strategy(
-                    "empty_rows",
-                    p,
-                    c,
-                    causal="bottom_right",
-                    Tq=st.integers(2, p.max_len),
-                    Tk=st.integers(1, 8),
-                ),
-            ),
+            _empty_row_cases,
             checks.forward,
+            requires=_can_empty_a_row,
         ),
         Property(
             "layouts",
@@ -570,6 +609,7 @@ PROPERTIES: dict[str, Property] = {
             ),
             checks.merge,
             requires=_needs_lse,
+            needs=("cross", "non_causal"),
         ),
         # ------------------------------------------- packs (flash-varlen, docs/varlen.md)
         Property(

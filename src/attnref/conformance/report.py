@@ -1,9 +1,10 @@
 """Audit reports: a verdict per (property, dtype), a terminal table, a versioned JSON document.
 
-JSON schema (``schema_version`` 4; 3 added ``api``, 4 ``trusted``)::
+JSON schema (``schema_version`` 5; 3 added ``api``, 4 ``trusted``, 5 ``checked``,
+``cause`` and ``findings``)::
 
     {
-      "schema_version": 4,
+      "schema_version": 5,
       "attnref_version": str, "torch_version": str,
       "backend": str, "api": "sdpa" | "flash", "device": str, "dtypes": [str],
       "profile": "quick" | "ci" | "thorough", "seed": int,
@@ -12,9 +13,13 @@ JSON schema (``schema_version`` 4; 3 added ``api``, 4 ``trusted``)::
       "trusted": bool,             # the backend ran in the judge's process (--in-process)
       "incomplete": null | str,    # why the audit did not finish (then "ok" is false)
       "summary": {"passed": int, "failed": int, "skipped": int, "checks": int, "ok": bool},
+      "findings": [                # the failures grouped by cause, most frequent first
+        {"cause": str, "count": int, "results": ["property [dtype]"], "message": str}
+      ],
       "results": [
         {"property": str, "dtype": str, "status": "pass" | "fail" | "skip",
-         "checks": int,            # cases checked, shrinking included
+         "checks": int,            # cases drawn and tried, shrinking included
+         "checked": int,           # of which judged (checks - skipped - refused)
          "skipped": int,           # of which outside the backend's declaration
          "refused": int,           # of which refused with an error declared as a refusal
          "seconds": float,
@@ -22,7 +27,10 @@ JSON schema (``schema_version`` 4; 3 added ``api``, 4 ``trusted``)::
          "failure": null | {
             "case": {Case fields},  # the shrunk, minimal failing case
             "message": str,
-            "got": float | null, "expected": float | null, "where": [int] | null,
+            "cause": str,           # what it is grouped under (``findings``)
+            "got": float | null,    # the backend's value at ``where``
+            "expected": float | null,  # the oracle's (for a law too, not the other call)
+            "where": [int] | null,
             "reproducer": str       # a runnable Python snippet
          }}
       ]
@@ -46,7 +54,7 @@ from attnref.devices import dtype_name
 
 __all__ = ["SCHEMA_VERSION", "AuditReport", "Finding", "PropertyResult", "Status", "reproducer"]
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 
 #: the verdict on one (property, dtype)
 Status = Literal["pass", "fail", "skip"]
@@ -66,11 +74,14 @@ class Finding:
     expected: float | None
     where: tuple[int, ...] | None
     reproducer: str
+    #: what it is grouped under in the report (`attnref.conformance.verdicts.cause_of`)
+    cause: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "case": self.case.to_dict(),
             "message": self.message,
+            "cause": self.cause or self.message,
             "got": _num(self.got),
             "expected": _num(self.expected),
             "where": None if self.where is None else list(self.where),
@@ -98,6 +109,7 @@ class PropertyResult:
             "dtype": dtype_name(self.dtype),
             "status": self.status,
             "checks": self.checks,
+            "checked": self.checks - self.skipped - self.refused,
             "skipped": self.skipped,
             "refused": self.refused,
             "seconds": round(self.seconds, 4),
@@ -206,6 +218,15 @@ class AuditReport:
             return "NOTHING CHECKED (not OK: every property was skipped)"
         return "FAILED"
 
+    def findings(self) -> list[tuple[str, list[PropertyResult]]]:
+        """The failures grouped by cause, most frequent first (then in audit order)."""
+        groups: dict[str, list[PropertyResult]] = {}
+        for r in self.results:
+            if r.status == "fail":
+                cause = r.finding.cause if r.finding is not None and r.finding.cause else r.message
+                groups.setdefault(cause, []).append(r)
+        return sorted(groups.items(), key=lambda item: -len(item[1]))
+
     def failed_properties(self) -> set[str]:
         """The ids of the properties that failed in at least one dtype."""
         return {r.property for r in self.results if r.status == "fail"}
@@ -240,21 +261,36 @@ class AuditReport:
                 "checks": sum(r.checks for r in self.results),
                 "ok": self.ok,
             },
+            "findings": [
+                {
+                    "cause": cause,
+                    "count": len(rs),
+                    "results": [f"{r.property} [{dtype_name(r.dtype)}]" for r in rs],
+                    "message": rs[0].message,
+                }
+                for cause, rs in self.findings()
+            ],
             "results": [r.to_dict() for r in self.results],
         }
 
     def write_json(self, path: str | Path) -> list[Path]:
         """Write the report to ``path``, and each reproducer beside it.
 
-        Reproducers go to ``<path without suffix>.reproducers/<property>-<dtype>.py``.
-        Returns the files written.
+        Reproducers go to ``<path without suffix>.reproducers/<property>-<dtype>.py``;
+        those of an earlier report at ``path`` are removed first, so that the folder
+        holds this run's only. Returns the files written.
         """
         path = Path(path)
+        folder = path.with_suffix(".reproducers")
+        if folder.is_dir():  # an earlier run's: a report never stands beside another's
+            for old in folder.glob("*.py"):
+                old.unlink()
         _write_atomically(path, json.dumps(self.to_dict(), indent=2) + "\n")
         written = [path]
         findings = [r for r in self.results if r.finding is not None]
+        if not findings and folder.is_dir() and not any(folder.iterdir()):
+            folder.rmdir()
         if findings:
-            folder = path.with_suffix(".reproducers")
             folder.mkdir(exist_ok=True)
             for r in findings:
                 assert r.finding is not None
@@ -289,15 +325,17 @@ class AuditReport:
                 "(ok N sK rJ: N drawn cases checked, K skipped as outside what the backend "
                 "declares, J refused with an error it declares: -v lists why)"
             )
-        failures = [r for r in self.results if r.status == "fail"]
-        if failures:
-            lines += ["", "failures (each shrunk to a minimal case):"]
-            shown: set[str] = set()
-            for r in failures:
-                lines.append(f"  {r.property} [{dtype_name(r.dtype)}]: {r.message}")
-                if r.finding is not None and (verbose or r.property not in shown):
-                    shown.add(r.property)
-                    lines += ["    " + x for x in r.finding.reproducer.rstrip().splitlines()]
+        groups = self.findings()
+        if groups:
+            lines += ["", "findings (failures grouped by cause, each shrunk to a minimal case):"]
+            for n, (cause, rs) in enumerate(groups, 1):
+                where = ", ".join(f"{r.property} [{dtype_name(r.dtype)}]" for r in rs)
+                count = f"{len(rs)} failures" if len(rs) > 1 else "1 failure"
+                lines.append(f"  {n}. {cause}: {count}: {where}")
+                for i, r in enumerate(rs if verbose else rs[:1]):
+                    lines.append(f"     {r.property} [{dtype_name(r.dtype)}]: {r.message}")
+                    if r.finding is not None and (verbose or i == 0):
+                        lines += ["       " + x for x in r.finding.reproducer.rstrip().splitlines()]
         skips = [r for r in self.results if r.status == "skip" or r.skipped or r.refused]
         if skips and verbose:
             lines += ["", "skipped:"]

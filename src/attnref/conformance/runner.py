@@ -32,7 +32,8 @@ from attnref.conformance.properties import (
     property_seed,
 )
 from attnref.conformance.report import AuditReport, Finding, PropertyResult, Status, reproducer
-from attnref.conformance.verdicts import Failure, Skip
+from attnref.conformance.strategies import inside, narrowed
+from attnref.conformance.verdicts import Failure, Skip, cause_of
 from attnref.conformance.worker import Executor, InProcess, Supervised
 from attnref.devices import best_device, dtype_name
 
@@ -99,7 +100,7 @@ def run_property(
         return done("skip", f"dtype {dtype_name(dtype)} not declared")
     if not prop.applies_to(backend.api):
         return done("skip", f"a property of the {' and '.join(prop.families)} family")
-    reason = prop.requires(caps)
+    reason = prop.why_not(caps)
     if reason is not None:
         return done("skip", reason)
     ctx = Context(backend, dtype, device, timeout, executor)
@@ -127,7 +128,7 @@ def run_property(
             search.stop = f.fatal or now > search.shrink_until
             raise _Found from None
 
-    test = given(prop.cases(profile, caps))(body)
+    test = given(narrowed(prop.cases(profile, caps), caps, profile))(body)
     test = settings(
         max_examples=profile.examples,
         deadline=None,
@@ -149,6 +150,8 @@ def run_property(
             raise
     if search.failure is None:
         for case in prop.examples(profile, caps):
+            if caps.narrow():
+                case = inside(case, caps)
             try:
                 body(case)
             except _Found:
@@ -162,6 +165,7 @@ def run_property(
             failure.expected,
             failure.where,
             reproducer(backend.name, prop.id, case, dtype, device, str(failure), backend.api),
+            cause_of(failure, dtype_name(dtype)),
         )
         return done("fail", str(failure), finding)
     if search.late:

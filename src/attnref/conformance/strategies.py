@@ -6,8 +6,9 @@ Every choice lists its simplest option first (no mask, not causal, contiguous, a
 1), because that is where Hypothesis shrinks to.
 """
 
+from collections.abc import Callable, Sequence
 from dataclasses import replace
-from typing import Any, get_args
+from typing import Any, TypeVar, get_args
 
 from hypothesis import strategies as st
 
@@ -21,8 +22,10 @@ __all__ = [
     "MASKS",
     "cache_strategy",
     "case_strategy",
+    "inside",
     "lengths",
     "masks_for",
+    "narrowed",
     "pack_strategy",
     "variant_fields",
     "windows",
@@ -302,5 +305,55 @@ def cache_strategy(
             splits=pick("splits", st.sampled_from((0, 1, 2, 3))),
             shuffle=pick("shuffle", st.booleans()),
         )
+
+    return draw()
+
+
+# ------------------------------------------------------------ narrow declarations
+
+#: sink logits drawn for a backend that shares one sink across heads (any value)
+_SHARED_SINKS = (0.0, -1.0, 1.5, 3.0)
+_T = TypeVar("_T")
+
+
+def _first(options: Sequence[_T]) -> _T:
+    return options[0]
+
+
+def inside(case: Case, caps: Capabilities, pick: Callable[[Sequence[Any]], Any] = _first) -> Case:
+    """``case`` moved inside what a narrow backend declares (`Capabilities.narrow`):
+    self-attention (``Tq = Tk``: the keys' length is kept), causal at a declared
+    alignment (and no mask, where it cannot take both), the default scale, one shared or
+    declared sink. ``pick`` chooses among options (a draw; default: the first)."""
+    if caps.self_attention_only:
+        if case.seqlens:
+            case = replace(case, seqlens=tuple((tk, tk) for _, tk in case.seqlens))
+        elif not case.cached and case.Tq != case.Tk:
+            case = replace(case, Tq=case.Tk)
+    if caps.causal_only and case.causal not in caps.causal_alignments:
+        case = replace(case, causal=pick(caps.causal_alignments))
+    if caps.causal_only and not caps.causal_with_mask and case.mask != "none":
+        case = replace(case, mask="none", poison="none")
+    if not caps.explicit_scale and case.scale is not None:
+        case = replace(case, scale=None)
+    if case.sinks and (caps.sink_values or caps.sink_shared):
+        case = replace(case, sink=pick(caps.sink_values or _SHARED_SINKS))
+    return case
+
+
+def narrowed(
+    cases: st.SearchStrategy[Case], caps: Capabilities, profile: Profile
+) -> st.SearchStrategy[Case]:
+    """A property's cases drawn inside a narrow declaration (`inside`), still within the
+    profile's size; a declaration that is not narrow gets ``cases`` as they are, so that
+    it is audited on the same cases as ever."""
+    if not caps.narrow():
+        return cases
+
+    @st.composite
+    def draw(draw: st.DrawFn) -> Case:
+        case = draw(cases)
+        moved = inside(case, caps, lambda options: draw(st.sampled_from(options)))
+        return moved if moved == case else _fits(moved, profile)
 
     return draw()

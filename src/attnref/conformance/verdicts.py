@@ -4,7 +4,9 @@ Every check of the audit returns (a pass) or raises one of these; nothing a back
 escapes as anything else (`attnref.conformance.calls`).
 """
 
-__all__ = ["Failure", "Skip", "one_line"]
+import re
+
+__all__ = ["Failure", "Skip", "cause_of", "one_line"]
 
 
 class Failure(Exception):  # noqa: N818 (a verdict on the backend, not an error of ours)
@@ -21,12 +23,60 @@ class Failure(Exception):  # noqa: N818 (a verdict on the backend, not an error 
         expected: float | None = None,
         where: tuple[int, ...] | None = None,
         fatal: bool = False,
+        kind: str = "",
+        small: bool = False,
     ) -> None:
         super().__init__(message)
         self.got = got
         self.expected = expected
         self.where = where
         self.fatal = fatal
+        #: what went wrong, for grouping failures by cause (`cause_of`): "nan" (NaN/inf
+        #: where the oracle is finite), "policy" (finite where the policy gives NaN),
+        #: "error" (values off by more than the bound), "" (anything else)
+        self.kind = kind
+        #: an "error" under 5% of the output's size: what a precision loss looks like
+        self.small = small
+
+    def reworded(self, message: str) -> "Failure":
+        """The same failure with another message."""
+        return Failure(
+            message,
+            got=self.got,
+            expected=self.expected,
+            where=self.where,
+            fatal=self.fatal,
+            kind=self.kind,
+            small=self.small,
+        )
+
+
+def cause_of(failure: Failure, dtype: str) -> str:
+    """The cause a failure is grouped under in a report: what went wrong, in which rows
+    (those that see keys, or those that see none and under which declared policy) and,
+    for small errors (the size of a precision loss), in which dtype. Failures of
+    different properties with one cause (a softmax in half precision, an empty-row
+    policy) share it; anything else is its message with the numbers taken out."""
+    text = str(failure)
+    row = ""
+    if "sees no key" in text:
+        row = " in rows that see no key" + _policy(text)
+    elif " sees " in text and " keys" in text:
+        row = " in rows that see keys"
+    if failure.kind == "nan":
+        return "NaN/inf where the oracle is finite" + row
+    if failure.kind == "policy":
+        return "finite values where the declared policy gives NaN" + row
+    if failure.kind == "error" and failure.small:
+        return f"errors above the bound but under 5% of the output's size{row}, in {dtype}"
+    if failure.kind == "error":
+        return "wrong values (errors of 5% of the output's size or more)" + row
+    return re.sub(r"-?\d+(\.\d+)?(e[-+]?\d+)?", "N", text.split("; first at")[0])[:200]
+
+
+def _policy(text: str) -> str:
+    found = re.search(r"declared policy '(\w+)'", text)
+    return f" (declared policy {found.group(1)!r})" if found else ""
 
 
 class Skip(Exception):  # noqa: N818 (a signal, like pytest.skip)

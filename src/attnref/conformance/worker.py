@@ -492,7 +492,8 @@ class InProcess:
     def __init__(self, backend: Backend) -> None:
         self.backend = backend
         self.slowest = 0.0
-        self.history: list[Tensor] = []  # the latest outputs (`calls.remember`)
+        #: the latest outputs, each with its inputs' digest (`calls.remember`)
+        self.history: list[tuple[Tensor, str]] = []
 
     def run(self, job: Any, timeout: float) -> Any:
         t0 = time.perf_counter()
@@ -614,7 +615,8 @@ class Supervised:
         self.start_timeout = start_timeout
         self.restarts = 0
         self.slowest = 0.0
-        self.history: list[Tensor] = []  # the latest outputs (`calls.remember`)
+        #: the latest outputs, each with its inputs' digest (`calls.remember`)
+        self.history: list[tuple[Tensor, str]] = []
         self.last_read = 0.0  # seconds the last reply took to receive and decode
         self._process: multiprocessing.process.BaseProcess | None = None
         self._conn: multiprocessing.connection.Connection | None = None

@@ -1,0 +1,168 @@
+"""A narrow backend, as litgpt's or natten's attention is: causal self-attention only, the
+default scale, no mask. ``tests.narrow:causal_self_attention`` calls torch's SDPA and
+refuses, with an error, every call outside that."""
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from attnref.conformance import Capabilities, EmptyRows
+
+
+def causal_self_attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attn_mask: Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    **variants: Any,
+) -> Tensor:
+    """torch SDPA, causal self-attention only."""
+    if attn_mask is not None or not is_causal or scale is not None or variants:
+        raise NotImplementedError("causal self-attention only, default scale, no mask")
+    if query.shape[-2] != key.shape[-2]:
+        raise NotImplementedError("self-attention only: Tq must equal Tk")
+    out: Tensor = torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, dropout_p=dropout_p, is_causal=True, enable_gqa=enable_gqa
+    )
+    return out
+
+
+causal_self_attention.capabilities = Capabilities(  # type: ignore[attr-defined]
+    bool_mask=False,
+    float_mask=False,
+    self_attention_only=True,
+    causal_only=True,
+    explicit_scale=False,
+)
+
+
+def additive_fill(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attn_mask: Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> Tensor:
+    """torch SDPA given a boolean mask as diffusers gives it: ``-10000`` *added* at hidden
+    keys, so that a query that sees no key attends every key the mask hid."""
+    if attn_mask is not None and attn_mask.dtype == torch.bool:
+        attn_mask = torch.zeros(attn_mask.shape, dtype=query.dtype).masked_fill(~attn_mask, -1e4)
+    out: Tensor = torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa
+    )
+    return out
+
+
+def softmax_one(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attn_mask: Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    sinks: Tensor | None = None,
+) -> Tensor:
+    """softmax_1 (``exp(x) / (1 + sum exp(x))``): a sink of logit 0 shared by every head,
+    a constant (no gradient); no sink when ``sinks`` is None."""
+    if sinks is not None and bool((sinks != 0).any()):
+        raise NotImplementedError("softmax_1: the sink logit is 0")
+    scores_scale = query.shape[-1] ** -0.5 if scale is None else scale
+    q, k, v = query.double(), key.double(), value.double()
+    if enable_gqa:
+        k = k.repeat_interleave(q.shape[-3] // k.shape[-3], -3)
+        v = v.repeat_interleave(q.shape[-3] // v.shape[-3], -3)
+    s = q @ k.transpose(-2, -1) * scores_scale
+    if attn_mask is not None:
+        s = (
+            s.masked_fill(~attn_mask, float("-inf"))
+            if attn_mask.dtype == torch.bool
+            else s + attn_mask
+        )
+    if is_causal:
+        s = s.masked_fill(~torch.ones(s.shape[-2:], dtype=torch.bool).tril(), float("-inf"))
+    if sinks is not None:  # the sink's logit 0 joins the row's maximum and its sum
+        top = s.amax(-1, keepdim=True).clamp(min=0).nan_to_num(0.0, neginf=0.0)
+        e = (s - top).exp()
+        p = e / (e.sum(-1, keepdim=True) + (-top).exp())
+    else:
+        p = torch.softmax(s, -1).nan_to_num(0.0)
+    return (p @ v).to(query.dtype)
+
+
+#: diffusers' fill declared as what it is: a row the mask empties attends the keys it hid
+additive_fill.capabilities = Capabilities(  # type: ignore[attr-defined]
+    empty_row=EmptyRows(bool_mask="unmasked")
+)
+
+
+def additive_fill_as_zero(*args: Any, **kwargs: Any) -> Tensor:
+    """`additive_fill` declared with torch SDPA's zeros for an empty row (wrongly)."""
+    return additive_fill(*args, **kwargs)
+
+
+softmax_one.capabilities = Capabilities(  # type: ignore[attr-defined]
+    dtypes=(torch.float64, torch.float32),
+    sinks=True,
+    sink_shared=True,
+    sink_values=(0.0,),
+    sink_gradients=False,
+    gradients=False,
+)
+
+
+def softcap_adds_bool_mask(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attn_mask: Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    softcap: float = 0.0,
+) -> Tensor:
+    """litgpt 0.5.13's softcap path: the mask is *added* to the capped scores, so a
+    boolean mask adds 1 where visible and 0 where hidden, and hides nothing."""
+    s = query.double() @ key.double().transpose(-2, -1) * (scale or query.shape[-1] ** -0.5)
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    if attn_mask is not None:
+        s = s + attn_mask.double()
+    return (torch.softmax(s, -1) @ value.double()).to(query.dtype)
+
+
+def mixes_heads(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attn_mask: Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> Tensor:
+    """Materialised attention (NaN for a row that sees no key), then a mean over the
+    heads added to each: a projection that mixes heads, as a module's output projection."""
+    s = query.double() @ key.double().transpose(-2, -1) * (scale or query.shape[-1] ** -0.5)
+    if attn_mask is not None:
+        s = s.masked_fill(~attn_mask, float("-inf"))
+    out = torch.softmax(s, -1) @ value.double()
+    return (out + 0.0 * out.mean(dim=-3, keepdim=True)).to(query.dtype)
+
+
+softcap_adds_bool_mask.capabilities = Capabilities(  # type: ignore[attr-defined]
+    dtypes=(torch.float32,), float_mask=False, gqa=False, causal_alignments=(), softcap=True
+)
+mixes_heads.capabilities = Capabilities(  # type: ignore[attr-defined]
+    dtypes=(torch.float32,), float_mask=False, gqa=False, causal_alignments=(), empty_row="nan"
+)

@@ -1,0 +1,267 @@
+"""Declarations that fit narrow libraries, cases drawn inside them, messages that name the
+culprit, and reports that never mix runs (docs/conformance.md, "Declare your kernel")."""
+
+import math
+from dataclasses import replace
+
+import pytest
+import torch
+
+from attnref.conformance import (
+    FLASH_ATTN_2,
+    PRESETS,
+    Backend,
+    BackendError,
+    Capabilities,
+    Case,
+    EmptyRows,
+    audit,
+    check_case,
+    resolve_backend,
+)
+from attnref.conformance.backends import declaration, from_declaration
+from attnref.conformance.checks import Context
+from attnref.conformance.oracle import expect
+from attnref.conformance.strategies import inside
+from attnref.conformance.verdicts import Failure, cause_of
+
+pytestmark = pytest.mark.usefixtures("unchecked")
+
+NARROW = "tests.narrow:causal_self_attention"
+
+
+def _checked(spec: str, props: list[str]) -> dict[str, tuple[str, int, str]]:
+    report = audit(spec, properties=props, dtypes=[torch.float32], progress=False)
+    return {
+        r.property: (r.status, r.checks - r.skipped - r.refused, r.message) for r in report.results
+    }
+
+
+# ---------------------------------------------------------------- drawn inside
+
+
+NARROW_PROPS = ["forward", "causality", "tails", "batch", "decode", "key_permutation", "merge"]
+
+
+@pytest.mark.parametrize("props", [NARROW_PROPS], ids=["some"])
+def test_a_narrow_backend_is_checked_on_as_many_cases_as_torch_sdpa(props: list[str]) -> None:
+    """Causal self-attention only, the default scale, no mask: the cases are drawn inside
+    that, so each property that applies checks as many cases as for torch's SDPA (at
+    least 80%), and one that cannot apply is skipped with the reason."""
+    wide = _checked("torch-sdpa", props)
+    narrow = _checked(NARROW, props)
+    for pid in props:
+        status, n, message = narrow[pid]
+        if pid == "decode":
+            assert status == "skip"
+            assert "needs calls with Tq != Tk" in message
+            continue
+        if pid == "key_permutation":
+            assert status == "skip"
+            assert "needs calls that are not causal" in message
+            continue
+        if pid == "merge":
+            assert status == "skip"  # no LSE declared
+            continue
+        assert status == "pass", message
+        assert n >= 0.8 * wide[pid][1], (pid, n, wide[pid][1])
+
+
+@pytest.mark.slow
+def test_a_narrow_backend_is_checked_on_as_many_cases_for_every_property() -> None:
+    wide = audit("torch-sdpa", dtypes=[torch.float32], progress=False)
+    narrow = {r.property: r for r in audit(NARROW, dtypes=[torch.float32], progress=False).results}
+    for r in wide.results:
+        n = narrow[r.property]
+        if n.status == "skip":
+            assert n.message, r.property  # undeclared, or why it cannot apply
+            continue
+        assert n.status == "pass", (r.property, n.message)
+        assert n.checks - n.skipped - n.refused >= 0.8 * (r.checks - r.skipped - r.refused)
+
+
+def test_inside_moves_a_case_into_a_narrow_declaration() -> None:
+    caps = resolve_backend(NARROW).capabilities
+    case = inside(Case("x", Tq=3, Tk=9, scale=0.5, mask="bool", causal=None), caps)
+    assert (case.Tq, case.Tk, case.scale, case.mask, case.causal) == (
+        9,
+        9,
+        None,
+        "none",
+        "top_left",
+    )
+    shared = Capabilities(sinks=True, sink_shared=True, sink_values=(0.0,))
+    assert inside(Case("x", sinks=True), shared).sink == 0.0
+    plain = Case("x", Tq=3, Tk=9)
+    assert inside(plain, Capabilities()) == plain  # nothing narrow declared: unchanged
+
+
+def test_a_call_outside_a_narrow_declaration_is_skipped_not_sent() -> None:
+    backend = resolve_backend(NARROW)
+    cross = Case("x", Tq=2, Tk=5, causal="top_left")
+    assert check_case("forward", backend, cross, torch.float32, isolate=False).startswith(
+        "skip: Tq = 2 != Tk = 5: self-attention only declared"
+    )
+    scaled = Case("x", Tq=5, Tk=5, causal="top_left", scale=0.5)
+    verdict = check_case("forward", backend, scaled, torch.float32, isolate=False)
+    assert verdict.startswith("skip: an explicit scale")
+
+
+# ---------------------------------------------------------------- declarations
+
+
+def test_a_declaration_from_another_family_is_loud() -> None:
+    with pytest.raises(BackendError, match=r"start from the 'sdpa' family's defaults.*'flash'"):
+        Backend("x", print, "", Capabilities(window=True), api="flash")
+    ok = Backend("x", print, "", Capabilities.preset("flash", window=False), api="flash")
+    assert ok.capabilities.dtypes == FLASH_ATTN_2.dtypes
+    assert ok.capabilities.empty_lse == "+inf"  # the family's, not SDPA's
+    assert PRESETS["flash-kvcache"].paged
+    data = declaration(ok)
+    data["api"] = "sdpa"
+    with pytest.raises(ValueError, match="start from the 'flash' family's defaults"):
+        from_declaration(data)
+
+
+def test_new_declarations_cross_the_trust_boundary_as_data() -> None:
+    caps = Capabilities(
+        self_attention_only=True,
+        causal_only=True,
+        explicit_scale=False,
+        sinks=True,
+        sink_shared=True,
+        sink_values=(0.0, -math.inf),
+        sink_gradients=False,
+        empty_row=EmptyRows(causal="uniform", causal_masked="nan"),
+        empty_row_by_dtype={"float64": "nan", "float16": EmptyRows(bool_mask="unmasked")},
+    )
+    back = from_declaration(declaration(Backend("x", print, "", caps)))
+    assert back.capabilities == caps
+    assert caps.for_dtype(torch.float64).empty_row == "nan"
+    assert caps.for_dtype(torch.float32).empty_row == caps.empty_row
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"family": "jax"}, "Capabilities.family must be one of"),
+        ({"empty_row_by_dtype": {"float8": "nan"}}, "is not (dtype name, policy)"),
+        ({"empty_row_by_dtype": {"float16": "zeros"}}, "empty_row_by_dtype['float16']"),
+        ({"sink_values": (math.nan,)}, "sink_values must not hold NaN"),
+        ({"causal_only": True, "causal_alignments": ()}, "causal_only needs the alignment"),
+    ],
+)
+def test_a_bad_narrow_declaration_is_a_clear_error(kwargs: dict[str, object], message: str) -> None:
+    with pytest.raises(
+        ValueError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")
+    ):
+        Capabilities(**kwargs)  # type: ignore[arg-type]
+
+
+def test_an_empty_row_policy_may_depend_on_the_dtype_and_on_a_mask_passed() -> None:
+    caps = Capabilities(
+        causal_alignments=("top_left", "bottom_right"),
+        causal_with_mask=True,  # it applies its diagonal itself, a mask passed or not
+        empty_row=EmptyRows(causal="uniform", causal_masked="nan"),
+        empty_row_by_dtype={"float64": "zero"},
+    )
+    backend = Backend("x", torch.nn.functional.scaled_dot_product_attention, "", caps)
+    case = Case("x", batch=(1,), h=1, g=1, Tq=5, Tk=2, causal="bottom_right")
+    ctx = Context(backend, torch.float32, "cpu")
+    plain = ctx.build(case)
+    assert ctx.empty(plain, "uniform").any()  # the diagonal empties rows: "causal"
+    masked = ctx.build(replace(case, mask="padding"))
+    assert ctx.empty(masked, "nan").any()  # the same rows, a mask passed: "causal_masked"
+    assert not Context(backend, torch.float64, "cpu").empty(plain, "uniform").any()
+
+
+def test_a_finite_fill_added_to_the_scores_is_declared_unmasked() -> None:
+    """diffusers' -10000 added at hidden keys: a row its mask empties attends the keys the
+    mask hid. Declared so, it passes; declared as zeros, the empty rows fail."""
+    props = ["empty_rows", "forward", "mask_kinds"]
+    for spec, ok in (
+        ("tests.narrow:additive_fill", True),
+        ("tests.narrow:additive_fill_as_zero", False),
+    ):
+        report = audit(spec, properties=props, dtypes=[torch.float32], progress=False)
+        assert report.ok is ok, report.format_table()
+    inputs = Context(resolve_backend("reference"), torch.float32, "cpu").build(
+        Case("x", batch=(1,), h=1, g=1, Tq=4, Tk=5, mask="empty_rows")
+    )
+    opened = expect(inputs, EmptyRows(bool_mask="unmasked")).value
+    assert bool(torch.isfinite(opened).all())
+    assert not bool((opened == 0).all(dim=-1).any())  # no row is zeros
+
+
+def test_sinks_of_declared_values_shared_by_heads_without_a_gradient() -> None:
+    report = audit(
+        "tests.narrow:softmax_one", properties=["sinks", "variants"], dtypes=[torch.float64],
+        progress=False,
+    )  # fmt: skip
+    assert report.ok, report.format_table()
+    assert all(r.checks - r.skipped >= 20 for r in report.results)
+
+
+# ---------------------------------------------------------------- messages
+
+
+def test_failures_with_one_cause_are_one_finding() -> None:
+    report = audit(
+        "mutant.gqa_tiled", properties=["forward", "hot", "scale"], dtypes=[torch.float32],
+        progress=False,
+    )  # fmt: skip
+    ((cause, results),) = report.findings()
+    assert len(results) == 3
+    assert cause.startswith("wrong values")
+    table = report.format_table()
+    assert "1. wrong values" in table
+    assert "3 failures: forward [float32], hot [float32], scale [float32]" in table
+
+
+def test_causes_tell_precision_from_wrong_values_and_name_the_policy() -> None:
+    small = Failure("x; query 0 sees 3 of 4 keys", kind="error", small=True)
+    assert cause_of(small, "float16") == (
+        "errors above the bound but under 5% of the output's size in rows that see keys, in float16"
+    )
+    nan = Failure("y; query 1 sees no key (a boolean mask hides them; declared policy 'zero')",
+                  kind="nan")  # fmt: skip
+    assert cause_of(nan, "float32") == (
+        "NaN/inf where the oracle is finite in rows that see no key (declared policy 'zero')"
+    )
+    raised = Failure("RuntimeError: shape '[1, 3, -1, 0]' is invalid for input of size 0")
+    assert (
+        cause_of(raised, "float32")
+        == "RuntimeError: shape '[N, N, N, N]' is invalid for input of size N"
+    )
+
+
+def test_a_law_failure_names_both_calls_and_the_oracle() -> None:
+    verdict = check_case(
+        "gqa", "mutant.gqa_tiled", Case("x", batch=(1,), h=4, g=2, Tq=3, Tk=5), torch.float32
+    )
+    assert "the call on the changed inputs gave" in verdict
+    assert "the call on the original inputs" in verdict
+    assert "the oracle sides with the" in verdict
+    assert "expected" not in verdict
+
+
+def test_the_softcap_bound_names_a_hidden_key_with_weight() -> None:
+    """litgpt's softcap path adds a boolean mask to the scores (+1 visible, +0 hidden):
+    the check says a hidden key has weight, not that a score left (-c, c)."""
+    case = Case(
+        "softcap_bound", batch=(1,), h=1, g=1, Tq=1, Tk=16, Dh=16, Dv=16, mask="bool",
+        amp=4.0, softcap=1.0, seed=3,
+    )  # fmt: skip
+    verdict = check_case(
+        "softcap_bound", "tests.narrow:softcap_adds_bool_mask", case, torch.float32
+    )
+    assert "is hidden from query 0 (a boolean mask hides it) but has weight" in verdict
+    assert check_case("softcap_bound", "reference", case, torch.float32) == "pass"
+
+
+def test_a_nan_spread_across_heads_is_explained() -> None:
+    """A row that sees keys holds NaN; another head's row at the same position sees none."""
+    case = Case("x", batch=(1,), h=2, g=2, Tq=3, Tk=2, mask="bool_full", seed=1)
+    verdict = check_case("forward", "tests.narrow:mixes_heads", case, torch.float32)
+    assert "NaN/inf values where a finite value is expected" in verdict
+    assert "at the same position sees no key: if the backend mixes heads" in verdict
