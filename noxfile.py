@@ -103,6 +103,12 @@ def peers(session: nox.Session) -> None:
         "x-transformers",
         "memory-efficient-attention-pytorch",
         "jax[cpu]",
+        "local-attention",
+        "torchtune",
+        "torchao",
+        "litgpt",
+        "natten",
+        "flash-attention-softmax-n",
     )
     session.run("pytest", "-m", "", "tests/test_adapters.py")
     session.run("python", "-m", "examples.adapters.audit_all", *session.posargs)

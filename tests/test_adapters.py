@@ -3,6 +3,7 @@ capabilities when its library is installed (``nox -s peers`` installs them all).
 
 import importlib.util
 import warnings
+from dataclasses import replace
 
 import pytest
 import torch
@@ -11,6 +12,10 @@ from examples.adapters.audit_all import ADAPTERS
 from attnref.conformance import Capabilities, check_case
 from attnref.conformance.cases import Case
 from attnref.conformance.options import load_backend
+from attnref.conformance.strategies import inside
+
+#: adapters of a library that gets every call wrong (docs/adapters.md)
+WRONG_EVERYWHERE = ("examples.adapters.torchtune_attention:mha_cached",)
 
 
 @pytest.mark.parametrize(("spec", "library"), ADAPTERS, ids=[s for s, _ in ADAPTERS])
@@ -20,11 +25,16 @@ def test_each_adapter_imports_and_declares_valid_capabilities(spec: str, library
     backend = load_backend(spec)
     assert isinstance(backend.capabilities, Capabilities)
     assert backend.capabilities.dtypes
-    # one plain case runs end to end and agrees with the oracle
-    case = Case("smoke", batch=(2,), h=2, g=2, Tq=5, Tk=7)
+    # one plain case, moved inside a narrow declaration, runs end to end and agrees
+    caps = backend.capabilities
+    case = inside(Case("smoke", batch=(2,), h=2, g=2, Tq=5, Tk=7), caps)
+    if caps.causal_only and caps.window:  # NATTEN: a neighbourhood shorter than T
+        case = replace(case, window=(2, 0))
     with warnings.catch_warnings():  # the libraries' own deprecation warnings
         warnings.simplefilter("ignore")
-        assert check_case("forward", backend, case, torch.float32, isolate=False) == "pass"
+        verdict = check_case("forward", backend, case, torch.float32, isolate=False)
+    # the cached torchtune prefill attends its empty cache slots in every call (a finding)
+    assert verdict.startswith("FAIL") if spec in WRONG_EVERYWHERE else verdict == "pass"
 
 
 def test_the_adapters_helpers_keep_batch_dimensions() -> None:

@@ -216,3 +216,14 @@ def test_audit_a_decode_kernel_with_api_flash_kvcache(
 def test_an_unknown_api_family_is_a_clear_message(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["audit", "--api", "cudnn"]) == 2
     assert "unknown API family 'cudnn': use one of sdpa, flash" in capsys.readouterr().err
+
+
+def test_the_option_tables_in_the_docs_are_written_from_the_parsers() -> None:
+    """docs/conformance.md lists every option of ``attnref audit`` and of the plugin as
+    their parsers declare them (``python tools/options_doc.py`` rewrites the tables)."""
+    from tools.options_doc import PAGE, render
+
+    text = PAGE.read_text()
+    assert render(text) == text, "run: python tools/options_doc.py"
+    assert "`--attnref-api`" in text
+    assert "`--api`" in text

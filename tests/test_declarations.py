@@ -92,6 +92,11 @@ def test_inside_moves_a_case_into_a_narrow_declaration() -> None:
     )
     shared = Capabilities(sinks=True, sink_shared=True, sink_values=(0.0,))
     assert inside(Case("x", sinks=True), shared).sink == 0.0
+    dims = inside(Case("x", Dh=3, Dv=5), Capabilities(head_dims=(8, 16), distinct_value_dim=False))
+    assert dims.Dh in (8, 16)
+    assert dims.Dv == dims.Dh
+    windowed = Capabilities(window=True, window_required=True)
+    assert inside(Case("x"), windowed).window is not None
     plain = Case("x", Tq=3, Tk=9)
     assert inside(plain, Capabilities()) == plain  # nothing narrow declared: unchanged
 

@@ -21,6 +21,13 @@ ADAPTERS = [
     ("examples.adapters.memory_efficient:chunked", "memory_efficient_attention_pytorch"),
     ("examples.adapters.memory_efficient:plain", "memory_efficient_attention_pytorch"),
     ("examples.adapters.jax_attention:attention", "jax"),
+    ("examples.adapters.local_attention:attend", "local_attention"),
+    ("examples.adapters.torchtune_attention:mha", "torchtune"),
+    ("examples.adapters.torchtune_attention:mha_cached", "torchtune"),
+    ("examples.adapters.litgpt_attention:sdpa", "litgpt"),
+    ("examples.adapters.natten_attention:attend", "natten"),
+    ("examples.adapters.softmax_n:slow", "flash_attention_softmax_n"),
+    ("examples.adapters.softmax_n:flash", "flash_attention_softmax_n"),
 ]
 
 

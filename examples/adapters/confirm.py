@@ -228,6 +228,194 @@ def jax_bfloat16_jit_aborts() -> bool:
     return child.returncode == -6
 
 
+# --------------------------------------------------------------------------- litgpt
+
+
+def _litgpt_sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, softcap: float) -> Tensor:
+    """``CausalSelfAttention.scaled_dot_product_attention`` of a model with this head size
+    and ``attention_logit_softcapping = softcap``, back in ``(B, h, T, D)``."""
+    import types
+
+    from litgpt.model import CausalSelfAttention
+
+    config = types.SimpleNamespace(
+        attention_scores_scalar=None, head_size=q.shape[-1], attention_logit_softcapping=softcap
+    )
+    module = types.SimpleNamespace(config=config, mscale=1.0)
+    out: Tensor = CausalSelfAttention.scaled_dot_product_attention(module, q, k, v, mask)
+    return out.transpose(1, 2)
+
+
+def _softcapped(q: Tensor, k: Tensor, v: Tensor, cap: float, visible: Tensor) -> Tensor:
+    """Softcapped attention in float64: ``cap * tanh(s / cap)``, then the mask."""
+    q, k, v = q.double(), k.double(), v.double()
+    s = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
+    s = (cap * torch.tanh(s / cap)).masked_fill(~visible, -math.inf)
+    return torch.softmax(s, dim=-1) @ v
+
+
+def litgpt_softcap_adds_the_boolean_mask() -> bool:
+    """With softcapping, the boolean mask ``GPT.forward`` passes with a KV cache is
+    *added* to the scores (+1 visible, +0 hidden): one query, keys visible ``[T, T, F,
+    F]``, softcap 1: the output is that of every key with +1 on the first two, not of
+    the first two alone."""
+    q, k, v = qkv(1, 1, 1, 4, 8, seed=1)
+    visible = torch.tensor([True, True, False, False]).expand(1, 1, 1, 4)
+    out = _litgpt_sdpa(q, k, v, visible, 1.0)
+    right = _softcapped(q, k, v, 1.0, visible)
+    added = q.double() @ k.double().transpose(-2, -1) / math.sqrt(8)
+    added = torch.softmax(torch.tanh(added) + visible.double(), dim=-1) @ v.double()
+    return close(out, added) and not close(out, right, 1e-2)
+
+
+def litgpt_softcap_float64_softmax_is_float32() -> bool:
+    """The softcap path takes its softmax with ``dtype=torch.float``: float64 inputs get
+    float32 accuracy (errors near 1e-8, where float64's are near 1e-16)."""
+    q, k, v = (t.double() for t in qkv(1, 1, 5, 5, 8, seed=2))
+    causal = top_left(5, 5)
+    hidden = torch.zeros(5, 5, dtype=torch.float64).masked_fill(~causal, torch.finfo(q.dtype).min)
+    err = float(
+        (_litgpt_sdpa(q, k, v, hidden, 30.0) - _softcapped(q, k, v, 30.0, causal)).abs().max()
+    )
+    return 1e-11 < err < 1e-5
+
+
+# ------------------------------------------------------------------------ torchtune
+
+
+def _torchtune_mha(h: int, d: int, max_seq_len: int) -> torch.nn.Module:
+    """``MultiHeadAttention`` whose projections only select ``y = [K, V]``'s halves."""
+    from torchtune.modules import MultiHeadAttention
+
+    class Take(torch.nn.Module):
+        def __init__(self, a: int, b: int) -> None:
+            super().__init__()
+            self.a, self.b = a, b
+
+        def forward(self, y: Tensor) -> Tensor:
+            return y[..., self.a : self.b]
+
+    module: torch.nn.Module = MultiHeadAttention(
+        embed_dim=h * d, num_heads=h, num_kv_heads=h, head_dim=d, q_proj=torch.nn.Identity(),
+        k_proj=Take(0, h * d), v_proj=Take(h * d, 2 * h * d), output_proj=torch.nn.Identity(),
+        max_seq_len=max_seq_len,
+    ).eval()  # fmt: skip
+    return module
+
+
+def torchtune_cached_mask_none_attends_empty_slots() -> bool:
+    """After ``setup_cache(max_seq_len=6)``, ``forward(x, y, input_pos=arange(3))`` with no
+    mask attends all 6 cache slots, the 3 zero-filled ones included, though the docstring
+    says a causal mask is the default: its output is attention over the 3 keys and 3
+    zero keys (zero values), not causal attention over the 3."""
+    q, k, v = qkv(1, 1, 3, 3, 8, seed=3)
+    module = _torchtune_mha(1, 8, 6)
+    module.setup_cache(1, torch.float32, max_seq_len=6)  # type: ignore[operator]
+    x = q.transpose(1, 2).flatten(2)
+    y = torch.cat([k.transpose(1, 2).flatten(2), v.transpose(1, 2).flatten(2)], dim=-1)
+    with torch.no_grad():
+        out = module(x, y, input_pos=torch.arange(3)[None]).reshape(1, 3, 1, 8).transpose(1, 2)
+    zeros = torch.zeros(1, 1, 3, 8)
+    all_slots = oracle(q, torch.cat([k, zeros], -2), torch.cat([v, zeros], -2))
+    return close(out, all_slots) and not close(out, oracle(q, k, v, top_left(3, 3)), 1e-2)
+
+
+def torchtune_head_dim_zero_raises() -> bool:
+    """``head_dim = 0``: the output's ``view(b, s_x, -1)`` of an empty tensor raises, where
+    torch's SDPA returns an empty tensor."""
+    q, k, v = qkv(1, 1, 2, 2, 0)
+    module = _torchtune_mha(1, 0, 2)
+    try:
+        module(q.transpose(1, 2).flatten(2), torch.cat([k, v], -1).transpose(1, 2).flatten(2))
+    except RuntimeError:
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v).numel() == 0
+    return False
+
+
+# ------------------------------------------------------------------ local-attention
+
+
+def local_autopad_attends_the_padding() -> bool:
+    """``autopad=True``, ``causal=False``, no mask: n = 3 tokens padded to 4 for window 2;
+    queries attend the zero key (and zero value) the padding adds, within their window."""
+    from local_attention import LocalAttention
+
+    q, k, v = (t[:, 0] for t in qkv(1, 1, 3, 3, 8, seed=4))  # (B, n, d)
+    attn = LocalAttention(
+        window_size=2, causal=False, look_backward=1, look_forward=1, exact_windowsize=True,
+        autopad=True, use_rotary_pos_emb=False,
+    ).eval()  # fmt: skip
+    out = attn(q, k, v)
+    i, j = torch.arange(3)[:, None], torch.arange(4)
+    padded = [torch.cat([t, torch.zeros(1, 1, 8)], dim=1) for t in (k, v)]
+    with_pad = oracle(q, padded[0], padded[1], (j - i).abs() <= 2)
+    without = oracle(q, k, v, ((j - i).abs() <= 2)[:, :3])
+    return close(out, with_pad) and not close(out, without, 1e-2)
+
+
+def _half_error_ratio(attend: Callable[..., Tensor], scale: float | None = None) -> float:
+    """The median, over 5 seeds, of ``attend``'s largest error on float16 inputs (T = 64,
+    D = 8, queries and keys 2 randn) over torch SDPA's on the same inputs, both against
+    attention of the rounded inputs in float64."""
+    ratios = []
+    for seed in range(5):
+        q, k, v = (t.half() for t in qkv(1, 1, 64, 64, 8, seed=seed))
+        q, k = 2 * q, 2 * k
+        s = q.double() @ k.double().transpose(-2, -1) * (scale or 8**-0.5)
+        want = torch.softmax(s, dim=-1) @ v.double()
+        mine = float((attend(q, k, v).double() - want).abs().max())
+        sdpa = torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=scale)
+        ratios.append(mine / float((sdpa.double() - want).abs().max()))
+    return sorted(ratios)[2]
+
+
+def local_half_precision_scores() -> bool:
+    """Its scores and softmax run in the inputs' dtype: in float16, errors are several
+    times torch SDPA's (median ratio above 2 over 5 seeds; 2.8 to 6.3 seen)."""
+    from local_attention import LocalAttention
+
+    attn = LocalAttention(
+        window_size=64, causal=False, look_backward=1, look_forward=1, exact_windowsize=True,
+        use_rotary_pos_emb=False,
+    )  # fmt: skip
+    return _half_error_ratio(lambda q, k, v: attn(q[:, 0], k[:, 0], v[:, 0])[:, None]) > 2
+
+
+def softmax_n_flash_scale_in_half_precision() -> bool:
+    """``flash_attention_n`` multiplies q by ``scale / default_scale`` in the inputs'
+    dtype before torch's SDPA: in float16, with an explicit scale, errors above SDPA's
+    (median ratio above 1.5 over 5 seeds; 1.6 to 3.1 seen)."""
+    from flash_attention_softmax_n import flash_attention_n
+
+    return _half_error_ratio(lambda q, k, v: flash_attention_n(q, k, v, scale=0.37), 0.37) > 1.5
+
+
+# ------------------------------------------------------- flash-attention-softmax-n
+
+
+def softmax_n_slow_ignores_and_overwrites_a_boolean_mask() -> bool:
+    """``slow_attention_n`` with a boolean mask ``[T, F, F]``: ``masked_fill_(~mask,
+    -inf)`` on the boolean tensor writes True everywhere (in the caller's mask), and the
+    scores never see it: the output is attention over all three keys."""
+    from flash_attention_softmax_n import slow_attention_n
+
+    q, k, v = qkv(1, 1, 1, 3, 8, seed=5)
+    mask = torch.tensor([[True, False, False]])
+    out = slow_attention_n(q, k, v, attn_mask=mask, train=False)
+    return bool(mask.all()) and close(out, oracle(q, k, v))
+
+
+def softmax_n_zero_is_nan_for_low_scores() -> bool:
+    """With the default ``n = 0``, ``n * exp(-max)`` is ``0 * inf`` when a row's largest
+    score is below -88.7 in float32: NaN, though the row sees its keys."""
+    from flash_attention_softmax_n import slow_attention_n
+
+    q, k, v = qkv(1, 1, 1, 2, 8, seed=6)
+    k = (-40 * q).expand(1, 1, 2, 8) + 0.1 * k  # scores near -40 |q|^2 / sqrt(8): below -88.7
+    out = slow_attention_n(q, k, v, train=False)
+    return bool(out.isnan().all()) and bool(oracle(q, k, v).isfinite().all())
+
+
 FINDINGS: list[tuple[str, Callable[[], bool]]] = [
     ("transformers", hf_sdpa_single_query_is_not_causal),
     ("transformers", hf_sdpa_empty_value_dim_raises),
@@ -240,6 +428,15 @@ FINDINGS: list[tuple[str, Callable[[], bool]]] = [
     ("memory_efficient_attention_pytorch", mea_chunked_and_plain_align_differently),
     ("jax", jax_float64_softmax_is_float32),
     ("jax", jax_bfloat16_jit_aborts),
+    ("litgpt", litgpt_softcap_adds_the_boolean_mask),
+    ("litgpt", litgpt_softcap_float64_softmax_is_float32),
+    ("torchtune", torchtune_cached_mask_none_attends_empty_slots),
+    ("torchtune", torchtune_head_dim_zero_raises),
+    ("local_attention", local_autopad_attends_the_padding),
+    ("local_attention", local_half_precision_scores),
+    ("flash_attention_softmax_n", softmax_n_slow_ignores_and_overwrites_a_boolean_mask),
+    ("flash_attention_softmax_n", softmax_n_zero_is_nan_for_low_scores),
+    ("flash_attention_softmax_n", softmax_n_flash_scale_in_half_precision),
 ]
 #: seen once in an audit, not yet rebuilt from a small case: tried, reported, not counted
 SEEN_ONCE: list[tuple[str, Callable[[], bool]]] = []

@@ -41,7 +41,12 @@ def _parser() -> argparse.ArgumentParser:
         "(default: torch-sdpa)",
     )
     add_audit_options(a.add_argument)
-    a.add_argument("--json", metavar="PATH", help="also write the JSON report (and reproducers)")
+    a.add_argument(
+        "--json",
+        metavar="PATH",
+        help="also write the JSON report, and its reproducers to PATH.reproducers/ (where "
+        "an earlier run's are removed first)",
+    )
     a.add_argument("--fail-fast", action="store_true", help="stop at the first failing property")
     a.add_argument(
         "--list-backends", action="store_true", help="list built-in backends and mutants"

@@ -170,6 +170,12 @@ class Capabilities:
     causal_only: bool = False
     #: takes an explicit ``scale``; False: only the default 1/sqrt(Dqk) (scale=None)
     explicit_scale: bool = True
+    #: every call carries a sliding window (a library of windowed attention only, such
+    #: as NATTEN's): cases are drawn with one (``window`` must be declared)
+    window_required: bool = False
+    #: the only head dims taken (Dqk and Dv), e.g. powers of two; () : any up to
+    #: ``max_head_dim``. Cases draw among them
+    head_dims: tuple[int, ...] = ()
     #: one sink logit shared by every head (cases draw one value for all heads)
     sink_shared: bool = False
     #: the sink logits taken (() : any); cases draw among them, ``-inf`` is no sink
@@ -197,6 +203,10 @@ class Capabilities:
                 f"Capabilities.sink_values must not hold NaN, got {self.sink_values!r}"
             )
         object.__setattr__(self, "sink_values", values)
+        if any(type(d) is not int or d < 0 for d in self.head_dims):
+            raise ValueError(f"Capabilities.head_dims must be ints >= 0, got {self.head_dims!r}")
+        if self.window_required and not self.window:
+            raise ValueError("Capabilities.window_required needs window=True")
         if self.causal_only and not self.causal_alignments:
             raise ValueError(
                 "Capabilities.causal_only needs the alignment the backend computes in "
@@ -263,6 +273,8 @@ class Capabilities:
             self.self_attention_only
             or self.causal_only
             or not self.explicit_scale
+            or self.window_required
+            or bool(self.head_dims)
             or self.sink_shared
             or bool(self.sink_values)
         )
@@ -435,6 +447,10 @@ def from_declaration(data: object) -> Backend:
             ):
                 raise ValueError(f"{where} must be a list of [dtype, policy] pairs")
             caps[name] = tuple((d, _rows_from(p, f"{where}[{d!r}]")) for d, p in value)
+        elif name == "head_dims":
+            if type(value) is not list or not all(type(x) is int for x in value):
+                raise ValueError(f"{where} must be a list of ints")
+            caps[name] = tuple(value)
         elif name == "sink_values":
             try:
                 caps[name] = tuple(float(x) for x in _strings(value, where))

@@ -256,6 +256,7 @@ def _finite_where_the_oracle_is(
             got=float(out[where]),
             expected=float(oracle[where]),
             where=where,
+            kind="nan",
         )
 
 
@@ -458,18 +459,19 @@ def batch(ctx: Context, case: Case) -> None:
     B = inputs.query.shape[0]
     for b in sorted({0, B - 1}):
 
-        def one(t: Tensor | None, b: int = b) -> Tensor | None:
-            if t is None or t.dim() < 4 or t.shape[0] == 1:
-                return t
-            return t[b : b + 1]
+        def one(t: Tensor, b: int = b) -> Tensor:
+            return t if t.dim() < 4 or t.shape[0] == 1 else t[b : b + 1]
 
-        alone = Inputs(
-            one(inputs.query),  # type: ignore[arg-type]
-            one(inputs.key),  # type: ignore[arg-type]
-            one(inputs.value),  # type: ignore[arg-type]
-            one(inputs.attn_mask),
-            inputs.causal,
-            inputs.scale,
+        slopes = inputs.alibi_slopes
+        if slopes is not None and slopes.dim() > 1:  # (*batch, h): the sample's own
+            slopes = slopes[b : b + 1]
+        alone = replace(  # its variants kept (a window a backend needs on every call)
+            inputs,
+            query=one(inputs.query),
+            key=one(inputs.key),
+            value=one(inputs.value),
+            attn_mask=None if inputs.attn_mask is None else one(inputs.attn_mask),
+            alibi_slopes=slopes,
         )
         _law(
             ctx,
@@ -601,6 +603,8 @@ def _why_hidden(ctx: Context, inputs: Inputs, where: tuple[int, ...]) -> str:
             kind = "boolean" if mask.dtype == torch.bool else "float"
             return f"a {kind} mask hides it"
     if inputs.causal is not None:
+        if not ctx.native(inputs):
+            return "the causal diagonal, passed to the backend as a boolean mask, hides it"
         return "the causal diagonal hides it"
     return "the window hides it"
 

@@ -313,6 +313,8 @@ def cache_strategy(
 
 #: sink logits drawn for a backend that shares one sink across heads (any value)
 _SHARED_SINKS = (0.0, -1.0, 1.5, 3.0)
+#: windows given to a case without one for a backend that needs one on every call
+_REQUIRED_WINDOWS = ((3, 0), (1, 1), (5, 2), (2, 0), (8, 3), (13, 0))
 _T = TypeVar("_T")
 
 
@@ -336,6 +338,13 @@ def inside(case: Case, caps: Capabilities, pick: Callable[[Sequence[Any]], Any] 
         case = replace(case, mask="none", poison="none")
     if not caps.explicit_scale and case.scale is not None:
         case = replace(case, scale=None)
+    if caps.window_required and case.window is None:
+        case = replace(case, window=pick(_REQUIRED_WINDOWS))
+    if caps.head_dims and case.Dh not in caps.head_dims:
+        Dh = pick(caps.head_dims)
+        case = replace(case, Dh=Dh, rotary=min(case.rotary, Dh - Dh % 2))
+    if caps.head_dims and case.Dv not in caps.head_dims:
+        case = replace(case, Dv=case.Dh if not caps.distinct_value_dim else pick(caps.head_dims))
     if case.sinks and (caps.sink_values or caps.sink_shared):
         case = replace(case, sink=pick(caps.sink_values or _SHARED_SINKS))
     return case

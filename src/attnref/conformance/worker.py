@@ -492,7 +492,7 @@ class InProcess:
     def __init__(self, backend: Backend) -> None:
         self.backend = backend
         self.slowest = 0.0
-        #: the latest outputs, each with its inputs' digest (`calls.remember`)
+        #: right outputs of earlier fresh_values calls, with their inputs' digests
         self.history: list[tuple[Tensor, str]] = []
 
     def run(self, job: Any, timeout: float) -> Any:
@@ -615,7 +615,7 @@ class Supervised:
         self.start_timeout = start_timeout
         self.restarts = 0
         self.slowest = 0.0
-        #: the latest outputs, each with its inputs' digest (`calls.remember`)
+        #: right outputs of earlier fresh_values calls, with their inputs' digests
         self.history: list[tuple[Tensor, str]] = []
         self.last_read = 0.0  # seconds the last reply took to receive and decode
         self._process: multiprocessing.process.BaseProcess | None = None
