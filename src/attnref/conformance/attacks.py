@@ -16,8 +16,10 @@ from dataclasses import replace
 from typing import Any
 
 import torch
+from jaxtyping import Float
 from torch import Tensor
 
+from attnref._checking import checked_internal
 from attnref.conformance.calls import arguments, check_output, digest, invoke, raise_for_error
 from attnref.conformance.cases import Case, Inputs, build
 from attnref.conformance.checks import Context
@@ -45,7 +47,8 @@ _DISTINCT = 4
 _KEPT = 64
 
 
-def _distinct(t: Tensor) -> int:
+@checked_internal
+def _distinct(t: Float[Tensor, "*shape"]) -> int:
     """How many distinct values ``t`` holds."""
     flat = t.flatten().sort().values
     return int((flat.diff() != 0).sum()) + 1 if flat.numel() else 0

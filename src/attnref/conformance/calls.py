@@ -14,7 +14,7 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
-from attnref._checking import checked
+from attnref._checking import checked, checked_internal
 from attnref.conformance.backends import Backend, Capabilities
 from attnref.conformance.cases import Inputs
 from attnref.conformance.verdicts import Failure, Skip, one_line
@@ -107,7 +107,8 @@ def skip_reason(backend: Backend, inputs: Inputs, kwargs: dict[str, Any]) -> str
     return _sink_reason(caps, inputs.sinks)
 
 
-def _sink_reason(caps: Capabilities, sinks: Tensor | None) -> str | None:
+@checked_internal
+def _sink_reason(caps: Capabilities, sinks: Float[Tensor, " h"] | None) -> str | None:
     """Why sink logits ``sinks`` are outside the declaration (shared, declared values)."""
     if sinks is None or sinks.numel() == 0:
         return None

@@ -175,9 +175,10 @@ def empty_row_causes(
     return {kind: by_mask, "causal": empty & ~by_mask}
 
 
+@checked_internal
 def _cause_rows(
     inputs: Inputs, empty_row: EmptyRow | EmptyRows, native_causal: bool
-) -> list[tuple[Cause, EmptyRow, Tensor]]:
+) -> list[tuple[Cause, EmptyRow, Bool[Tensor, "*batch h Tq 1"]]]:
     """``(cause, declared policy, rows)`` for each cause that empties some row."""
     policy = empty_row if isinstance(empty_row, EmptyRows) else EmptyRows(*(empty_row,) * 3)
     masked = inputs.attn_mask is not None
