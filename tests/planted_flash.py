@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from attnref.conformance.mutants import FLASH_LIKE
+from attnref.conformance.families.flash import FLASH_LIKE
 
 #: what each kernel claims: the flash convention, every variant, the LSE with -inf
 CLAIMS = replace(FLASH_LIKE, gradients=False)

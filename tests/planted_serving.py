@@ -14,7 +14,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from attnref.conformance.mutants import KVCACHE_LIKE, VARLEN_LIKE
+from attnref.conformance.families.flash_kvcache import KVCACHE_LIKE
+from attnref.conformance.families.flash_varlen import VARLEN_LIKE
 
 VARLEN_CLAIMS = replace(VARLEN_LIKE, gradients=False, sinks=False)
 KVCACHE_CLAIMS = replace(KVCACHE_LIKE, gradients=False)

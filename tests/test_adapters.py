@@ -10,8 +10,8 @@ import torch
 from examples.adapters.audit_all import ADAPTERS
 
 from attnref.conformance import Capabilities, check_case
+from attnref.conformance.backends import load_backend
 from attnref.conformance.cases import Case
-from attnref.conformance.options import load_backend
 from attnref.conformance.strategies import inside
 
 #: adapters of a library that gets every call wrong (docs/adapters.md)

@@ -22,9 +22,9 @@ from attnref.conformance import (
     audit,
     resolve_backend,
 )
-from attnref.conformance.backends import EmptyRow
-from attnref.conformance.mutants import MUTANTS
-from attnref.conformance.properties import JUDGE_CLASS, MATRIX_PROPERTIES
+from attnref.conformance.declarations import EmptyRow
+from attnref.conformance.families import MATRIX_PROPERTIES, MUTANTS
+from attnref.conformance.properties import JUDGE_CLASS
 from attnref.masks import Alignment
 from tests.planted_flash import UNSEEN
 from tests.planted_serving import UNSEEN as SERVING_UNSEEN

@@ -191,7 +191,7 @@ def test_audit_a_flash_convention_kernel_with_api_flash(
 ) -> None:
     args = ["audit", "--no-progress", "--dtype", "float32", "--property", "variants",
             "--property", "lse", "--api", "flash"]  # fmt: skip
-    assert main([*args, "--backend", "attnref.conformance.backends:flash_reference"]) == 0
+    assert main([*args, "--backend", "attnref.conformance.families.flash:flash_reference"]) == 0
     out = capsys.readouterr().out
     assert "variants" in out
     assert out.rstrip().endswith("OK")
@@ -205,7 +205,10 @@ def test_audit_a_decode_kernel_with_api_flash_kvcache(
 ) -> None:
     args = ["audit", "--no-progress", "--dtype", "float32", "--property", "kvcache",
             "--api", "flash-kvcache"]  # fmt: skip
-    assert main([*args, "--backend", "attnref.conformance.backends:kvcache_reference"]) == 0
+    assert (
+        main([*args, "--backend", "attnref.conformance.families.flash_kvcache:kvcache_reference"])
+        == 0
+    )
     assert capsys.readouterr().out.rstrip().endswith("OK")
     assert main([*args, "--backend", "tests.planted_serving:append_first_page"]) == 1
     out = capsys.readouterr().out

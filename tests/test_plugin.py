@@ -79,7 +79,7 @@ def test_a_flash_convention_kernel_with_attnref_api(pytester: pytest.Pytester) -
     result = pytester.runpytest_subprocess(
         "-p",
         "no:cacheprovider",
-        "--attnref-backend=attnref.conformance.backends:flash_reference",
+        "--attnref-backend=attnref.conformance.families.flash:flash_reference",
         "--attnref-api=flash",
         "--attnref-property=window_none",
         "--attnref-dtype=float32",

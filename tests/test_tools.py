@@ -8,8 +8,7 @@ from pathlib import Path
 import pytest
 
 from attnref.conformance import audit
-from attnref.conformance.mutants import MUTANTS
-from attnref.conformance.properties import MATRIX_PROPERTIES
+from attnref.conformance.families import MATRIX_PROPERTIES, MUTANTS
 from attnref.devices import DTYPES
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -18,8 +18,7 @@ from pathlib import Path
 
 from attnref import set_checking
 from attnref.conformance import PROPERTIES, audit
-from attnref.conformance.mutants import MUTANTS
-from attnref.conformance.properties import MATRIX_PROPERTIES
+from attnref.conformance.families import MATRIX_PROPERTIES, MUTANTS
 from attnref.devices import dtype_name
 
 SHORT = {"float64": "f64", "float32": "f32", "float16": "f16", "bfloat16": "bf16"}

@@ -55,6 +55,9 @@ def _parser() -> argparse.ArgumentParser:
         "--list-properties", action="store_true", help="list the properties and what they target"
     )
     a.add_argument(
+        "--list-families", action="store_true", help="list the API families (--api) and signatures"
+    )
+    a.add_argument(
         "--no-progress", action="store_true", help="no progress bar (none when not a terminal)"
     )
     a.add_argument(
@@ -186,13 +189,21 @@ def _demo_copy(args: argparse.Namespace) -> int:
 
 def _list_backends() -> None:
     from attnref.conformance import BUILTIN_BACKENDS
-    from attnref.conformance.mutants import MUTANTS
+    from attnref.conformance.families import MUTANTS
 
     for name, b in BUILTIN_BACKENDS.items():
         print(f"{name:<32} {b.api:<13} {b.description}")
     print()
     for name, m in MUTANTS.items():
         print(f"{'mutant.' + name:<32} {m.api:<13} class {m.bug_class:>2}: {m.summary}")
+
+
+def _list_families() -> None:
+    from attnref.conformance.families import FAMILIES
+
+    for name, f in FAMILIES.items():
+        print(f"{name:<15} {f.summary}")
+        print(f"{'':<15} {f.signature}")
 
 
 def _list_properties() -> None:
@@ -205,13 +216,17 @@ def _list_properties() -> None:
 
 def _audit(args: argparse.Namespace) -> int:
     from attnref.conformance import AuditReport, BackendError, audit
-    from attnref.conformance.options import OptionError, audit_settings, load_backend
+    from attnref.conformance.backends import load_backend
+    from attnref.conformance.options import OptionError, audit_settings
 
     if args.list_backends:
         _list_backends()
         return 0
     if args.list_properties:
         _list_properties()
+        return 0
+    if args.list_families:
+        _list_families()
         return 0
     from attnref.conformance.worker import InProcess, Supervised, start_forkserver
 

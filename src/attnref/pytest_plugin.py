@@ -108,7 +108,8 @@ def pytest_collection_modifyitems(
     if not specs:
         return
     from attnref.conformance import PROPERTIES, BackendError
-    from attnref.conformance.options import OptionError, audit_settings, load_backend
+    from attnref.conformance.backends import load_backend
+    from attnref.conformance.options import OptionError, audit_settings
     from attnref.devices import dtype_name
 
     try:

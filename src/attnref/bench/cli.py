@@ -12,21 +12,15 @@ from attnref.bench.output import format_table, plot_results, write_results
 from attnref.bench.runner import environment, run_benchmarks
 from attnref.bench.timing import measure_matmul_peak
 from attnref.conformance.backends import BackendError, resolve_backend
+from attnref.conformance.families import FAMILIES, get_family
 from attnref.devices import DTYPES
 from attnref.masks import Alignment
 
 __all__ = ["DEFAULT_BACKENDS", "add_arguments", "main", "run_cli"]
 
-#: backends run by default: every built-in one (those absent here are skipped, not failed)
-DEFAULT_BACKENDS = (
-    "reference",
-    "torch-sdpa-math",
-    "torch-sdpa",
-    "torch-sdpa-flash",
-    "torch-sdpa-efficient",
-    "torch-sdpa-cudnn",
-    "torch-flex",
-)
+#: backends run by default: the sdpa family's bench entry, every built-in one (those
+#: absent here are skipped, not failed)
+DEFAULT_BACKENDS = get_family("sdpa").bench_backends
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -105,7 +99,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument(
         "--api",
-        choices=["sdpa", "flash-kvcache", "flash-varlen"],
+        choices=[name for name, f in FAMILIES.items() if f.bench_backends],
         default="sdpa",
         help="sdpa: dense attention (TFLOP/s); flash-kvcache: one decoding step per call "
         "against --seq cached tokens (decode tokens/s, per --page-size); flash-varlen: a "

@@ -77,7 +77,7 @@ def _first_line(e: BaseException) -> str:
 def _verify(backend: Backend, case: BenchCase, seed: int, raw: Any, what: str) -> str | None:
     """Why the output ``raw`` of the call on seed ``seed``'s values is wrong, or None."""
     from attnref.conformance.calls import check_output
-    from attnref.conformance.families import family_of
+    from attnref.conformance.family import family_of
     from attnref.conformance.oracle import close, expect
 
     inputs = bench_inputs(case, seed)
@@ -250,7 +250,7 @@ def run_benchmarks(
 
 
 def _local(backend: Backend | str, api: str | None) -> Backend:
-    from attnref.conformance.options import load_backend
+    from attnref.conformance.backends import load_backend
 
     return load_backend(backend, api) if isinstance(backend, str) else backend
 

@@ -29,6 +29,7 @@ from tqdm import tqdm
 
 from attnref._checking import checking_enabled, set_checking
 from attnref.conformance.backends import Backend
+from attnref.conformance.families import get_family
 from attnref.devices import DTYPES
 
 __all__ = [
@@ -45,8 +46,7 @@ ServingApi = Literal["flash-varlen", "flash-kvcache"]
 
 #: the backends each family's benchmark runs by default (absent ones are skipped)
 SERVING_BACKENDS: dict[str, tuple[str, ...]] = {
-    "flash-kvcache": ("kvcache-reference", "kvcache-naive", "kvcache-sdpa", "flash-attn-kvcache"),
-    "flash-varlen": ("varlen-reference", "varlen-naive", "varlen-sdpa", "flash-attn-varlen"),
+    api: get_family(api).bench_backends for api in ("flash-kvcache", "flash-varlen")
 }
 
 
@@ -227,8 +227,7 @@ def run_serving(
     (`attnref.bench.verified.measure`); never raises for what a backend does. A spec is
     resolved in the worker only, in the family of the first case. ``rotate`` is kept for
     compatibility: every call now has values of its own."""
-    from attnref.conformance.backends import BackendError
-    from attnref.conformance.options import load_backend
+    from attnref.conformance.backends import BackendError, load_backend
     from attnref.conformance.worker import Executor, InProcess, Supervised
 
     results = []

@@ -5,7 +5,9 @@
 ``pytest --attnref-backend=module:function`` from a test run.
 
 Names load on first use, so that the pytest plugin can declare its options
-(`attnref.conformance.options`) without importing torch in every test run.
+(`attnref.conformance.options`) without importing torch in every test run. The first
+name used installs the API families (`attnref.conformance.families`, through
+`attnref.conformance.backends`), whatever module it comes from.
 """
 
 import importlib
@@ -28,9 +30,9 @@ if TYPE_CHECKING:
     from attnref.conformance.cases import Case, Inputs, build, fixed_grid
     from attnref.conformance.oracle import expect, reference
     from attnref.conformance.profiles import PROFILES, Profile
-    from attnref.conformance.properties import PROPERTIES, Property, check_case
+    from attnref.conformance.properties import PROPERTIES, Property
     from attnref.conformance.report import AuditReport, PropertyResult
-    from attnref.conformance.runner import audit, run_property
+    from attnref.conformance.runner import audit, check_case, run_property
     from attnref.conformance.verdicts import Failure, Skip
 
 _WHERE = {
@@ -50,9 +52,9 @@ _WHERE = {
     "cases": ("Case", "Inputs", "build", "fixed_grid"),
     "oracle": ("expect", "reference"),
     "profiles": ("PROFILES", "Profile"),
-    "properties": ("PROPERTIES", "Property", "check_case"),
+    "properties": ("PROPERTIES", "Property"),
     "report": ("AuditReport", "PropertyResult"),
-    "runner": ("audit", "run_property"),
+    "runner": ("audit", "check_case", "run_property"),
     "verdicts": ("Failure", "Skip"),
 }
 _MODULE = {name: module for module, names in _WHERE.items() for name in names}
@@ -91,5 +93,6 @@ __all__ = [
 
 def __getattr__(name: str) -> Any:
     if name in _MODULE:
+        importlib.import_module("attnref.conformance.backends")  # the families, installed
         return getattr(importlib.import_module(f"attnref.conformance.{_MODULE[name]}"), name)
     raise AttributeError(f"module 'attnref.conformance' has no attribute {name!r}")

@@ -23,7 +23,7 @@ from attnref._checking import checked_internal
 from attnref.conformance.calls import arguments, check_output, digest, invoke, raise_for_error
 from attnref.conformance.cases import Case, Inputs, build
 from attnref.conformance.checks import Context
-from attnref.conformance.families import family_of
+from attnref.conformance.family import family_of
 from attnref.conformance.oracle import close
 from attnref.conformance.verdicts import Failure
 from attnref.conformance.worker import InternalError, Job, Raised, Series, series_outcomes

@@ -15,8 +15,9 @@ from jaxtyping import Float
 from torch import Tensor
 
 from attnref._checking import checked, checked_internal
-from attnref.conformance.backends import Backend, Capabilities
 from attnref.conformance.cases import Inputs
+from attnref.conformance.declarations import DEFAULT_API, Backend, Capabilities
+from attnref.conformance.family import family_of, get_family
 from attnref.conformance.verdicts import Failure, Skip, one_line
 from attnref.conformance.worker import (
     BackendDied,
@@ -48,11 +49,9 @@ __all__ = [
 TIMED_OUT = "TimeoutError: "
 
 
-def native_causal(caps: Capabilities, inputs: Inputs, api: str = "sdpa") -> bool:
+def native_causal(caps: Capabilities, inputs: Inputs, api: str = DEFAULT_API) -> bool:
     """Whether a backend of API family ``api`` applies the causal diagonal of ``inputs``
     itself, rather than receiving it folded into a boolean mask."""
-    from attnref.conformance.families import get_family
-
     return get_family(api).native_causal(caps, inputs)
 
 
@@ -66,8 +65,6 @@ def backend_call(
         Skip: the family cannot express the call, or the backend does not declare a
             variant it needs.
     """
-    from attnref.conformance.families import family_of
-
     return family_of(backend).call(backend, inputs, lse, **overrides)
 
 
@@ -263,8 +260,6 @@ def call_lse(
         Failure: as `call`, or the log-sum-exp is missing, of the wrong shape or not
             floating point.
     """
-    from attnref.conformance.families import family_of
-
     family = family_of(backend)
     args, kwargs = arguments(backend, inputs, lse, **overrides)
     raw = invoke(backend, Job(args, kwargs), timeout, executor)

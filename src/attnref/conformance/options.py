@@ -7,8 +7,6 @@ settings with `audit_settings`; the choices come from the registries they name
 edit here.
 """
 
-import os
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -18,9 +16,8 @@ from attnref.conformance.profiles import PROFILES, Profile, get_profile
 if TYPE_CHECKING:  # imported when used: declaring the options must not import torch
     import torch
 
-    from attnref.conformance.backends import Backend
 
-__all__ = ["AuditSettings", "OptionError", "add_audit_options", "audit_settings", "load_backend"]
+__all__ = ["AuditSettings", "OptionError", "add_audit_options", "audit_settings"]
 
 
 class OptionError(ValueError):
@@ -70,11 +67,9 @@ def add_audit_options(add: Callable[..., Any], prefix: str = "", *, choices: boo
         "api",
         default=None,
         metavar="FAMILY",
-        help="the calling convention of a module:function backend: sdpa (torch SDPA's "
-        "signature), flash (FlashAttention 2's flash_attn_func), flash-varlen "
-        "(flash_attn_varlen_func: packed sequences) or flash-kvcache "
-        "(flash_attn_with_kvcache: decoding against a KV cache) (default: sdpa; a "
-        "built-in backend has its own)",
+        help="the calling convention (API family) of a module:function backend, one of "
+        "those attnref audit --list-families lists (default: sdpa, torch SDPA's signature; "
+        "a built-in backend has its own)",
     )
     option("seed", type=int, default=0, help="seed of the search (default: 0)")
     option("timeout", type=float, default=60.0, help="seconds allowed per call (default: 60)")
@@ -187,7 +182,7 @@ def audit_settings(get: Callable[[str], Any]) -> AuditSettings:
         raise OptionError(f"--memory-limit must be > 0 GiB, got {memory_limit}")
     properties = get("property")
     api = get("api")
-    from attnref.conformance.families import FAMILIES
+    from attnref.conformance.family import FAMILIES
 
     if api is not None and api not in FAMILIES:
         raise OptionError(f"unknown API family {api!r}: use one of {', '.join(FAMILIES)}")
@@ -205,17 +200,3 @@ def audit_settings(get: Callable[[str], Any]) -> AuditSettings:
         memory_limit=memory_limit,
         api=api,
     )
-
-
-def load_backend(spec: str, api: str | None = None) -> "Backend":
-    """`resolve_backend` (``api``: the API family), with the current folder importable
-    first: ``module:function`` may name a file where the audit was started.
-
-    Raises:
-        BackendError: as `resolve_backend`.
-    """
-    from attnref.conformance.backends import resolve_backend
-
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
-    return resolve_backend(spec, api)

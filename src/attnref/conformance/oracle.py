@@ -26,8 +26,8 @@ from torch import Tensor
 
 from attnref import functional as F
 from attnref._checking import checked, checked_internal
-from attnref.conformance.backends import Cause, EmptyLse, EmptyRow, EmptyRows
 from attnref.conformance.cases import Inputs
+from attnref.conformance.declarations import Cause, EmptyLse, EmptyRow, EmptyRows
 from attnref.conformance.verdicts import Failure
 from attnref.masks import causal_mask
 from attnref.tolerances import (

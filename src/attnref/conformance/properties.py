@@ -7,36 +7,32 @@ the registry the audit, the CLI, the plugin and the kill matrix read.
 Bug classes are the rows of the catalogue in docs/architecture.md ("Bug classes").
 """
 
-import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
-import torch
 from hypothesis import strategies as st
 
-from attnref.conformance import attacks, checks, serving_checks
-from attnref.conformance.backends import Backend, Capabilities
+from attnref.conformance import attacks, checks
 from attnref.conformance.cases import Case, fixed_grid, variant_grid
 from attnref.conformance.checks import Check, Context
+from attnref.conformance.declarations import Capabilities
 from attnref.conformance.profiles import Profile
 from attnref.conformance.strategies import (
     LAYOUTS,
-    cache_strategy,
     case_strategy,
     masks_for,
-    pack_strategy,
     variant_fields,
 )
-from attnref.conformance.verdicts import Failure, Skip
 
 __all__ = [
     "JUDGE_CLASS",
-    "MATRIX_PROPERTIES",
     "PROPERTIES",
     "Context",
     "Property",
-    "check_case",
     "get_property",
+    "matrix_properties",
+    "register",
+    "some_variants",
 ]
 
 Cases = Callable[[Profile, Capabilities], st.SearchStrategy[Case]]
@@ -65,7 +61,7 @@ class Property:
     examples: Callable[[Profile, Capabilities], list[Case]] = field(default=_no_examples)
     gradient: bool = False
     #: the API families whose calls it needs (empty: every family; a dense case runs in
-    #: each of them, `attnref.conformance.families`)
+    #: each of them); a family's own properties name it
     families: tuple[str, ...] = ()
     #: why it cannot be met by a narrow declaration: it needs calls with Tq != Tk
     #: (``cross``) or calls that are not causal (``non_causal``)
@@ -204,9 +200,7 @@ def _needs_lse(caps: Capabilities) -> str | None:
     return None if caps.lse else "the log-sum-exp not declared"
 
 
-def _some_variants(
-    c: Capabilities, positional: bool = True
-) -> st.SearchStrategy[dict[str, object]]:
+def some_variants(c: Capabilities, positional: bool = True) -> st.SearchStrategy[dict[str, object]]:
     """No variant, or some of those declared (the gradient, LSE and merge properties)."""
     if not c.variants():
         return st.just({})
@@ -236,107 +230,6 @@ def _softcap_cases(p: Profile, c: Capabilities) -> st.SearchStrategy[Case]:
     return cases.map(lambda x: replace(x, Dv=x.Tk, Dh=x.Dh if c.distinct_value_dim else x.Tk))
 
 
-def _pack_variants(c: Capabilities) -> st.SearchStrategy[dict[str, object]]:
-    return _some_variants(c)
-
-
-def _cache_variants(c: Capabilities) -> st.SearchStrategy[dict[str, object]]:
-    """The declared variants but sinks (the flash-kvcache convention has none)."""
-    return _some_variants(replace(c, sinks=False))
-
-
-_VARLEN = ("flash-varlen",)
-_KVCACHE = ("flash-kvcache",)
-
-
-def _pack_examples(p: Profile, c: Capabilities) -> list[Case]:
-    """Where the class-26 bugs show: empty and one-token sequences next to others, a
-    long sequence among short ones, more keys than queries, padding."""
-    base = [
-        Case("pack_zeros", seqlens=((0, 0), (3, 3), (0, 4), (5, 0), (1, 1), (7, 7)), pad=2),
-        Case("pack_long_among_short", seqlens=((1, 1), (2, 2), (33, 33), (3, 3)), pad=1),
-        Case("pack_prefix", seqlens=((2, 9), (5, 5), (1, 13)), causal="bottom_right"),
-        Case("pack_causal_zeros", seqlens=((4, 4), (0, 0), (6, 6)), causal="bottom_right"),
-        Case("pack_gqa", h=6, g=2, seqlens=((3, 7), (7, 3), (11, 11))),
-    ]
-    if c.window:
-        base.append(
-            Case("pack_window", seqlens=((9, 9), (1, 1), (12, 12)), causal="bottom_right",
-                 window=(3, 0))
-        )  # fmt: skip
-    return [replace(x, seed=200 + i) for i, x in enumerate(base)]
-
-
-def _cache_examples(p: Profile, c: Capabilities) -> list[Case]:
-    """Where the class-27-29 bugs show: a paged cache whose last page is partial, the
-    cache full to capacity, an append across a page boundary, a window shorter than the
-    cache (class 28), rotary in both layouts at an offset, split-KV."""
-    page = c.page_multiple if c.page_multiple > 1 else 4
-    base = [
-        Case("cache_contiguous", cached=(5, 12), new=1, Tq=1, causal="bottom_right", pad=3),
-        Case("cache_full", cached=(9, 3), new=2, Tq=2, causal="bottom_right", pad=0),
-        Case("cache_rows_shuffled", cached=(4, 0, 7), new=1, Tq=1, shuffle=True),
-        Case("cache_prefill_chunk", cached=(6,), new=4, Tq=4, causal="bottom_right", pad=1),
-        Case("cache_no_append", cached=(11, 2), Tq=2, causal="bottom_right", pad=2),
-        Case("cache_splits", cached=(17, 30), new=1, Tq=1, splits=3),
-    ]
-    if c.paged:
-        base += [
-            Case("paged_tail", cached=(page + 1, 2 * page - 1), new=1, Tq=1, page=page,
-                 causal="bottom_right", pad=page - 1, shuffle=True),
-            Case("paged_across_pages", cached=(page - 1,), new=3, Tq=3, page=page,
-                 causal="bottom_right", shuffle=True, pad=2),
-        ]  # fmt: skip
-    if c.window:
-        base.append(
-            Case("cache_window_passed", cached=(20, 9), new=1, Tq=1, causal="bottom_right",
-                 window=(4, 0))
-        )  # fmt: skip
-    if c.rotary:
-        base += [
-            Case("rotary_interleaved", cached=(5, 9), new=2, Tq=2, rotary=8, interleaved=True,
-                 causal="bottom_right"),
-            Case("rotary_halves", cached=(5, 9), new=2, Tq=2, rotary=4, interleaved=False,
-                 causal="bottom_right"),
-            Case("rotary_not_causal", cached=(3,), new=2, Tq=2, rotary=8, interleaved=False),
-        ]  # fmt: skip
-    return [replace(x, seed=300 + i) for i, x in enumerate(base)]
-
-
-def _needs_paged(caps: Capabilities) -> str | None:
-    return None if caps.paged else "a paged cache not declared"
-
-
-def _needs_rotary(caps: Capabilities) -> str | None:
-    return None if caps.rotary else "rotary not declared"
-
-
-def _needs_rotary_window(caps: Capabilities) -> str | None:
-    if not (caps.rotary and caps.window):
-        return "rotary and sliding windows not both declared"
-    return None
-
-
-def _shift_cases(p: Profile, c: Capabilities) -> st.SearchStrategy[Case]:
-    """Causal decode calls with rotary and a window no longer than the shortest cached
-    row (so that it hides the garbage a shift puts first), moved by 1 to 64."""
-
-    @st.composite
-    def draw(draw: st.DrawFn) -> Case:
-        new = draw(st.sampled_from((1, 2, 4)))
-        case = draw(
-            cache_strategy(
-                "rotary_shift", p, c, causal="bottom_right", new=new, Tq=new,
-                Dh=st.sampled_from((8, 4, 16, 64)), rotary=st.sampled_from((2, 4, 8)),
-                cached=st.lists(st.integers(1, p.max_len), min_size=1, max_size=3).map(tuple),
-            )
-        )  # fmt: skip
-        left = draw(st.integers(0, min(case.cached)))
-        return replace(case, window=(left, 0), shift=draw(st.sampled_from((1, 3, 17, 64))))
-
-    return draw()
-
-
 PROPERTIES: dict[str, Property] = {
     p.id: p
     for p in [
@@ -352,7 +245,7 @@ PROPERTIES: dict[str, Property] = {
             "gradient",
             "dQ, dK and dV agree with the float64 oracle's, with the variants declared",
             (11, 12, 22, 23),
-            lambda p, c: case_strategy("gradient", p, c, variants=_some_variants(c)),
+            lambda p, c: case_strategy("gradient", p, c, variants=some_variants(c)),
             checks.gradient,
             requires=_needs("gradients", "gradients"),
             gradient=True,
@@ -594,7 +487,7 @@ PROPERTIES: dict[str, Property] = {
             "the log-sum-exp agrees with the oracle's (natural log, visible keys only, "
             "the declared value for a query that sees none)",
             (25,),
-            lambda p, c: case_strategy("lse", p, c, variants=_some_variants(c)),
+            lambda p, c: case_strategy("lse", p, c, variants=some_variants(c)),
             checks.lse,
             requires=_needs_lse,
             examples=lambda p, c: variant_grid(c, lse=True),
@@ -605,124 +498,11 @@ PROPERTIES: dict[str, Property] = {
             "all of them; a sink counts once",
             (24, 25),
             lambda p, c: case_strategy(
-                "merge", p, c, causal=None, variants=_some_variants(c, positional=False)
+                "merge", p, c, causal=None, variants=some_variants(c, positional=False)
             ),
             checks.merge,
             requires=_needs_lse,
             needs=("cross", "non_causal"),
-        ),
-        # ------------------------------------------- packs (flash-varlen, docs/varlen.md)
-        Property(
-            "varlen",
-            "each sequence of a pack (empty, one-token, long among short, padded) agrees "
-            "with the oracle of it alone, output and LSE",
-            (26,),
-            lambda p, c: pack_strategy("varlen", p, c, variants=_pack_variants(c)),
-            serving_checks.varlen,
-            examples=_pack_examples,
-            families=_VARLEN,
-        ),
-        Property(
-            "varlen_alone",
-            "a sequence gives the same output in the pack as in a pack of its own",
-            (26,),
-            lambda p, c: pack_strategy("varlen_alone", p, c),
-            serving_checks.varlen_alone,
-            families=_VARLEN,
-        ),
-        Property(
-            "varlen_permutation",
-            "permuting the sequences of a pack permutes their outputs",
-            (26,),
-            lambda p, c: pack_strategy("varlen_permutation", p, c),
-            serving_checks.varlen_permutation,
-            families=_VARLEN,
-        ),
-        Property(
-            "varlen_padding",
-            "padding tokens after the pack (other garbage, NaN, more of it) never matter",
-            (26,),
-            lambda p, c: pack_strategy("varlen_padding", p, c, pad=st.sampled_from((1, 4))),
-            serving_checks.varlen_padding,
-            families=_VARLEN,
-        ),
-        # ------------------------------------------ caches (flash-kvcache, docs/kvcache.md)
-        Property(
-            "kvcache",
-            "each row of a decode call agrees with the oracle of its valid keys (paged, "
-            "garbage in unused slots, rotary, split-KV), and the append writes exactly "
-            "the new slots",
-            (27, 28, 29),
-            lambda p, c: cache_strategy("kvcache", p, c, variants=_cache_variants(c)),
-            serving_checks.kvcache,
-            examples=_cache_examples,
-            families=_KVCACHE,
-        ),
-        Property(
-            "kvcache_pages",
-            "permuting the physical pages (and the block table) changes nothing",
-            (27,),
-            lambda p, c: cache_strategy(
-                "kvcache_pages",
-                p,
-                c,
-                page=st.sampled_from(
-                    (c.page_multiple, 2 * c.page_multiple) if c.page_multiple > 1 else (1, 4, 5)
-                ),
-            ),
-            serving_checks.kvcache_pages,
-            requires=_needs_paged,
-            families=_KVCACHE,
-        ),
-        Property(
-            "kvcache_splits",
-            "num_splits (split-KV) changes nothing",
-            (25, 27),
-            lambda p, c: cache_strategy("kvcache_splits", p, c, variants=_cache_variants(c)),
-            serving_checks.kvcache_splits,
-            families=_KVCACHE,
-        ),
-        Property(
-            "kvcache_decode",
-            "decoding token by token from an empty cache equals one causal prefill, and "
-            "leaves the same cache",
-            (27, 28, 29),
-            lambda p, c: cache_strategy(
-                "kvcache_decode",
-                p,
-                c,
-                causal="bottom_right",
-                Tq=st.integers(2, 9),
-                variants=_cache_variants(c),
-            ),
-            serving_checks.kvcache_decode,
-            families=_KVCACHE,
-        ),
-        Property(
-            "rotary_layouts",
-            "the interleaved rotary layout equals the halves one on permuted dims",
-            (29,),
-            lambda p, c: cache_strategy(
-                "rotary_layouts",
-                p,
-                c,
-                new=st.sampled_from((1, 2, 4)),
-                Dh=st.sampled_from((8, 4, 16, 64)),
-                rotary=st.sampled_from((2, 4, 8)),
-            ),
-            serving_checks.rotary_layouts,
-            requires=_needs_rotary,
-            families=_KVCACHE,
-        ),
-        Property(
-            "rotary_shift",
-            "rotary scores depend on relative positions only: every position moved, the "
-            "cache rotated with them, changes nothing",
-            (29,),
-            _shift_cases,
-            serving_checks.rotary_shift,
-            requires=_needs_rotary_window,
-            families=_KVCACHE,
         ),
         Property(
             "fresh_values",
@@ -747,10 +527,26 @@ PROPERTIES: dict[str, Property] = {
 #: the bug class of attacks on the judge: its properties are proven on the backends of
 #: tests/hostile, not on the mutants
 JUDGE_CLASS = 31
-#: the properties of the kill matrix (docs/kill-matrix.md): those aimed at attention bugs
-MATRIX_PROPERTIES: tuple[str, ...] = tuple(
-    pid for pid, p in PROPERTIES.items() if JUDGE_CLASS not in p.classes
-)
+
+
+def register(properties: tuple[Property, ...]) -> None:
+    """Add a family's own properties to `PROPERTIES` (what installing a family does), in
+    place: after the properties of attention bugs, before those of attacks on the judge."""
+    ids = [p.id for p in properties]
+    taken = [pid for pid in ids if pid in PROPERTIES]
+    if taken:
+        raise ValueError(f"property {taken[0]!r} is defined twice")
+    judged = {pid: p for pid, p in PROPERTIES.items() if JUDGE_CLASS in p.classes}
+    for pid in judged:
+        del PROPERTIES[pid]
+    PROPERTIES.update({p.id: p for p in properties})
+    PROPERTIES.update(judged)
+
+
+def matrix_properties() -> tuple[str, ...]:
+    """The properties of the kill matrix (docs/kill-matrix.md): those aimed at attention
+    bugs, of every installed family."""
+    return tuple(pid for pid, p in PROPERTIES.items() if JUDGE_CLASS not in p.classes)
 
 
 def get_property(pid: str) -> Property:
@@ -759,46 +555,3 @@ def get_property(pid: str) -> Property:
         return PROPERTIES[pid]
     except KeyError:
         raise ValueError(f"unknown property {pid!r}: use one of {', '.join(PROPERTIES)}") from None
-
-
-def check_case(
-    pid: str,
-    backend: Backend | str,
-    case: Case,
-    dtype: torch.dtype,
-    device: str = "cpu",
-    *,
-    api: str | None = None,
-    isolate: bool = True,
-    timeout: float = 60.0,
-) -> str:
-    """Check one case of property ``pid``: ``"pass"``, ``"skip: why"`` or ``"FAIL: why"``.
-
-    What reproducers call. ``backend``: a `Backend`, or a spec that only the worker
-    resolves (``api``: its family). ``isolate``: the backend runs in a supervised worker
-    behind the trust boundary, so that a crash is a failure rather than the end of the
-    reproducer; ``False`` runs it in this process, trusting it.
-    """
-    from attnref.conformance.options import load_backend
-    from attnref.conformance.worker import InProcess, Supervised
-
-    executor: Supervised | InProcess
-    if isolate:
-        executor = Supervised(backend, api)
-    else:
-        executor = InProcess(load_backend(backend, api) if isinstance(backend, str) else backend)
-    backend = executor.backend
-    try:
-        get_property(pid).check(Context(backend, dtype, device, timeout, executor), case)
-    except Skip as s:
-        return f"skip: {s}"
-    except Failure as f:
-        return f"FAIL: {f}"
-    finally:
-        executor.close()
-    return "pass"
-
-
-def property_seed(seed: int, pid: str, dtype: torch.dtype) -> int:
-    """The Hypothesis seed of one (property, dtype) run of an audit seeded ``seed``."""
-    return zlib.crc32(f"{seed}:{pid}:{dtype}".encode())

@@ -6,7 +6,7 @@ JSON schema (``schema_version`` 5; 3 added ``api``, 4 ``trusted``, 5 ``checked``
     {
       "schema_version": 5,
       "attnref_version": str, "torch_version": str,
-      "backend": str, "api": "sdpa" | "flash", "device": str, "dtypes": [str],
+      "backend": str, "api": an API family ("sdpa", "flash", ...), "device": str, "dtypes": [str],
       "profile": "quick" | "ci" | "thorough", "seed": int,
       "capabilities": {field of Capabilities: value},
       "started": ISO-8601 str, "seconds": float, "stopped_early": bool,
@@ -48,8 +48,8 @@ from typing import Any, Literal
 
 import torch
 
-from attnref.conformance.backends import Capabilities
 from attnref.conformance.cases import Case
+from attnref.conformance.declarations import DEFAULT_API, Capabilities
 from attnref.devices import dtype_name
 
 __all__ = ["SCHEMA_VERSION", "AuditReport", "Finding", "PropertyResult", "Status", "reproducer"]
@@ -125,7 +125,7 @@ def reproducer(
     dtype: torch.dtype,
     device: str,
     message: str,
-    api: str = "sdpa",
+    api: str = DEFAULT_API,
 ) -> str:
     """A runnable Python snippet that rebuilds the failing case and checks it again.
 
@@ -134,7 +134,7 @@ def reproducer(
     it no longer does: ``git bisect run python REPRODUCER`` can use it.
     """
     dt = dtype_name(dtype)
-    api_arg = "" if api == "sdpa" else f", api={api!r}"
+    api_arg = "" if api == DEFAULT_API else f", api={api!r}"
     return (
         f"# attnref: property {pid!r} failed for backend {backend!r} ({dt}, {device})\n"
         f"# {message}\n"
@@ -166,7 +166,7 @@ class AuditReport:
     results: list[PropertyResult] = field(default_factory=list)
     seconds: float = 0.0
     stopped_early: bool = False
-    api: str = "sdpa"  # the backend's calling convention (attnref.conformance.families)
+    api: str = DEFAULT_API  # the backend's calling convention (an installed API family)
     #: why the audit did not finish ("" when it did): a deadline, an interrupt
     incomplete: str = ""
     #: the backend ran in the judge's own process (``--in-process``): the verdict trusts it
@@ -182,7 +182,7 @@ class AuditReport:
         profile: str,
         seed: int,
         capabilities: Capabilities,
-        api: str = "sdpa",
+        api: str = DEFAULT_API,
     ) -> "AuditReport":
         now = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
         return cls(

@@ -10,6 +10,7 @@ into a verdict.
 
 import os
 import time
+import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -19,25 +20,18 @@ from hypothesis import seed as hypothesis_seed
 from tqdm import tqdm
 
 from attnref._checking import checking_enabled, set_checking
-from attnref.conformance.backends import Backend
 from attnref.conformance.calls import TIMED_OUT, availability
 from attnref.conformance.cases import Case
-from attnref.conformance.options import load_backend
+from attnref.conformance.declarations import Backend
 from attnref.conformance.profiles import Profile, get_profile
-from attnref.conformance.properties import (
-    PROPERTIES,
-    Context,
-    Property,
-    get_property,
-    property_seed,
-)
+from attnref.conformance.properties import PROPERTIES, Context, Property, get_property
 from attnref.conformance.report import AuditReport, Finding, PropertyResult, Status, reproducer
 from attnref.conformance.strategies import inside, narrowed
 from attnref.conformance.verdicts import Failure, Skip, cause_of
-from attnref.conformance.worker import Executor, InProcess, Supervised
+from attnref.conformance.worker import Executor, InProcess, Supervised, loader
 from attnref.devices import best_device, dtype_name
 
-__all__ = ["audit", "run_property"]
+__all__ = ["audit", "check_case", "property_seed", "run_property"]
 
 
 class _Found(Exception):  # noqa: N818 (a signal to Hypothesis)
@@ -242,9 +236,7 @@ def audit(
         if isolate:
             executor = Supervised(backend, api, threads=threads, memory_limit=limit)
         else:
-            executor = InProcess(
-                load_backend(backend, api) if isinstance(backend, str) else backend
-            )
+            executor = InProcess(loader()(backend, api) if isinstance(backend, str) else backend)
     if isinstance(backend, str):
         declared = getattr(executor, "backend", None)
         if not isinstance(declared, Backend):
@@ -327,3 +319,47 @@ def audit(
         torch.set_num_threads(threads_before)
         report.finish()
     return report
+
+
+def check_case(
+    pid: str,
+    backend: Backend | str,
+    case: Case,
+    dtype: torch.dtype,
+    device: str = "cpu",
+    *,
+    api: str | None = None,
+    isolate: bool = True,
+    timeout: float = 60.0,
+) -> str:
+    """Check one case of property ``pid``: ``"pass"``, ``"skip: why"`` or ``"FAIL: why"``.
+
+    What reproducers call. ``backend``: a `Backend`, or a spec that only the worker
+    resolves (``api``: its family). ``isolate``: the backend runs in a supervised worker
+    behind the trust boundary, so that a crash is a failure rather than the end of the
+    reproducer; ``False`` runs it in this process, trusting it.
+    """
+    executor: Supervised | InProcess
+    if isolate:
+        executor = Supervised(backend, api)
+    else:
+        executor = InProcess(loader()(backend, api) if isinstance(backend, str) else backend)
+    backend = executor.backend
+    prop = get_property(pid)
+    if not prop.applies_to(backend.api):
+        executor.close()
+        return f"skip: a property of the {' and '.join(prop.families)} family"
+    try:
+        prop.check(Context(backend, dtype, device, timeout, executor), case)
+    except Skip as s:
+        return f"skip: {s}"
+    except Failure as f:
+        return f"FAIL: {f}"
+    finally:
+        executor.close()
+    return "pass"
+
+
+def property_seed(seed: int, pid: str, dtype: torch.dtype) -> int:
+    """The Hypothesis seed of one (property, dtype) run of an audit seeded ``seed``."""
+    return zlib.crc32(f"{seed}:{pid}:{dtype}".encode())

@@ -12,8 +12,8 @@ from typing import Any, TypeVar, get_args
 
 from hypothesis import strategies as st
 
-from attnref.conformance.backends import Capabilities
 from attnref.conformance.cases import Case, Layout, MaskKind
+from attnref.conformance.declarations import Capabilities
 from attnref.conformance.profiles import Profile
 
 __all__ = [

@@ -45,7 +45,7 @@ from jaxtyping import Shaped
 from torch import Tensor
 
 from attnref._checking import checked_internal, checking_enabled, set_checking
-from attnref.conformance.backends import Backend, BackendError, declaration, from_declaration
+from attnref.conformance.declarations import Backend, BackendError, declaration, from_declaration
 from attnref.conformance.wire import Rejected, decode, encode
 
 __all__ = [
@@ -376,15 +376,40 @@ def handle(backend: Backend, message: dict[str, Any]) -> bytes:
         return encode(error_reply("internal", e))
 
 
+#: how a worker resolves a backend's spec: ``(spec, api) -> Backend``
+Loader = Callable[[str, str | None], Backend]
+_LOADER: list[Loader] = []
+
+
+def set_loader(load: Loader) -> None:
+    """Make ``load`` what workers resolve their backend with (the layer above the
+    registry, `attnref.conformance.backends.load_backend`, sets it when imported). It
+    reaches the worker as a reference to a module-level function, which the worker
+    imports: the engine never imports the families."""
+    _LOADER[:] = [load]
+
+
+def loader() -> Loader:
+    """The loader `set_loader` set; `BackendError` if none was."""
+    if not _LOADER:
+        raise BackendError(
+            "no backend loader is set: import attnref.conformance.backends (it installs the "
+            "API families) before starting a worker"
+        )
+    return _LOADER[0]
+
+
 def _serve(
     conn: multiprocessing.connection.Connection,
     spec: str,
     api: str | None,
     threads: int,
     memory_limit: int | None,
-    checking: bool = True,
+    checking: bool,
+    load: "Loader",
 ) -> None:
-    """The worker's loop: say what the backend declares, then answer job after job."""
+    """The worker's loop: resolve the backend with ``load``, say what it declares, then
+    answer job after job."""
     with contextlib.suppress(OSError):
         os.setpgid(0, 0)  # its own process group, so that the judge can end what it starts
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the audit's to handle
@@ -395,10 +420,8 @@ def _serve(
         import resource
 
         resource.setrlimit(resource.RLIMIT_AS, (memory_limit, memory_limit))
-    from attnref.conformance.options import load_backend
-
     try:
-        backend = load_backend(spec, api)
+        backend = load(spec, api)
         conn.send_bytes(encode({"status": "ok", "value": declaration(backend)}))
     except BaseException as e:
         conn.send_bytes(encode(error_reply("raised", e)))
@@ -547,7 +570,7 @@ def _context() -> Any:
     the judge); spawn where there is none."""
     if "forkserver" in multiprocessing.get_all_start_methods():
         ctx = multiprocessing.get_context("forkserver")
-        ctx.set_forkserver_preload(["attnref.conformance.worker"])
+        ctx.set_forkserver_preload(["attnref.conformance.backends"])
         return ctx
     return multiprocessing.get_context("spawn")
 
@@ -635,6 +658,7 @@ class Supervised:
                 self.threads,
                 self.memory_limit,
                 checking_enabled(),
+                loader(),
             ),
             daemon=True,
         )

@@ -1,0 +1,481 @@
+"""Declarations: what a backend claims, as data, at the bottom of the conformance package.
+
+`Capabilities` (with `EmptyRows`) is what a backend declares it supports; `Backend` is a
+named callable of one API family with its declaration; `BackendError` is every failure
+to resolve one. Nothing here knows a family: each family registers its preset
+(`PRESETS`, `register_preset`) when the registry (`attnref.conformance.families`) installs
+it, and a declaration names the family whose preset it starts from
+(`Capabilities.family`). A plain function with no declaration is taken to claim its
+family's preset; one that starts from another family's is an error, never read silently
+as that family's.
+
+`declaration` and `from_declaration` are the declaration as plain data: what a worker
+sends the judge, checked field by field.
+"""
+
+import contextlib
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields, replace
+from typing import Any, Literal, get_args
+
+import torch
+
+from attnref.masks import Alignment
+
+__all__ = [
+    "DEFAULT_API",
+    "PRESETS",
+    "VARIANTS",
+    "Backend",
+    "BackendError",
+    "Capabilities",
+    "EmptyLse",
+    "EmptyRows",
+    "declaration",
+    "family_mismatch",
+    "from_declaration",
+    "register_preset",
+]
+
+#: the family a backend is of when none is named (torch SDPA's convention)
+DEFAULT_API = "sdpa"
+
+#: a backend's function: it returns a tensor, or a tuple when asked for the LSE
+SDPA = Callable[..., Any]
+#: the output for a query with no visible key: zeros, NaN, the mean of V ("uniform": a
+#: finite fill that *replaces* the hidden scores, as ``masked_fill(~mask, finfo.min)``),
+#: or "unmasked": attention over the keys the mask hid, as if it hid none (a finite fill
+#: *added* to the scores, as diffusers' ``-10000``: every score of the row moves alike)
+EmptyRow = Literal["zero", "nan", "uniform", "unmasked"]
+#: "contained": NaN/inf in K/V at keys no query sees never reaches the output;
+#: "propagates": it may (0 * NaN = NaN in a materialised P @ V, as torch's CPU kernels)
+MaskedNaN = Literal["contained", "propagates"]
+#: the log-sum-exp of a query with no visible key: the mathematical ``-inf``, or
+#: FlashAttention 2's ``+inf`` (outside split-KV)
+EmptyLse = Literal["-inf", "+inf"]
+#: the variants a backend may declare (docs/variants.md), each a flag of `Capabilities`
+VARIANTS = ("window", "softcap", "alibi", "sinks")
+
+
+#: what hid every key from a query, as the backend was called: a boolean mask, ``-inf``
+#: in a float mask, or the causal diagonal the backend applied itself (``is_causal``)
+Cause = Literal["bool_mask", "float_mask", "causal"]
+
+
+@dataclass(frozen=True)
+class EmptyRows:
+    """The output for a query with no visible key, by what hid the keys from it.
+
+    Real kernels differ by cause: one returns zeros under a boolean mask, NaN under a
+    ``-inf`` float mask (a softmax of ``-inf``) and the mean of V when only its own
+    causal diagonal empties the row (a finite fill value). ``causal`` applies only when
+    the backend computes the alignment itself; an alignment it does not declare reaches
+    it as a boolean mask. A row that a mask alone empties is the mask's; one that the
+    diagonal empties, alone or together with a mask, is ``causal``. ``causal_masked``
+    (default: ``causal``'s) is the policy of such a row in a call that was also passed a
+    mask: for a backend whose answer depends on whether a mask was passed (one that
+    folds its diagonal into the mask it is given, with a finite fill).
+    """
+
+    bool_mask: EmptyRow = "zero"
+    float_mask: EmptyRow = "zero"
+    causal: EmptyRow = "zero"
+    causal_masked: EmptyRow | None = None
+
+    def __post_init__(self) -> None:
+        for name in (*get_args(Cause), "causal_masked"):
+            value = getattr(self, name)
+            if value not in get_args(EmptyRow) and not (name == "causal_masked" and value is None):
+                raise ValueError(
+                    f"EmptyRows.{name} must be one of {', '.join(get_args(EmptyRow))}, "
+                    f"got {value!r}"
+                )
+
+    def of(self, cause: Cause, masked: bool = False) -> EmptyRow:
+        """The policy of a row that ``cause`` empties (``masked``: in a call that was
+        also passed a mask)."""
+        if cause == "causal" and masked and self.causal_masked is not None:
+            return self.causal_masked
+        policy: EmptyRow = getattr(self, cause)
+        return policy
+
+    def policies(self) -> set[EmptyRow]:
+        return {self.of(c, m) for c in get_args(Cause) for m in (False, True)}
+
+
+class BackendError(Exception):
+    """A backend could not be resolved or does not have SDPA's signature."""
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a backend declares it supports. The audit draws its cases inside the
+    declaration; a call a check derives that falls outside it is skipped and counted,
+    and a property no declared call can meet is skipped with the reason.
+
+    The defaults are the ``sdpa`` family's (`SDPA_DEFAULTS`); a backend of another
+    family starts from that family's preset (`PRESETS`, `Capabilities.preset`), and
+    ``family`` says which: a declaration whose ``family`` is not the backend's is an
+    error (`BackendError`), not read as the other family's.
+    """
+
+    #: the API family whose preset this declaration starts from
+    family: str = DEFAULT_API
+    dtypes: tuple[torch.dtype, ...] = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
+    devices: tuple[str, ...] = ("cpu", "cuda")
+    bool_mask: bool = True
+    float_mask: bool = True
+    gqa: bool = True
+    # alignments the backend computes itself through a `causal_alignment` keyword; any
+    # other alignment reaches it as an explicit boolean mask
+    causal_alignments: tuple[Alignment, ...] = ("top_left",)
+    causal_with_mask: bool = False  # may `is_causal=True` be combined with `attn_mask`?
+    # output for a query with no visible key: one policy, or one per cause (`EmptyRows`)
+    empty_row: EmptyRow | EmptyRows = "zero"
+    masked_nan: MaskedNaN = "propagates"  # may NaN/inf at hidden keys reach the output?
+    gradients: bool = True  # backward through the output gives dQ, dK, dV
+    dropout: bool = True  # takes dropout_p (only dropout_p = 0 is audited)
+    zero_head_dim: bool = True  # Dqk = 0 (scores all zero: the mean of V)
+    max_head_dim: int | None = None  # the largest Dqk (and Dv) taken; None: any
+    distinct_value_dim: bool = True  # may Dv differ from Dqk?
+    # substrings of an error message that mean "refused this input" (a skip, not a failure)
+    refuses: tuple[str, ...] = ()
+    # the variants of docs/variants.md, each as the API family spells it
+    window: bool = False  # a sliding window (left, right)
+    softcap: bool = False  # softcap * tanh(score / softcap)
+    alibi: bool = False  # ALiBi slopes, (h,) or (B, h)
+    sinks: bool = False  # one sink logit per query head
+    lse: bool = False  # returns the log-sum-exp on request
+    empty_lse: EmptyLse = "-inf"  # the log-sum-exp of a query with no visible key
+    combined_variants: bool = True  # may several variants be on in one call?
+    # the decode calls of the flash-kvcache family (docs/kvcache.md)
+    rotary: bool = False  # rotary_cos / rotary_sin for the new tokens, both layouts
+    paged: bool = False  # a paged cache through block_table
+    page_multiple: int = 1  # page sizes must be multiples of this (FlashAttention 2: 256)
+    # narrow libraries: what they take of the whole space
+    #: only self-attention: queries and keys of one length (Tq = Tk); cases are drawn so,
+    #: and a property that needs Tq != Tk (decode, merge) is skipped
+    self_attention_only: bool = False
+    #: only causal calls (its causal alignments, `causal_alignments`); cases are drawn
+    #: causal, and a property that needs a non-causal call is skipped
+    causal_only: bool = False
+    #: takes an explicit ``scale``; False: only the default 1/sqrt(Dqk) (scale=None)
+    explicit_scale: bool = True
+    #: every call carries a sliding window (a library of windowed attention only, such
+    #: as NATTEN's): cases are drawn with one (``window`` must be declared)
+    window_required: bool = False
+    #: the only head dims taken (Dqk and Dv), e.g. powers of two; () : any up to
+    #: ``max_head_dim``. Cases draw among them
+    head_dims: tuple[int, ...] = ()
+    #: one sink logit shared by every head (cases draw one value for all heads)
+    sink_shared: bool = False
+    #: the sink logits taken (() : any); cases draw among them, ``-inf`` is no sink
+    sink_values: tuple[float, ...] = ()
+    #: a gradient with respect to the sinks (False: the sink is a constant)
+    sink_gradients: bool = True
+    #: the empty-row policy of some dtypes, where it differs from ``empty_row`` (a dict
+    #: ``{"float64": "nan"}`` is taken, kept as pairs)
+    empty_row_by_dtype: (
+        tuple[tuple[str, EmptyRow | EmptyRows], ...] | dict[str, EmptyRow | EmptyRows]
+    ) = ()
+
+    def __post_init__(self) -> None:
+        by_dtype: object = self.empty_row_by_dtype
+        if isinstance(by_dtype, dict):
+            object.__setattr__(self, "empty_row_by_dtype", tuple(by_dtype.items()))
+        _check_by_dtype(self.empty_row_by_dtype)
+        if type(self.family) is not str or not self.family:
+            raise ValueError(
+                f"Capabilities.family must name an API family (a string), got {self.family!r}"
+            )
+        values = tuple(float(v) for v in self.sink_values)
+        if any(math.isnan(v) for v in values):
+            raise ValueError(
+                f"Capabilities.sink_values must not hold NaN, got {self.sink_values!r}"
+            )
+        object.__setattr__(self, "sink_values", values)
+        if any(type(d) is not int or d < 0 for d in self.head_dims):
+            raise ValueError(f"Capabilities.head_dims must be ints >= 0, got {self.head_dims!r}")
+        if self.window_required and not self.window:
+            raise ValueError("Capabilities.window_required needs window=True")
+        if self.causal_only and not self.causal_alignments:
+            raise ValueError(
+                "Capabilities.causal_only needs the alignment the backend computes in "
+                "causal_alignments (top_left or bottom_right)"
+            )
+        for name, kind, other in (
+            ("empty_row", EmptyRow, " or an EmptyRows (one per cause)"),
+            ("masked_nan", MaskedNaN, ""),
+            ("empty_lse", EmptyLse, ""),
+        ):
+            value = getattr(self, name)
+            if value not in get_args(kind) and not (other and isinstance(value, EmptyRows)):
+                raise ValueError(
+                    f"Capabilities.{name} must be one of {', '.join(get_args(kind))}{other}, "
+                    f"got {value!r}"
+                )
+        for alignment in self.causal_alignments:
+            if alignment not in get_args(Alignment):
+                raise ValueError(
+                    f"Capabilities.causal_alignments: unknown alignment {alignment!r} "
+                    "(use top_left, bottom_right)"
+                )
+        if self.page_multiple < 1:
+            raise ValueError(f"Capabilities.page_multiple must be >= 1, got {self.page_multiple!r}")
+        if self.max_head_dim is not None and self.max_head_dim < 1:
+            raise ValueError(
+                f"Capabilities.max_head_dim must be >= 1 or None, got {self.max_head_dim!r}"
+            )
+
+    def variants(self) -> tuple[str, ...]:
+        """The variants declared (`VARIANTS`)."""
+        return tuple(v for v in VARIANTS if getattr(self, v))
+
+    @property
+    def empty_rows(self) -> EmptyRows:
+        """The empty-row policy of every cause (one policy declared: the same for all)."""
+        if isinstance(self.empty_row, EmptyRows):
+            return self.empty_row
+        return EmptyRows(self.empty_row, self.empty_row, self.empty_row)
+
+    def for_dtype(self, dtype: torch.dtype) -> "Capabilities":
+        """The declaration as it holds in ``dtype``: its `empty_row_by_dtype` entry, if
+        any, as ``empty_row`` (what the checks of one dtype read)."""
+        name = str(dtype).removeprefix("torch.")
+        pairs = self.empty_row_by_dtype
+        for key, policy in pairs.items() if isinstance(pairs, dict) else pairs:
+            if key == name:
+                return replace(self, empty_row=policy, empty_row_by_dtype=())
+        return self
+
+    @classmethod
+    def preset(cls, family: str, **changes: Any) -> "Capabilities":
+        """Family ``family``'s preset (`PRESETS`) with ``changes``: how a backend of a
+        family other than ``sdpa`` declares, e.g. ``Capabilities.preset("flash",
+        window=False)``."""
+        if family not in PRESETS:
+            known = ", ".join(PRESETS) or "none is installed: import attnref.conformance.backends"
+            raise ValueError(f"unknown API family {family!r}: use one of {known}")
+        return replace(PRESETS[family], **changes)
+
+    def narrow(self) -> bool:
+        """Whether it declares any of the narrow-library limits (the cases then draw
+        inside them; a declaration without one draws as it always has)."""
+        return (
+            self.self_attention_only
+            or self.causal_only
+            or not self.explicit_scale
+            or self.window_required
+            or bool(self.head_dims)
+            or self.sink_shared
+            or bool(self.sink_values)
+        )
+
+
+def _check_by_dtype(pairs: object) -> None:
+    from attnref.devices import DTYPES
+
+    if type(pairs) is not tuple:
+        raise ValueError(f"Capabilities.empty_row_by_dtype must be a dict or pairs, got {pairs!r}")
+    for pair in pairs:
+        if type(pair) is not tuple or len(pair) != 2 or pair[0] not in DTYPES:
+            raise ValueError(
+                f"Capabilities.empty_row_by_dtype: {pair!r} is not (dtype name, policy); "
+                f"dtype names: {', '.join(DTYPES)}"
+            )
+        if pair[1] not in get_args(EmptyRow) and not isinstance(pair[1], EmptyRows):
+            raise ValueError(
+                f"Capabilities.empty_row_by_dtype[{pair[0]!r}] must be one of "
+                f"{', '.join(get_args(EmptyRow))} or an EmptyRows, got {pair[1]!r}"
+            )
+
+
+#: each installed API family's preset: what an undeclared function of it claims, and
+#: where a declaration of one starts (`Capabilities.preset`); filled by the registry
+PRESETS: dict[str, Capabilities] = {}
+
+
+def register_preset(name: str, preset: Capabilities) -> None:
+    """Make ``preset`` family ``name``'s (what installing a family does)."""
+    if preset.family != name:
+        raise ValueError(f"the preset of family {name!r} names family {preset.family!r}")
+    PRESETS[name] = preset
+
+
+@dataclass(frozen=True)
+class Backend:
+    """A named attention implementation under audit."""
+
+    name: str
+    fn: SDPA
+    description: str
+    capabilities: Capabilities = field(default_factory=Capabilities)
+    # entered around every call (e.g. forcing one torch SDPBackend)
+    context: Callable[[], contextlib.AbstractContextManager[None]] = contextlib.nullcontext
+    # try a small call first: a backend that cannot run at all here is skipped, not failed
+    probe: bool = False
+    #: the calling convention (an API family: `attnref.conformance.family.get_family`)
+    api: str = DEFAULT_API
+    #: a module the backend needs; without it the backend is skipped with the reason
+    needs: str | None = None
+    #: how a worker resolves it (`resolve_backend`'s spec; "": its name)
+    spec: str = ""
+
+    def __post_init__(self) -> None:
+        family = self.capabilities.family
+        if family != self.api:
+            raise BackendError(family_mismatch(self.name, family, self.api))
+
+    def available(self, device: str) -> str | None:
+        """``None`` if the backend can run on ``device``, else why not: what its
+        declaration says. Whether its package is there and a probe call runs is asked of
+        the worker (`attnref.conformance.calls.availability`)."""
+        if device not in self.capabilities.devices:
+            return f"{self.name} does not run on {device}"
+        if device == "cuda" and not torch.cuda.is_available():
+            return "no CUDA device is present"
+        return None
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        with self.context():
+            return self.fn(*args, **kwargs)
+
+
+def family_mismatch(name: str, declared: str, api: str) -> str:
+    """Why a declaration that starts from family ``declared``'s preset cannot be read as
+    one of family ``api``."""
+    return (
+        f"{name} declares Capabilities that start from the {declared!r} family's defaults, "
+        f"but it is audited in the {api!r} family, whose defaults differ (masks, causal "
+        f"alignment, dtypes, the LSE): start the declaration from that family's preset, "
+        f"Capabilities.preset({api!r}, ...) or dataclasses.replace(PRESETS[{api!r}], ...)"
+    )
+
+
+def _runs_in_its_worker(*args: Any, **kwargs: Any) -> Any:
+    raise RuntimeError("this backend was declared by its worker: its code runs only there")
+
+
+def declaration(backend: Backend) -> dict[str, Any]:
+    """What ``backend`` declares, as plain data (what a worker sends the judge)."""
+    caps: dict[str, Any] = {}
+    for f in fields(Capabilities):
+        value = getattr(backend.capabilities, f.name)
+        if f.name == "dtypes":
+            value = [str(d).removeprefix("torch.") for d in value]
+        elif isinstance(value, EmptyRows):
+            value = _rows_data(value)
+        elif f.name == "empty_row_by_dtype":
+            value = [[d, _rows_data(p) if isinstance(p, EmptyRows) else p] for d, p in value]
+        elif f.name == "sink_values":
+            value = [repr(v) for v in value]  # -inf and inf as text: JSON has no infinity
+        elif isinstance(value, tuple):
+            value = list(value)
+        caps[f.name] = value
+    return {
+        "name": backend.name,
+        "description": backend.description,
+        "api": backend.api,
+        "probe": backend.probe,
+        "needs": backend.needs,
+        "spec": backend.spec or backend.name,
+        "capabilities": caps,
+    }
+
+
+def _rows_data(rows: EmptyRows) -> dict[str, Any]:
+    return {f.name: getattr(rows, f.name) for f in fields(EmptyRows)}
+
+
+def _rows_from(value: object, where: str) -> EmptyRow | EmptyRows:
+    if type(value) is dict:
+        names = {f.name for f in fields(EmptyRows)}
+        if set(value) != names:
+            raise ValueError(f"{where} must name the fields {sorted(names)}")
+        if not all(v is None or type(v) is str for v in value.values()):
+            raise ValueError(f"{where}: each policy must be a string")
+        return EmptyRows(**value)
+    if type(value) is not str or value not in get_args(EmptyRow):
+        raise ValueError(f"{where} must be one of {', '.join(get_args(EmptyRow))}")
+    return value  # type: ignore[return-value]
+
+
+def _strings(value: object, what: str) -> tuple[str, ...]:
+    if type(value) is not list or not all(type(x) is str for x in value):
+        raise ValueError(f"{what} must be a list of strings, got {str(value)[:100]}")
+    return tuple(value)
+
+
+def from_declaration(data: object) -> Backend:
+    """The `Backend` a worker declared, checked field by field; its code stays there.
+
+    Raises:
+        ValueError: a field is missing, unknown, or of the wrong type or value.
+    """
+    if type(data) is not dict:
+        raise ValueError(f"a declaration must be a dict, got {type(data).__name__}")
+    expected = {"name", "description", "api", "probe", "needs", "spec", "capabilities"}
+    if set(data) != expected:
+        raise ValueError(f"a declaration has the fields {sorted(expected)}, got {sorted(data)}")
+    for key in ("name", "description", "api", "spec"):
+        if type(data[key]) is not str:
+            raise ValueError(f"the declaration's {key} must be a string")
+    if type(data["probe"]) is not bool or not (data["needs"] is None or type(data["needs"]) is str):
+        raise ValueError("the declaration's probe must be a bool and needs a string or None")
+    raw = data["capabilities"]
+    defaults = Capabilities()
+    names = {f.name for f in fields(Capabilities)}
+    if type(raw) is not dict or set(raw) != names:
+        raise ValueError(f"capabilities must have the fields of Capabilities, got {str(raw)[:200]}")
+    caps: dict[str, Any] = {}
+    for name, value in raw.items():
+        default = getattr(defaults, name)
+        where = f"capabilities.{name}"
+        if name == "dtypes":
+            from attnref.devices import DTYPES
+
+            names_given = _strings(value, where)
+            unknown = [d for d in names_given if d not in DTYPES]
+            if unknown:
+                raise ValueError(f"{where}: unknown dtype {unknown[0]!r}")
+            caps[name] = tuple(DTYPES[d] for d in names_given)
+        elif name == "empty_row":
+            caps[name] = _rows_from(value, where)
+        elif name == "empty_row_by_dtype":
+            if type(value) is not list or not all(
+                type(x) is list and len(x) == 2 and type(x[0]) is str for x in value
+            ):
+                raise ValueError(f"{where} must be a list of [dtype, policy] pairs")
+            caps[name] = tuple((d, _rows_from(p, f"{where}[{d!r}]")) for d, p in value)
+        elif name == "head_dims":
+            if type(value) is not list or not all(type(x) is int for x in value):
+                raise ValueError(f"{where} must be a list of ints")
+            caps[name] = tuple(value)
+        elif name == "sink_values":
+            try:
+                caps[name] = tuple(float(x) for x in _strings(value, where))
+            except ValueError:
+                raise ValueError(f"{where} must be numbers, got {str(value)[:100]}") from None
+        elif isinstance(default, tuple):
+            caps[name] = _strings(value, where)
+        elif name == "max_head_dim":
+            if not (value is None or type(value) is int):
+                raise ValueError(f"{where} must be an int or None")
+            caps[name] = value
+        elif type(default) is not type(value):
+            raise ValueError(f"{where} must be a {type(default).__name__}, got {str(value)[:50]}")
+        else:
+            caps[name] = value
+    if caps["family"] != data["api"]:
+        raise ValueError(family_mismatch(data["name"], caps["family"], data["api"]))
+    return Backend(
+        data["name"],
+        _runs_in_its_worker,
+        data["description"][:500],
+        Capabilities(**caps),
+        api=data["api"],
+        probe=data["probe"],
+        needs=data["needs"],
+        spec=data["spec"],
+    )

@@ -1,0 +1,827 @@
+"""The ``flash-kvcache`` family: FlashAttention 2's ``flash_attn_with_kvcache``, decoding
+against a contiguous or paged KV cache, an in-place append, rotary for the new tokens,
+split-KV (docs/kvcache.md).
+
+Everything of the family is here: the convention (`cache_arguments`, `read_cache`; a
+dense case runs as a decode call on a cache holding its keys), `kvcache_form` (a
+flash-convention function driven row by row on the gathered cache, with the switches of
+the class 27-29 mutants), the preset (`FLASH_ATTN_2_KVCACHE`), the built-in backends,
+the properties only a cache can have and the mutants. The cache rules themselves
+(slots, valid keys, rotation positions) are `attnref.kvcache`'s, used by the reference,
+by `kvcache_form` and by the cases (`attnref.conformance.serving`) alike.
+"""
+
+import itertools
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+import torch
+from hypothesis import strategies as st
+from jaxtyping import Float, Int
+from torch import Tensor
+
+from attnref._checking import checked_internal
+from attnref.conformance.calls import invoke
+from attnref.conformance.cases import Case, Inputs
+from attnref.conformance.checks import Context, law, rng
+from attnref.conformance.declarations import Backend, Capabilities
+from attnref.conformance.families.flash import (
+    FLASH_ATTN_2,
+    declared,
+    dense_read,
+    empty_part,
+    flash_back,
+    flash_caps,
+    flash_checks,
+    flash_flex,
+    flash_form,
+    flash_kwargs,
+    flash_layout,
+    flash_naive,
+    flash_native_causal,
+)
+from attnref.conformance.families.sdpa import (
+    FLEX_CAPS,
+    NAIVE_CAPS,
+    REFERENCE_CAPS,
+    SDPA_BIAS_CAPS,
+    sdpa_with_bias,
+)
+from attnref.conformance.family import ApiFamily, Arguments, pair
+from attnref.conformance.mutants import Mutant
+from attnref.conformance.profiles import Profile
+from attnref.conformance.properties import Property, some_variants
+from attnref.conformance.serving import GARBAGE, CacheCall, build_cache, dense_cache
+from attnref.conformance.serving_checks import agree, expect_rotated, guard, judge
+from attnref.conformance.strategies import cache_strategy
+from attnref.conformance.verdicts import Failure, Skip
+from attnref.conformance.worker import Job
+from attnref.kvcache import kvcache_attention
+from attnref.rotary import halves_from_interleaved
+
+__all__ = [
+    "FAMILY",
+    "FLASH_ATTN_2_KVCACHE",
+    "cache_arguments",
+    "kvcache_flex",
+    "kvcache_form",
+    "kvcache_naive",
+    "kvcache_reference",
+    "kvcache_sdpa",
+    "read_cache",
+]
+
+NAME = "flash-kvcache"
+#: the ``flash-kvcache`` family's preset: flash_attn_with_kvcache has no backward, and
+#: takes rotary and a paged cache (pages of a multiple of 256 tokens)
+FLASH_ATTN_2_KVCACHE = replace(
+    FLASH_ATTN_2,
+    family=NAME,
+    gradients=False,
+    rotary=True,
+    paged=True,
+    page_multiple=256,
+)
+
+
+# ----------------------------------------------------------------- the convention
+
+
+def cache_arguments(
+    caps: Capabilities, call: CacheCall, lse: bool, overrides: dict[str, Any] | None = None
+) -> Arguments:
+    """``flash_attn_with_kvcache``'s call for ``call``: keywords left at FlashAttention's
+    defaults are not passed."""
+    for row in call.rows:
+        flash_checks(row)
+    if call.first.sinks is not None:
+        raise Skip("sinks: the flash-kvcache convention takes none")
+    if call.rotary_cos is not None and not caps.rotary:
+        raise Skip("rotary not declared")
+    if call.block_table is not None:
+        if not caps.paged:
+            raise Skip("a paged cache not declared")
+        page = call.k_cache.shape[1]
+        if page % caps.page_multiple:
+            raise Skip(
+                f"page size {page}: the declared sizes are multiples of {caps.page_multiple}"
+            )
+    kwargs: dict[str, Any] = {"cache_seqlens": call.cache_seqlens}
+    if call.k_new is not None:
+        kwargs["k"], kwargs["v"] = call.k_new, call.v_new
+    if call.rotary_cos is not None:
+        kwargs["rotary_cos"], kwargs["rotary_sin"] = call.rotary_cos, call.rotary_sin
+        kwargs["rotary_interleaved"] = call.interleaved
+    if call.cache_batch_idx is not None:
+        kwargs["cache_batch_idx"] = call.cache_batch_idx
+    if call.block_table is not None:
+        kwargs["block_table"] = call.block_table
+    kwargs.update(flash_kwargs(caps, call.first, call.alibi_slopes))
+    if call.num_splits:
+        kwargs["num_splits"] = call.num_splits
+    if lse:
+        kwargs["return_softmax_lse"] = True
+    kwargs.update(overrides or {})
+    return (call.q, call.k_cache, call.v_cache), kwargs
+
+
+def read_cache(out: object, call: CacheCall, lse: bool) -> tuple[list[object], list[object] | None]:
+    """The output (and LSE) of each batch row of ``call``, as ``(h, Tq, Dv)`` and
+    ``(h, Tq)``."""
+    first, lse_out = pair(out, "return_softmax_lse=True") if lse else (out, None)
+    B, Tq, h = call.q.shape[:3]
+    Dv = call.v_cache.shape[-1]
+    outs: list[object] = [first] * B
+    if isinstance(first, Tensor):
+        if tuple(first.shape) != (B, Tq, h, Dv):
+            raise Failure(
+                f"returned shape {tuple(first.shape)}, expected {(B, Tq, h, Dv)} (B, Tq, h, Dv)"
+            )
+        outs = list(first.transpose(1, 2).unbind(0))
+    if not lse:
+        return outs, None
+    lses: list[object] = [lse_out] * B
+    if isinstance(lse_out, Tensor):
+        if tuple(lse_out.shape) != (B, h, Tq):
+            raise Failure(
+                f"returned a log-sum-exp of shape {tuple(lse_out.shape)}, expected "
+                f"{(B, h, Tq)} (B, h, Tq)"
+            )
+        lses = list(lse_out.unbind(0))
+    return outs, lses
+
+
+def _kvcache_build(
+    caps: Capabilities, inputs: Inputs, lse: bool, overrides: dict[str, Any]
+) -> Arguments:
+    """A dense case as a decode call: its keys in a contiguous cache, nothing appended."""
+    flash_checks(inputs)
+    return cache_arguments(caps, dense_cache(inputs), lse, overrides)
+
+
+def _kvcache_read(out: object, inputs: Inputs, lse: bool) -> tuple[object, object | None]:
+    return dense_read(out, inputs, lse, read_cache(out, dense_cache(inputs), lse))
+
+
+# ---------------------------------------------- the adapter from a flash callable
+
+
+def kvcache_form(
+    flash: Callable[..., Any], name: str, *, bugs: frozenset[str] = frozenset()
+) -> Callable[..., Any]:
+    """``flash`` (``flash_attn_func``'s signature) with ``flash_attn_with_kvcache``'s: the
+    append written in place (rotated), the valid keys of each row gathered (through the
+    block table when paged), the queries rotated, then one call of ``flash`` per row.
+    ``num_splits`` is accepted and not needed (one call sees every key).
+
+    ``bugs`` plants class-27 to 29 bugs, for the mutants: ``tail_counted`` (the whole
+    last page attended), ``logical_pages`` (logical page ``i`` read at physical page
+    ``i``), ``append_one_too_far`` (the new tokens written one slot late),
+    ``append_rewrites_slot0`` (the first new token also written over slot 0),
+    ``rotary_halves`` (interleaved tables applied as halves), ``rotary_at_zero`` (new
+    keys rotated from position 0), ``window_cache_keeps_left`` (a windowed call keeps
+    only the last ``left`` cached keys, one too few, once the cache is longer),
+    ``window_cache_keeps_oldest`` (keeps the oldest keys of the window's size instead of
+    the newest, once the cache is longer than the window), ``split_merge_unweighted``
+    (split-KV parts averaged, not weighted by their log-sum-exps).
+    """
+    from attnref.kvcache import cache_slots, valid_keys
+    from attnref.rotary import rotary
+
+    @checked_internal
+    def kvcache(
+        q: Float[Tensor, "B Tq h Dh"],
+        k_cache: Float[Tensor, "Bc S g Dh"],
+        v_cache: Float[Tensor, "Bc S g Dv"],
+        k: Float[Tensor, "B Tn g Dh"] | None = None,
+        v: Float[Tensor, "B Tn g Dv"] | None = None,
+        rotary_cos: Float[Tensor, "R r"] | None = None,
+        rotary_sin: Float[Tensor, "R r"] | None = None,
+        cache_seqlens: Int[Tensor, " B"] | int | None = None,
+        cache_batch_idx: Int[Tensor, " B"] | None = None,
+        cache_leftpad: Int[Tensor, " B"] | None = None,
+        block_table: Int[Tensor, "B P"] | None = None,
+        softmax_scale: float | None = None,
+        causal: bool = False,
+        window_size: tuple[int, int] = (-1, -1),
+        softcap: float = 0.0,
+        rotary_interleaved: bool = True,
+        alibi_slopes: Float[Tensor, " h"] | Float[Tensor, "B h"] | None = None,
+        num_splits: int = 0,
+        return_softmax_lse: bool = False,
+    ) -> Float[Tensor, "B Tq h Dv"] | tuple[Float[Tensor, "B Tq h Dv"], Float[Tensor, "B h Tq"]]:
+        if cache_leftpad is not None:
+            raise ValueError("cache_leftpad is not supported")
+        B, Tq, h = q.shape[:3]
+        T_new = 0 if k is None else k.shape[1]
+        page = k_cache.shape[1]
+        if cache_seqlens is None:
+            lengths = [k_cache.shape[1] - T_new] * B
+        elif isinstance(cache_seqlens, int):
+            lengths = [cache_seqlens] * B
+        else:
+            lengths = [int(n) for n in cache_seqlens.tolist()]
+        table = block_table
+        if table is not None and "logical_pages" in bugs:
+            table = torch.arange(table.numel(), dtype=table.dtype).reshape(table.shape)
+        interleaved = rotary_interleaved and "rotary_halves" not in bugs
+        moving = causal or tuple(window_size) != (-1, -1)
+        extra: dict[str, Any] = {"softmax_scale": softmax_scale, "causal": causal}
+        if tuple(window_size) != (-1, -1):
+            extra["window_size"] = window_size
+        if softcap:
+            extra["softcap"] = softcap
+        outs: list[Tensor] = []
+        lses: list[Tensor | None] = []
+        for b, n in enumerate(lengths):
+            row = b if cache_batch_idx is None else int(cache_batch_idx[b])
+            if k is not None and v is not None:
+                new_k = k[b]
+                if rotary_cos is not None and rotary_sin is not None:
+                    at = 0 if "rotary_at_zero" in bugs else n
+                    pos = torch.arange(at, at + T_new)
+                    c, s = rotary_cos[pos].unsqueeze(-2), rotary_sin[pos].unsqueeze(-2)
+                    new_k = rotary(new_k, c, s, interleaved=interleaved)
+                start = n + (1 if "append_one_too_far" in bugs else 0)
+                slots = cache_slots(b, range(start, start + T_new), table, page, row)
+                for t, (r, s_) in enumerate(slots):
+                    k_cache[r, s_] = new_k[t]
+                    v_cache[r, s_] = v[b, t]
+                if "append_rewrites_slot0" in bugs and T_new:
+                    r, s_ = cache_slots(b, range(1), table, page, row)[0]
+                    k_cache[r, s_], v_cache[r, s_] = new_k[0], v[b, 0]
+            total = n + T_new
+            lo = 0
+            if (
+                tuple(window_size) != (-1, -1)
+                and window_size[0] >= 0
+                and total > window_size[0] + Tq
+            ):
+                if "window_cache_keeps_left" in bugs:
+                    lo = total - Tq - window_size[0] + 1
+                if "window_cache_keeps_oldest" in bugs:
+                    total = window_size[0] + Tq
+            span = total
+            if table is not None and "tail_counted" in bugs:
+                span = -(-total // page) * page
+            keys = valid_keys(k_cache, b, span, table, row)[lo:]
+            values = valid_keys(v_cache, b, span, table, row)[lo:]
+            qb = q[b]
+            if rotary_cos is not None and rotary_sin is not None:
+                pos = torch.arange(n, n + Tq) if moving else torch.full((Tq,), n)
+                c, s = rotary_cos[pos].unsqueeze(-2), rotary_sin[pos].unsqueeze(-2)
+                qb = rotary(qb, c, s, interleaved=interleaved)
+            kwargs = dict(extra)
+            if alibi_slopes is not None:
+                kwargs["alibi_slopes"] = (
+                    alibi_slopes[b] if alibi_slopes.dim() == 2 else alibi_slopes
+                )
+            lse: Tensor | None
+            if keys.shape[0] == 0:
+                out, lse = empty_part(q, h, v_cache.shape[-1], Tq)
+            elif "split_merge_unweighted" in bugs and num_splits > 1:
+                out, lse = _unweighted_splits(qb, keys, values, num_splits, kwargs)
+            else:
+                result = flash(
+                    qb[None],
+                    keys[None],
+                    values[None],
+                    return_attn_probs=return_softmax_lse,
+                    **kwargs,
+                )
+                out, lse = (result[0][0], result[1][0]) if return_softmax_lse else (result[0], None)
+            outs.append(out)
+            lses.append(lse)
+        result_out = torch.stack(outs)
+        if return_softmax_lse:
+            return result_out, torch.stack([x for x in lses if x is not None])
+        return result_out
+
+    kvcache.__name__ = kvcache.__qualname__ = name
+    kvcache.__doc__ = f"{flash.__doc__ or ''}\n\nIn flash_attn_with_kvcache's convention."
+    return kvcache
+
+
+def _unweighted_splits(
+    q: Tensor, keys: Tensor, values: Tensor, splits: int, kwargs: dict[str, Any]
+) -> tuple[Tensor, Tensor]:
+    """Split-KV merged wrongly: the parts that saw a key averaged with equal weights."""
+    from attnref.varlen import attend_one
+
+    Tk = keys.shape[0]
+    bounds = [Tk * s // splits for s in range(splits + 1)]
+    outs, lses = [], []
+    for lo, hi in itertools.pairwise(bounds):
+        part = torch.full((1, Tk), float("-inf"), dtype=torch.float64)
+        part[:, lo:hi] = 0.0
+        o, m = attend_one(q, keys, values, key_mask=part, **kwargs)
+        outs.append(o)
+        lses.append(m)
+    seen = torch.stack([torch.isfinite(m) for m in lses]).to(q.dtype)  # (splits, h, Tq)
+    out = sum(o * w.transpose(0, 1).unsqueeze(-1) for o, w in zip(outs, seen, strict=True))
+    out = out / seen.sum(0).clamp(min=1).transpose(0, 1).unsqueeze(-1)
+    return out, torch.logsumexp(torch.stack(lses), dim=0)  # the LSE itself is right
+
+
+# ------------------------------------------------------------------ the builtins
+
+
+_SERVING: dict[str, Any] = {
+    "gradients": False,
+    "sinks": False,
+    "rotary": True,
+    "paged": True,
+    "dropout": False,
+}
+kvcache_flex = declared(
+    kvcache_form(flash_flex, "kvcache_flex"),
+    flash_caps(replace(FLEX_CAPS, **_SERVING), "flash-kvcache"),
+)
+kvcache_reference = declared(
+    kvcache_attention,
+    flash_caps(replace(REFERENCE_CAPS, **_SERVING), "flash-kvcache"),
+)
+kvcache_naive = declared(
+    kvcache_form(flash_naive, "kvcache_naive"),
+    flash_caps(replace(NAIVE_CAPS, **_SERVING), "flash-kvcache"),
+)
+kvcache_sdpa = declared(
+    kvcache_form(flash_form(sdpa_with_bias, "flash_sdpa"), "kvcache_sdpa"),
+    flash_caps(replace(SDPA_BIAS_CAPS, **_SERVING), "flash-kvcache"),
+)
+
+
+def _flash_attn_kvcache(*args: Any, **kwargs: Any) -> Any:
+    """FlashAttention 2's ``flash_attn_with_kvcache`` (the ``flash_attn`` package)."""
+    from flash_attn import flash_attn_with_kvcache
+
+    return flash_attn_with_kvcache(*args, **kwargs)
+
+
+def _builtins() -> list[Backend]:
+    return [
+        *(
+            Backend(name, fn, description, fn.capabilities, api=NAME)  # type: ignore[attr-defined]
+            for name, fn, description in (
+                (
+                    "kvcache-reference",
+                    kvcache_reference,
+                    "attnref's kvcache_attention (real split-KV)",
+                ),
+                ("kvcache-naive", kvcache_naive, "the naive kernel on each row's gathered cache"),
+                (
+                    "kvcache-sdpa",
+                    kvcache_sdpa,
+                    "torch SDPA on each row's gathered cache (window and ALiBi as a float mask)",
+                ),
+                ("kvcache-flex", kvcache_flex, "FlexAttention on each row's gathered cache"),
+            )
+        ),
+        Backend(
+            "flash-attn-kvcache",
+            _flash_attn_kvcache,
+            "FlashAttention 2's flash_attn_with_kvcache (skipped where flash_attn is absent)",
+            replace(FLASH_ATTN_2_KVCACHE, devices=("cuda",)),
+            api=NAME,
+            needs="flash_attn",
+        ),
+    ]
+
+
+# ---------------------------------------------------------------- the properties
+
+
+def _call_cache(
+    ctx: Context, call: CacheCall, lse: bool = False
+) -> tuple[list[Tensor], list[Tensor] | None, tuple[Tensor, Tensor]]:
+    """The backend's output (and LSE) for each row of ``call``, and the cache as it left
+    it (the call gets copies: ``call`` itself is never written)."""
+    if lse and not ctx.caps.lse:
+        raise Skip("the log-sum-exp not declared")
+    call = replace(call, k_cache=call.k_cache.clone(), v_cache=call.v_cache.clone())
+    args, kwargs = cache_arguments(ctx.caps, call, lse)
+    guard(ctx, call.first, kwargs)
+    appends = call.k_new is not None
+    job = Job(args, kwargs, writable=(1, 2) if appends else ())
+    raw = invoke(ctx.backend, job, ctx.timeout, ctx.executor)
+    caches = (call.k_cache, call.v_cache)
+    if appends:
+        raw, caches = raw
+    outs, lses = read_cache(raw, call, lse)
+    checked, checked_lses = judge(outs, lses, call.rows)
+    return checked, checked_lses, caches
+
+
+def _check_append(call: CacheCall, after: tuple[Tensor, Tensor]) -> None:
+    """The append wrote the new keys (rotated) and values at exactly the new slots, and
+    left every other byte of the cache as it was."""
+    assert call.k_after is not None
+    assert call.v_after is not None
+    assert call.written is not None
+    for name, got, want in (
+        ("k_cache", after[0], call.k_after),
+        ("v_cache", after[1], call.v_after),
+    ):
+        if not isinstance(got, Tensor) or got.shape != want.shape or got.dtype != want.dtype:
+            raise Failure(f"{name} came back as something other than the cache it was")
+        same = (got == want) | (torch.isnan(got) & torch.isnan(want))
+        outside = ~same & ~call.written[..., None, None]
+        if bool(outside.any()):
+            r, s = (int(i) for i in outside.nonzero()[0][:2])
+            raise Failure(
+                f"{name}: the call changed {int(outside.any(-1).any(-1).sum())} slots outside "
+                f"the append; first at [{r}, {s}] (page or row {r}, slot {s})",
+                where=(r, s),
+            )
+        inside = call.written[..., None, None].expand_as(got)
+        if name == "v_cache" or call.rotary_cos is None:
+            wrong = ~same & inside
+        else:  # rotated in float32 and rounded: one rounding apart at most
+            eps = torch.finfo(got.dtype).eps
+            scale = want.double().abs() + float(call.k_new.double().abs().max())  # type: ignore[union-attr]
+            wrong = ((got.double() - want.double()).abs() > eps * scale) & inside
+        if bool(wrong.any()):
+            r, s = (int(i) for i in wrong.nonzero()[0][:2])
+            g, w = float(got[r, s].flatten()[0]), float(want[r, s].flatten()[0])
+            raise Failure(
+                f"{name}: the appended slot [{r}, {s}] holds the wrong values "
+                f"(first element {g:.6g}, expected {w:.6g})",
+                got=g,
+                expected=w,
+                where=(r, s),
+            )
+
+
+def _kvcache(ctx: Context, case: Case) -> None:
+    """Each row agrees with the oracle of its valid keys (output and LSE); the append
+    writes exactly the new slots."""
+    call = build_cache(case, ctx.dtype, ctx.device)
+    outs, lses, after = _call_cache(ctx, call, lse=ctx.caps.lse)
+    agree(ctx, outs, lses, call.rows, "row", rotated=call.rotary_cos is not None)
+    if call.k_new is not None:
+        _check_append(call, after)
+
+
+def _rows_law(
+    ctx: Context, got: list[Tensor], base: list[Tensor], call: CacheCall, what: str
+) -> None:
+    for b, x in enumerate(call.rows):
+        law(ctx, got[b], x, base[b], x, f"row {b}: {what}")
+
+
+def _kvcache_pages(ctx: Context, case: Case) -> None:
+    """Permuting the physical pages (and the block table with them), with other garbage
+    in the pages no row uses, changes nothing."""
+    call = build_cache(case, ctx.dtype, ctx.device)
+    if call.block_table is None:
+        raise Skip("a contiguous cache has no pages")
+    base, _, _ = _call_cache(ctx, call)
+    blocks = call.k_cache.shape[0]
+    perm = torch.randperm(blocks, generator=rng(case, 5))
+    if bool((perm == torch.arange(blocks)).all()):
+        perm = perm.flip(0)
+    gen = rng(case, 6)
+
+    def move(t: Tensor) -> Tensor:
+        out = torch.empty_like(t)
+        out[perm.to(t.device)] = t
+        return out
+
+    k_cache, v_cache = move(call.k_cache), move(call.v_cache)
+    table = perm.to(call.block_table.device)[call.block_table.long()].to(torch.int32)
+    used = torch.zeros(blocks, dtype=torch.bool)
+    for b, n in enumerate(call.cache_seqlens.tolist()):
+        total = n + (0 if call.k_new is None else call.k_new.shape[1])
+        used[table[b, : -(-total // k_cache.shape[1])].long().cpu()] = True
+    free = (~used).nonzero().flatten().to(k_cache.device)
+    k_cache[free] = (GARBAGE * torch.randn(k_cache[free].shape, generator=gen)).to(k_cache.dtype)
+    v_cache[free] = (GARBAGE * torch.randn(v_cache[free].shape, generator=gen)).to(v_cache.dtype)
+    moved, _, _ = _call_cache(
+        ctx, replace(call, k_cache=k_cache, v_cache=v_cache, block_table=table)
+    )
+    _rows_law(ctx, moved, base, call, "physical pages permuted")
+
+
+def _kvcache_splits(ctx: Context, case: Case) -> None:
+    """``num_splits`` (split-KV) changes nothing: the declared splits against one."""
+    call = build_cache(case, ctx.dtype, ctx.device)
+    one, _, _ = _call_cache(ctx, replace(call, num_splits=1))
+    for splits in sorted({2, max(2, case.splits), 5}):
+        split, _, _ = _call_cache(ctx, replace(call, num_splits=splits))
+        _rows_law(ctx, split, one, call, f"num_splits = {splits} against 1")
+
+
+def _kvcache_decode(ctx: Context, case: Case) -> None:
+    """Decoding one token at a time from an empty cache, each step appending its key,
+    equals one causal prefill of all of them; and leaves the same cache."""
+    if case.causal is None:
+        raise Skip("decoding is causal")
+    T = case.Tq
+    empty = replace(case, cached=(0,) * len(case.cached), new=T, shift=0)
+    prefill = build_cache(empty, ctx.dtype, ctx.device)
+    full, _, (k_full, v_full) = _call_cache(ctx, prefill)
+    k_cache, v_cache = prefill.k_cache, prefill.v_cache
+    B = len(case.cached)
+    assert prefill.k_new is not None
+    assert prefill.v_new is not None
+    for t in range(T):
+        rows = tuple(
+            replace(
+                x, query=x.query[:, t : t + 1], key=x.key[:, : t + 1], value=x.value[:, : t + 1]
+            )
+            for x in prefill.rows
+        )
+        step = replace(
+            prefill,
+            rows=rows,
+            q=prefill.q[:, t : t + 1],
+            k_new=prefill.k_new[:, t : t + 1],
+            v_new=prefill.v_new[:, t : t + 1],
+            k_cache=k_cache,
+            v_cache=v_cache,
+            cache_seqlens=torch.full((B,), t, dtype=torch.int32, device=prefill.q.device),
+        )
+        outs, _, (k_cache, v_cache) = _call_cache(ctx, step)
+        for b in range(B):
+            law(
+                ctx,
+                outs[b],
+                rows[b],
+                full[b],
+                prefill.rows[b],
+                f"row {b}: token {t} decoded after {t} appended tokens",
+                transform=lambda o, t=t: o[:, t : t + 1],  # type: ignore[misc]
+            )
+    for name, got, want in (("k_cache", k_cache, k_full), ("v_cache", v_cache, v_full)):
+        same = (got == want) | (torch.isnan(got) & torch.isnan(want))
+        if not bool(same.all()):
+            r, s = (int(i) for i in (~same).nonzero()[0][:2])
+            raise Failure(
+                f"{name}: {T} one-token appends left slot [{r}, {s}] unlike one prefill of "
+                f"{T} tokens"
+            )
+
+
+def _rotary_layouts(ctx: Context, case: Case) -> None:
+    """The interleaved layout equals the halves layout after the fixed permutation of
+    the rotary dims, applied to queries, new keys and cached keys alike."""
+    if not case.rotary:
+        raise Skip("no rotary dims")
+    call = build_cache(replace(case, interleaved=True), ctx.dtype, ctx.device)
+    p = halves_from_interleaved(case.rotary, case.Dh).to(call.q.device)
+
+    def perm(t: Tensor | None) -> Tensor | None:
+        return None if t is None else t[..., p]
+
+    other = replace(
+        call,
+        q=call.q[..., p],
+        k_cache=call.k_cache[..., p],
+        k_new=perm(call.k_new),
+        interleaved=False,
+        rows=tuple(replace(x, query=x.query[..., p], key=x.key[..., p]) for x in call.rows),
+        k_after=perm(call.k_after),
+    )
+    base, _, _ = _call_cache(ctx, call)
+    got, _, _ = _call_cache(ctx, other)
+    _rows_law(ctx, got, base, call, "the halves layout on permuted dims against interleaved")
+
+
+def _rotary_shift(ctx: Context, case: Case) -> None:
+    """Rotary scores depend on relative positions only: every position moved by
+    ``shift`` (the cached keys stored rotated at their new positions, the first
+    ``shift`` slots garbage that the window hides) changes no output."""
+    if not case.rotary or case.window is None or case.causal is None or not case.new:
+        raise Skip("needs rotary, a causal window and new tokens")
+    shift = case.shift or 5
+    base_call = build_cache(replace(case, shift=0), ctx.dtype, ctx.device)
+    moved_call = build_cache(replace(case, shift=shift), ctx.dtype, ctx.device)
+    base, _, _ = _call_cache(ctx, base_call)
+    moved, _, _ = _call_cache(ctx, moved_call)
+    for b, (x, y) in enumerate(zip(base_call.rows, moved_call.rows, strict=True)):
+        expect_rotated(ctx, x, rotated=True)  # each call rounds its own rotation
+        expect_rotated(ctx, y, rotated=True)
+        law(ctx, moved[b], y, base[b], x, f"row {b}: every position moved by {shift}")
+
+
+def _cache_variants(c: Capabilities) -> st.SearchStrategy[dict[str, object]]:
+    """The declared variants but sinks (the flash-kvcache convention has none)."""
+    return some_variants(replace(c, sinks=False))
+
+
+def _cache_examples(p: Profile, c: Capabilities) -> list[Case]:
+    """Where the class-27-29 bugs show: a paged cache whose last page is partial, the
+    cache full to capacity, an append across a page boundary, a window shorter than the
+    cache (class 28), rotary in both layouts at an offset, split-KV."""
+    page = c.page_multiple if c.page_multiple > 1 else 4
+    base = [
+        Case("cache_contiguous", cached=(5, 12), new=1, Tq=1, causal="bottom_right", pad=3),
+        Case("cache_full", cached=(9, 3), new=2, Tq=2, causal="bottom_right", pad=0),
+        Case("cache_rows_shuffled", cached=(4, 0, 7), new=1, Tq=1, shuffle=True),
+        Case("cache_prefill_chunk", cached=(6,), new=4, Tq=4, causal="bottom_right", pad=1),
+        Case("cache_no_append", cached=(11, 2), Tq=2, causal="bottom_right", pad=2),
+        Case("cache_splits", cached=(17, 30), new=1, Tq=1, splits=3),
+    ]
+    if c.paged:
+        base += [
+            Case("paged_tail", cached=(page + 1, 2 * page - 1), new=1, Tq=1, page=page,
+                 causal="bottom_right", pad=page - 1, shuffle=True),
+            Case("paged_across_pages", cached=(page - 1,), new=3, Tq=3, page=page,
+                 causal="bottom_right", shuffle=True, pad=2),
+        ]  # fmt: skip
+    if c.window:
+        base.append(
+            Case("cache_window_passed", cached=(20, 9), new=1, Tq=1, causal="bottom_right",
+                 window=(4, 0))
+        )  # fmt: skip
+    if c.rotary:
+        base += [
+            Case("rotary_interleaved", cached=(5, 9), new=2, Tq=2, rotary=8, interleaved=True,
+                 causal="bottom_right"),
+            Case("rotary_halves", cached=(5, 9), new=2, Tq=2, rotary=4, interleaved=False,
+                 causal="bottom_right"),
+            Case("rotary_not_causal", cached=(3,), new=2, Tq=2, rotary=8, interleaved=False),
+        ]  # fmt: skip
+    return [replace(x, seed=300 + i) for i, x in enumerate(base)]
+
+
+def _needs_paged(caps: Capabilities) -> str | None:
+    return None if caps.paged else "a paged cache not declared"
+
+
+def _needs_rotary(caps: Capabilities) -> str | None:
+    return None if caps.rotary else "rotary not declared"
+
+
+def _needs_rotary_window(caps: Capabilities) -> str | None:
+    if not (caps.rotary and caps.window):
+        return "rotary and sliding windows not both declared"
+    return None
+
+
+def _shift_cases(p: Profile, c: Capabilities) -> st.SearchStrategy[Case]:
+    """Causal decode calls with rotary and a window no longer than the shortest cached
+    row (so that it hides the garbage a shift puts first), moved by 1 to 64."""
+
+    @st.composite
+    def draw(draw: st.DrawFn) -> Case:
+        new = draw(st.sampled_from((1, 2, 4)))
+        case = draw(
+            cache_strategy(
+                "rotary_shift", p, c, causal="bottom_right", new=new, Tq=new,
+                Dh=st.sampled_from((8, 4, 16, 64)), rotary=st.sampled_from((2, 4, 8)),
+                cached=st.lists(st.integers(1, p.max_len), min_size=1, max_size=3).map(tuple),
+            )
+        )  # fmt: skip
+        left = draw(st.integers(0, min(case.cached)))
+        return replace(case, window=(left, 0), shift=draw(st.sampled_from((1, 3, 17, 64))))
+
+    return draw()
+
+
+PROPERTIES: tuple[Property, ...] = (
+    Property(
+        "kvcache",
+        "each row of a decode call agrees with the oracle of its valid keys (paged, "
+        "garbage in unused slots, rotary, split-KV), and the append writes exactly "
+        "the new slots",
+        (27, 28, 29),
+        lambda p, c: cache_strategy("kvcache", p, c, variants=_cache_variants(c)),
+        _kvcache,
+        examples=_cache_examples,
+        families=(NAME,),
+    ),
+    Property(
+        "kvcache_pages",
+        "permuting the physical pages (and the block table) changes nothing",
+        (27,),
+        lambda p, c: cache_strategy(
+            "kvcache_pages",
+            p,
+            c,
+            page=st.sampled_from(
+                (c.page_multiple, 2 * c.page_multiple) if c.page_multiple > 1 else (1, 4, 5)
+            ),
+        ),
+        _kvcache_pages,
+        requires=_needs_paged,
+        families=(NAME,),
+    ),
+    Property(
+        "kvcache_splits",
+        "num_splits (split-KV) changes nothing",
+        (25, 27),
+        lambda p, c: cache_strategy("kvcache_splits", p, c, variants=_cache_variants(c)),
+        _kvcache_splits,
+        families=(NAME,),
+    ),
+    Property(
+        "kvcache_decode",
+        "decoding token by token from an empty cache equals one causal prefill, and "
+        "leaves the same cache",
+        (27, 28, 29),
+        lambda p, c: cache_strategy(
+            "kvcache_decode",
+            p,
+            c,
+            causal="bottom_right",
+            Tq=st.integers(2, 9),
+            variants=_cache_variants(c),
+        ),
+        _kvcache_decode,
+        families=(NAME,),
+    ),
+    Property(
+        "rotary_layouts",
+        "the interleaved rotary layout equals the halves one on permuted dims",
+        (29,),
+        lambda p, c: cache_strategy(
+            "rotary_layouts",
+            p,
+            c,
+            new=st.sampled_from((1, 2, 4)),
+            Dh=st.sampled_from((8, 4, 16, 64)),
+            rotary=st.sampled_from((2, 4, 8)),
+        ),
+        _rotary_layouts,
+        requires=_needs_rotary,
+        families=(NAME,),
+    ),
+    Property(
+        "rotary_shift",
+        "rotary scores depend on relative positions only: every position moved, the "
+        "cache rotated with them, changes nothing",
+        (29,),
+        _shift_cases,
+        _rotary_shift,
+        requires=_needs_rotary_window,
+        families=(NAME,),
+    ),
+)
+
+
+# ------------------------------------------------------------------- the mutants
+
+
+def _mutant_fn(self: Mutant) -> Callable[..., Any]:
+    """A bug in how the cache is read or written: the naive kernel behind a buggy
+    `kvcache_form`."""
+    fn = kvcache_form(flash_naive, self.name, bugs=frozenset(self.switches))
+    fn.__doc__ = f"Class {self.bug_class}: {self.summary}"
+    fn.capabilities = self.capabilities  # type: ignore[attr-defined]
+    return fn
+
+
+#: what the class 25 and 27-29 mutants claim: the naive kernel driven row by row
+KVCACHE_LIKE: Capabilities = kvcache_naive.capabilities  # type: ignore[attr-defined]
+_LIKE: dict[str, Any] = {"api": NAME, "capabilities": KVCACHE_LIKE}
+
+MUTANTS: tuple[Mutant, ...] = (
+    Mutant("paged_tail_counted", 27, "the unused tail of the last page enters the "
+           "softmax", {"tail_counted": True}, **_LIKE),
+    Mutant("paged_logical_as_physical", 27, "logical page i is read at physical page "
+           "i, ignoring the block table", {"logical_pages": True}, **_LIKE),
+    Mutant("append_one_too_far", 27, "the new keys and values are written one slot "
+           "past cache_seqlens", {"append_one_too_far": True}, **_LIKE),
+    Mutant("append_rewrites_slot0", 27, "the append also writes the first new token "
+           "over slot 0", {"append_rewrites_slot0": True}, **_LIKE),
+    Mutant("window_cache_keeps_left", 28, "once the cache is longer than the window, "
+           "only the last window_size[0] keys are kept: one too few",
+           {"window_cache_keeps_left": True}, **_LIKE),
+    Mutant("window_cache_keeps_oldest", 28, "once the cache is longer than the "
+           "window, the oldest keys are kept instead of the newest",
+           {"window_cache_keeps_oldest": True}, **_LIKE),
+    Mutant("rotary_interleaved_as_halves", 29, "interleaved rotary (GPT-J pairs) "
+           "applied as halves (GPT-NeoX)", {"rotary_halves": True}, **_LIKE),
+    Mutant("rotary_new_keys_at_zero", 29, "the new keys are rotated from position 0, "
+           "not from cache_seqlens", {"rotary_at_zero": True}, **_LIKE),
+    Mutant("split_merge_unweighted", 25, "split-KV parts averaged instead of weighted "
+           "by their log-sum-exps (the merge without rescaling)",
+           {"split_merge_unweighted": True}, **_LIKE),
+)  # fmt: skip
+
+
+FAMILY = ApiFamily(
+    name=NAME,
+    summary="FlashAttention 2's flash_attn_with_kvcache: decoding against a contiguous or "
+    "paged KV cache, an in-place append, rotary for the new tokens, split-KV",
+    signature="fn(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None, "
+    "cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, block_table=None, "
+    "softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, "
+    "rotary_interleaved=True, alibi_slopes=None, num_splits=0, return_softmax_lse=False)",
+    positional=3,
+    keywords=("cache_seqlens", "softmax_scale", "causal"),
+    defaults=FLASH_ATTN_2_KVCACHE,
+    build=_kvcache_build,
+    read=_kvcache_read,
+    to_layout=flash_layout,
+    from_layout=flash_back,
+    native_causal=flash_native_causal,
+    dropout=False,
+    builtins=_builtins,
+    properties=PROPERTIES,
+    mutants=MUTANTS,
+    mutant_fn=_mutant_fn,
+    bench_backends=("kvcache-reference", "kvcache-naive", "kvcache-sdpa", "flash-attn-kvcache"),
+)

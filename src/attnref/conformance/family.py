@@ -1,0 +1,181 @@
+"""What an API family is, and the table of those installed: the engine's side of families.
+
+A family says how a backend is called and how its answer is read back, so the runner,
+the properties and the checks never ask which convention a backend uses. The engine
+never imports a family: it looks up the one a backend names (`family_of`) in the table
+that the registry, `attnref.conformance.families`, fills when it installs them. Each
+family is one module there, holding everything of its own: the convention, its adapter
+from a dense callable, its preset, its built-in backends, its properties and its
+mutants. An entry has:
+
+- a name (``--api NAME``) and the signature a function must have (`ApiFamily.check`);
+- the capabilities an undeclared function is taken to claim (`ApiFamily.defaults`);
+- `ApiFamily.build`: how the `Inputs` of a `Case` become positional and keyword
+  arguments (raising `Skip` for what the convention cannot express);
+- `ApiFamily.read`: how the result becomes the output, and the log-sum-exp when asked,
+  in the audit's layout ``(*batch, h, Tq, Dv)`` and ``(*batch, h, Tq)``;
+- `ApiFamily.to_layout` and `ApiFamily.from_layout`: a tensor of the audit's layout
+  into the family's and back (the gradient property's upstream gradient and results).
+
+Every family runs every dense case; a family with inputs of its own (packs, caches,
+shards) also brings the properties only they can have.
+"""
+
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from torch import Tensor
+
+from attnref.conformance.cases import Inputs
+from attnref.conformance.declarations import Backend, BackendError, Capabilities
+from attnref.conformance.verdicts import Failure, Skip
+
+if TYPE_CHECKING:
+    from attnref.conformance.mutants import Mutant
+    from attnref.conformance.properties import Property
+
+__all__ = [
+    "FAMILIES",
+    "ApiFamily",
+    "Arguments",
+    "family_of",
+    "get_family",
+    "pair",
+    "variant_kwargs",
+]
+
+Arguments = tuple[tuple[Any, ...], dict[str, Any]]
+
+
+def _no_builtins() -> list[Backend]:
+    return []
+
+
+@dataclass(frozen=True)
+class ApiFamily:
+    """One calling convention, with what is its own (see the module docstring)."""
+
+    name: str
+    summary: str
+    #: the signature, as its users know it (for error messages and docs)
+    signature: str
+    #: how many tensors a function takes positionally, first
+    positional: int
+    #: the keyword arguments every call passes
+    keywords: tuple[str, ...]
+    #: what a function that declares nothing is taken to claim (its preset)
+    defaults: Capabilities
+    build: Callable[[Capabilities, Inputs, bool, dict[str, Any]], Arguments]
+    read: Callable[[object, Inputs, bool], tuple[object, object | None]]
+    to_layout: Callable[[Tensor, Inputs], Tensor]
+    from_layout: Callable[[Tensor, Tensor], Tensor]
+    #: whether the backend applies the causal diagonal of these inputs itself
+    native_causal: Callable[[Capabilities, Inputs], bool]
+    #: whether the convention takes ``dropout_p`` (flash_attn_with_kvcache does not)
+    dropout: bool = True
+    #: its built-in backends (built on first use: some import optional parts of torch)
+    builtins: Callable[[], list[Backend]] = _no_builtins
+    #: the properties only its calls can have (run on its backends only)
+    properties: "tuple[Property, ...]" = ()
+    #: its planted bugs, rows of the kill matrix
+    mutants: "tuple[Mutant, ...]" = ()
+    #: how a mutant of it becomes a function of this convention (None: it has none)
+    mutant_fn: "Callable[[Mutant], Callable[..., Any]] | None" = None
+    #: the backends ``attnref bench --api NAME`` times by default (empty: no bench)
+    bench_backends: tuple[str, ...] = ()
+    #: keyword options ``attnref audit`` takes for this family only, e.g. a world size
+    options: tuple[str, ...] = ()
+
+    def check(self, fn: object, spec: str) -> Callable[..., Any]:
+        """``fn`` if its signature can take this family's calls, else `BackendError`."""
+        if not callable(fn):
+            raise BackendError(f"{spec} is not callable (it is a {type(fn).__name__})")
+        try:
+            sig = inspect.signature(fn)
+        except (TypeError, ValueError):
+            return fn  # a builtin without a signature: trust it, calls will tell
+        params = sig.parameters
+        takes_kwargs = any(p.kind is p.VAR_KEYWORD for p in params.values())
+        takes_args = any(p.kind is p.VAR_POSITIONAL for p in params.values())
+        positional = [
+            p for p in params.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+        ]
+        missing = [n for n in self.keywords if n not in params and not takes_kwargs]
+        if (len(positional) < self.positional and not takes_args) or missing:
+            lacks = f"; it lacks {', '.join(missing)}" if missing else ""
+            raise BackendError(
+                f"{spec} does not have the signature of the {self.name!r} API family, "
+                f"{self.signature}{lacks}; its signature is {sig}"
+                f"{_other_families(self.name, sig)}"
+            )
+        return fn
+
+    def call(
+        self, backend: Backend, inputs: Inputs, lse: bool = False, **overrides: Any
+    ) -> Arguments:
+        """The arguments to call ``backend`` with for ``inputs`` (`Skip` if the
+        convention cannot express them); ``lse``: ask for the log-sum-exp too."""
+        return self.build(backend.capabilities, inputs, lse, overrides)
+
+
+#: the installed families, by name, in the registry's order (filled by
+#: `attnref.conformance.families.install`)
+FAMILIES: dict[str, ApiFamily] = {}
+
+
+def get_family(name: str) -> ApiFamily:
+    """The family called ``name``; a clear error for an unknown one."""
+    try:
+        return FAMILIES[name]
+    except KeyError:
+        known = ", ".join(FAMILIES) or "none is installed: import attnref.conformance.backends"
+        raise BackendError(f"unknown API family {name!r}: use one of {known}") from None
+
+
+def family_of(backend: Backend) -> ApiFamily:
+    """The calling convention of ``backend``."""
+    return get_family(backend.api)
+
+
+def _other_families(name: str, sig: inspect.Signature) -> str:
+    """A hint naming the family a signature does match, if one does (the one whose
+    keywords it has the most of, when several)."""
+    ranked = sorted(FAMILIES.values(), key=lambda f: -len(f.keywords))
+    for family in ranked:
+        if family.name == name:
+            continue
+        if all(n in sig.parameters for n in family.keywords):
+            return f" (it looks like the {family.name!r} family: pass --api {family.name})"
+    return ""
+
+
+# ------------------------------------------------ what the conventions share
+
+
+def variant_kwargs(caps: Capabilities, inputs: Inputs) -> dict[str, Any]:
+    """The keyword arguments of the variants ``inputs`` turn on (`Skip` for a variant, or
+    a combination, the backend does not declare)."""
+    on = inputs.variants
+    for variant in on:
+        if not getattr(caps, variant):
+            raise Skip(f"{variant} not declared")
+    if len(on) > 1 and not caps.combined_variants:
+        raise Skip(f"{' and '.join(on)} together not declared")
+    kwargs: dict[str, Any] = {}
+    if inputs.softcap:
+        kwargs["softcap"] = inputs.softcap
+    if inputs.alibi_slopes is not None:
+        kwargs["alibi_slopes"] = inputs.alibi_slopes
+    if inputs.sinks is not None:
+        kwargs["sinks"] = inputs.sinks
+    return kwargs
+
+
+def pair(out: object, what: str) -> tuple[object, object]:
+    """``out`` as (output, log-sum-exp): `Failure` if it is not a pair (``what``: how the
+    log-sum-exp was asked for)."""
+    if not isinstance(out, tuple | list) or len(out) < 2:
+        raise Failure(f"asked for the log-sum-exp ({what}), returned {type(out).__name__}")
+    return out[0], out[1]
