@@ -216,7 +216,6 @@ def _list_properties() -> None:
 
 def _audit(args: argparse.Namespace) -> int:
     from attnref.conformance import AuditReport, BackendError, audit
-    from attnref.conformance.backends import load_backend
     from attnref.conformance.options import OptionError, audit_settings
 
     if args.list_backends:
@@ -228,20 +227,21 @@ def _audit(args: argparse.Namespace) -> int:
     if args.list_families:
         _list_families()
         return 0
-    from attnref.conformance.worker import InProcess, Supervised, start_forkserver
+    from attnref.conformance.worker import start_executor, start_forkserver
 
     start_forkserver()  # the worker's clean parent starts while the options are read
     try:
         settings = audit_settings(lambda dest: getattr(args, dest))
         json_path = _writable(args.json)
-        executor: InProcess | Supervised
-        if settings.isolate:  # the backend's module is imported in the worker only
-            limit = settings.memory_limit_bytes
-            executor = Supervised(
-                args.backend, settings.api, threads=settings.threads, memory_limit=limit
-            )
-        else:
-            executor = InProcess(load_backend(args.backend, settings.api))
+        # the backend's module is imported in its worker only (unless --in-process)
+        executor = start_executor(
+            args.backend,
+            settings.api,
+            isolate=settings.isolate,
+            threads=settings.threads,
+            memory_limit=settings.memory_limit_bytes,
+            world_size=settings.world_size,
+        )
         backend = executor.backend
     except (BackendError, OptionError) as e:
         print(f"attnref audit: {e}", file=sys.stderr)

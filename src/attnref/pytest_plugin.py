@@ -108,7 +108,6 @@ def pytest_collection_modifyitems(
     if not specs:
         return
     from attnref.conformance import PROPERTIES, BackendError
-    from attnref.conformance.backends import load_backend
     from attnref.conformance.options import OptionError, audit_settings
     from attnref.devices import dtype_name
 
@@ -118,7 +117,7 @@ def pytest_collection_modifyitems(
         raise pytest.UsageError(f"attnref: {e}") from None
     import torch
 
-    from attnref.conformance.worker import InProcess, Supervised
+    from attnref.conformance.worker import start_executor
 
     torch.set_num_threads(settings.threads)
     props = [PROPERTIES[n] for n in settings.properties or PROPERTIES]
@@ -126,15 +125,15 @@ def pytest_collection_modifyitems(
         props = [p for p in props if not p.gradient]
     audited: list[pytest.Item] = []
     for spec in specs:
-        executor: InProcess | Supervised
         try:  # the backend's module is imported in its worker only
-            if settings.isolate:
-                limit = settings.memory_limit_bytes
-                executor = Supervised(
-                    spec, settings.api, threads=settings.threads, memory_limit=limit
-                )
-            else:
-                executor = InProcess(load_backend(spec, settings.api))
+            executor = start_executor(
+                spec,
+                settings.api,
+                isolate=settings.isolate,
+                threads=settings.threads,
+                memory_limit=settings.memory_limit_bytes,
+                world_size=settings.world_size,
+            )
         except BackendError as e:
             raise pytest.UsageError(f"--attnref-backend: {e}") from None
         backend = executor.backend

@@ -225,7 +225,7 @@ def run_benchmarks(
                     note = f"time budget spent ({budget_s:g} s)"
                     result = BenchResult(name, case, "skipped", case_flops(case), note=note)
                 else:
-                    backend = executor.backend  # type: ignore[attr-defined]
+                    backend = executor.backend
                     result = run_case(
                         backend,
                         case,

@@ -100,6 +100,13 @@ class Case:
     splits: int = 0
     shuffle: bool = False
     shift: int = 0  # every position moved by this much (the first ones garbage)
+    #: what a family's own cases add, as (name, value) pairs (context-parallel: the world
+    #: size and the sharding); read with `Case.option`
+    options: tuple[tuple[str, Any], ...] = ()
+
+    def option(self, name: str, default: Any = None) -> Any:
+        """The value of family option ``name`` (`options`), or ``default``."""
+        return dict(self.options).get(name, default)
 
     def __post_init__(self) -> None:
         for name, kind in (

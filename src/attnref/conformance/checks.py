@@ -20,6 +20,7 @@ import functools
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import torch
 from jaxtyping import Bool, Float
@@ -50,6 +51,7 @@ from attnref.masks import additive_mask, causal_offset
 __all__ = [
     "Check",
     "Context",
+    "agree_grads",
     "batch",
     "causality",
     "decode",
@@ -106,9 +108,9 @@ class Context:
     def run(self, inputs: Inputs, **overrides: object) -> Tensor:
         return call(self.backend, inputs, self.timeout, self.executor, **overrides)
 
-    def run_lse(self, inputs: Inputs) -> tuple[Tensor, Tensor]:
+    def run_lse(self, inputs: Inputs, **overrides: Any) -> tuple[Tensor, Tensor]:
         """The backend's output and log-sum-exp (`Skip` unless it declares the LSE)."""
-        out, lse = call_lse(self.backend, inputs, self.timeout, self.executor)
+        out, lse = call_lse(self.backend, inputs, self.timeout, self.executor, **overrides)
         assert lse is not None
         return out, lse
 
@@ -131,9 +133,10 @@ class Context:
         rows = policy_rows(inputs, self.caps.empty_row, self.native(inputs))
         return rows[policy] if policy in rows else torch.zeros_like(empty_rows(inputs))
 
-    def agree(self, inputs: Inputs, what: str = "output") -> Tensor:
-        """Call the backend on ``inputs`` and fail unless it matches the oracle."""
-        out = self.run(inputs)
+    def agree(self, inputs: Inputs, what: str = "output", **overrides: object) -> Tensor:
+        """Call the backend on ``inputs`` (its keywords ``overrides`` replaced) and fail
+        unless it matches the oracle."""
+        out = self.run(inputs, **overrides)
         exp = self.expect(inputs)
         with self.naming_the_row(inputs):
             close(out.to(torch.float64), exp.value, *exp.bounds(), what)
@@ -283,7 +286,12 @@ def forward(ctx: Context, case: Case) -> None:
 
 
 def gradient(ctx: Context, case: Case) -> None:
-    inputs = ctx.build(case)
+    agree_grads(ctx, case, ctx.build(case))
+
+
+def agree_grads(ctx: Context, case: Case, inputs: Inputs, **overrides: Any) -> None:
+    """dQ, dK, dV (and dSinks) of the backend's call on ``inputs`` (its keywords
+    ``overrides`` replaced) against the oracle's, for a random upstream gradient."""
     policies: tuple[EmptyRow, ...] = ("nan", "uniform", "unmasked")
     for policy in policies:
         if bool(ctx.empty(inputs, policy).any()):
@@ -291,7 +299,7 @@ def gradient(ctx: Context, case: Case) -> None:
     d_out = torch.randn(
         (*inputs.query.shape[:-1], inputs.value.shape[-1]), generator=rng(case, 1)
     ).to(device=inputs.query.device, dtype=inputs.query.dtype)
-    args, kwargs = arguments(ctx.backend, inputs)  # the job makes Q, K and V leaves
+    args, kwargs = arguments(ctx.backend, inputs, **overrides)  # the job makes Q, K, V leaves
     family = family_of(ctx.backend)
     job = Job(args, kwargs, family.to_layout(d_out, inputs))
     grads = invoke(ctx.backend, job, ctx.timeout, ctx.executor)

@@ -35,6 +35,7 @@ from attnref.conformance.verdicts import Failure, Skip
 if TYPE_CHECKING:
     from attnref.conformance.mutants import Mutant
     from attnref.conformance.properties import Property
+    from attnref.conformance.worker import Executor
 
 __all__ = [
     "FAMILIES",
@@ -85,8 +86,15 @@ class ApiFamily:
     mutant_fn: "Callable[[Mutant], Callable[..., Any]] | None" = None
     #: the backends ``attnref bench --api NAME`` times by default (empty: no bench)
     bench_backends: tuple[str, ...] = ()
-    #: keyword options ``attnref audit`` takes for this family only, e.g. a world size
-    options: tuple[str, ...] = ()
+    #: how a worker makes one call of this family's backend (None: ``backend(*args,
+    #: **kwargs)``): a family whose calls need a setup there (a process group) does it here
+    invoke: "Callable[[Backend, tuple[Any, ...], dict[str, Any]], Any] | None" = None
+    #: the executor a backend of this family runs in (None: one worker, `Supervised`, or
+    #: the judge's own thread with ``isolate=False``): ``executor(backend, api,
+    #: isolate=, threads=, memory_limit=, world_size=)``, e.g. one worker per rank
+    executor: "Callable[..., Executor] | None" = None
+    #: the processes one call runs on when the audit names none (``--world-size``)
+    world_size: int = 1
 
     def check(self, fn: object, spec: str) -> Callable[..., Any]:
         """``fn`` if its signature can take this family's calls, else `BackendError`."""

@@ -71,6 +71,14 @@ def add_audit_options(add: Callable[..., Any], prefix: str = "", *, choices: boo
         "those attnref audit --list-families lists (default: sdpa, torch SDPA's signature; "
         "a built-in backend has its own)",
     )
+    option(
+        "world-size",
+        type=int,
+        default=None,
+        metavar="W",
+        help="processes each call runs on, for a family that spreads one call over several "
+        "(context-parallel: one rank each; default: the family's)",
+    )
     option("seed", type=int, default=0, help="seed of the search (default: 0)")
     option("timeout", type=float, default=60.0, help="seconds allowed per call (default: 60)")
     option(
@@ -120,6 +128,7 @@ class AuditSettings:
     isolate: bool = True
     memory_limit: float | None = None  # GiB
     api: str | None = None  # the API family of a module:function backend (None: sdpa)
+    world_size: int | None = None  # processes per call (None: the family's default)
 
     @property
     def memory_limit_bytes(self) -> int | None:
@@ -139,6 +148,7 @@ class AuditSettings:
             "threads": self.threads,
             "isolate": self.isolate,
             "memory_limit": self.memory_limit,
+            "world_size": self.world_size,
         }
 
 
@@ -177,6 +187,9 @@ def audit_settings(get: Callable[[str], Any]) -> AuditSettings:
     threads = get("threads")
     if threads < 1:
         raise OptionError(f"--threads must be >= 1, got {threads}")
+    world_size = get("world_size")
+    if world_size is not None and not 1 <= world_size <= 64:
+        raise OptionError(f"--world-size must be between 1 and 64, got {world_size}")
     memory_limit = get("memory_limit")
     if memory_limit is not None and not memory_limit > 0:
         raise OptionError(f"--memory-limit must be > 0 GiB, got {memory_limit}")
@@ -199,4 +212,5 @@ def audit_settings(get: Callable[[str], Any]) -> AuditSettings:
         isolate=not get("in_process"),
         memory_limit=memory_limit,
         api=api,
+        world_size=world_size,
     )

@@ -1,12 +1,13 @@
 """Audit reports: a verdict per (property, dtype), a terminal table, a versioned JSON document.
 
-JSON schema (``schema_version`` 5; 3 added ``api``, 4 ``trusted``, 5 ``checked``,
-``cause`` and ``findings``)::
+JSON schema (``schema_version`` 6; 3 added ``api``, 4 ``trusted``, 5 ``checked``,
+``cause`` and ``findings``, 6 ``world_size``)::
 
     {
-      "schema_version": 5,
+      "schema_version": 6,
       "attnref_version": str, "torch_version": str,
-      "backend": str, "api": an API family ("sdpa", "flash", ...), "device": str, "dtypes": [str],
+      "backend": str, "api": an API family ("sdpa", "flash", ...), "device": str,
+      "dtypes": [str], "world_size": int | null (the processes each call ran on),
       "profile": "quick" | "ci" | "thorough", "seed": int,
       "capabilities": {field of Capabilities: value},
       "started": ISO-8601 str, "seconds": float, "stopped_early": bool,
@@ -54,7 +55,7 @@ from attnref.devices import dtype_name
 
 __all__ = ["SCHEMA_VERSION", "AuditReport", "Finding", "PropertyResult", "Status", "reproducer"]
 
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 
 #: the verdict on one (property, dtype)
 Status = Literal["pass", "fail", "skip"]
@@ -126,6 +127,7 @@ def reproducer(
     device: str,
     message: str,
     api: str = DEFAULT_API,
+    world_size: int | None = None,
 ) -> str:
     """A runnable Python snippet that rebuilds the failing case and checks it again.
 
@@ -135,6 +137,8 @@ def reproducer(
     """
     dt = dtype_name(dtype)
     api_arg = "" if api == DEFAULT_API else f", api={api!r}"
+    if world_size is not None:
+        api_arg += f", world_size={world_size}"
     return (
         f"# attnref: property {pid!r} failed for backend {backend!r} ({dt}, {device})\n"
         f"# {message}\n"
@@ -171,6 +175,8 @@ class AuditReport:
     incomplete: str = ""
     #: the backend ran in the judge's own process (``--in-process``): the verdict trusts it
     trusted: bool = False
+    #: the processes each call ran on, for a family that spreads one over several
+    world_size: int | None = None
     _t0: float = 0.0
 
     @classmethod
@@ -253,6 +259,7 @@ class AuditReport:
             "seconds": round(self.seconds, 3),
             "stopped_early": self.stopped_early,
             "trusted": self.trusted,
+            "world_size": self.world_size,
             "incomplete": self.incomplete or None,
             "summary": {
                 "passed": self.count("pass"),

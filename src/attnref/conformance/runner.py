@@ -28,7 +28,7 @@ from attnref.conformance.properties import PROPERTIES, Context, Property, get_pr
 from attnref.conformance.report import AuditReport, Finding, PropertyResult, Status, reproducer
 from attnref.conformance.strategies import inside, narrowed
 from attnref.conformance.verdicts import Failure, Skip, cause_of
-from attnref.conformance.worker import Executor, InProcess, Supervised, loader
+from attnref.conformance.worker import Executor, start_executor
 from attnref.devices import best_device, dtype_name
 
 __all__ = ["audit", "check_case", "property_seed", "run_property"]
@@ -158,7 +158,16 @@ def run_property(
             failure.got,
             failure.expected,
             failure.where,
-            reproducer(backend.name, prop.id, case, dtype, device, str(failure), backend.api),
+            reproducer(
+                backend.name,
+                prop.id,
+                case,
+                dtype,
+                device,
+                str(failure),
+                backend.api,
+                getattr(executor, "world_size", None),
+            ),
             cause_of(failure, dtype_name(dtype)),
         )
         return done("fail", str(failure), finding)
@@ -197,6 +206,7 @@ def audit(
     memory_limit: float | None = None,
     on_result: Callable[[AuditReport], None] | None = None,
     report: AuditReport | None = None,
+    world_size: int | None = None,
 ) -> AuditReport:
     """Audit ``backend`` against the float64 oracle: every property in every dtype.
 
@@ -233,10 +243,14 @@ def audit(
     limit = None if memory_limit is None else int(memory_limit * 2**30)
     owned = executor is None
     if executor is None:
-        if isolate:
-            executor = Supervised(backend, api, threads=threads, memory_limit=limit)
-        else:
-            executor = InProcess(loader()(backend, api) if isinstance(backend, str) else backend)
+        executor = start_executor(
+            backend,
+            api,
+            isolate=isolate,
+            threads=threads,
+            memory_limit=limit,
+            world_size=world_size,
+        )
     if isinstance(backend, str):
         declared = getattr(executor, "backend", None)
         if not isinstance(declared, Backend):
@@ -259,6 +273,7 @@ def audit(
         backend.api,
     )
     report.trusted = executor.trusted
+    report.world_size = getattr(executor, "world_size", None)
     work = [(p, d) for p in chosen for d in dtype_list]
     stop_at = None if deadline is None else time.perf_counter() + deadline
     threads_before = torch.get_num_threads()
@@ -331,6 +346,7 @@ def check_case(
     api: str | None = None,
     isolate: bool = True,
     timeout: float = 60.0,
+    world_size: int | None = None,
 ) -> str:
     """Check one case of property ``pid``: ``"pass"``, ``"skip: why"`` or ``"FAIL: why"``.
 
@@ -339,11 +355,7 @@ def check_case(
     behind the trust boundary, so that a crash is a failure rather than the end of the
     reproducer; ``False`` runs it in this process, trusting it.
     """
-    executor: Supervised | InProcess
-    if isolate:
-        executor = Supervised(backend, api)
-    else:
-        executor = InProcess(loader()(backend, api) if isinstance(backend, str) else backend)
+    executor = start_executor(backend, api, isolate=isolate, world_size=world_size)
     backend = executor.backend
     prop = get_property(pid)
     if not prop.applies_to(backend.api):

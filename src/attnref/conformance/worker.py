@@ -45,7 +45,14 @@ from jaxtyping import Shaped
 from torch import Tensor
 
 from attnref._checking import checked_internal, checking_enabled, set_checking
-from attnref.conformance.declarations import Backend, BackendError, declaration, from_declaration
+from attnref.conformance.declarations import (
+    DEFAULT_API,
+    Backend,
+    BackendError,
+    declaration,
+    from_declaration,
+)
+from attnref.conformance.family import FAMILIES
 from attnref.conformance.wire import Rejected, decode, encode
 
 __all__ = [
@@ -62,6 +69,9 @@ __all__ = [
     "Series",
     "Supervised",
     "Unaccepted",
+    "loader",
+    "set_loader",
+    "start_executor",
 ]
 
 
@@ -254,7 +264,7 @@ def _call(backend: Backend, job: dict[str, Any], buffers: tuple[Any, Any] | None
     before = [_fingerprint(t) for _, t in tensors]
     threads = set(threading.enumerate())
     try:
-        out: Any = backend(*args, **kwargs)
+        out: Any = _invoke(backend, args, kwargs)
         if d_out is not None:
             if not isinstance(out, Tensor) or not out.requires_grad:
                 raise RuntimeError("the output does not require grad: no gradient reaches Q, K, V")
@@ -285,6 +295,14 @@ def _call(backend: Backend, job: dict[str, Any], buffers: tuple[Any, Any] | None
         return {"status": "ok", "value": _encode_unsupported(value)}
     except Rejected as e:
         return {"status": "unaccepted", "message": str(e)}
+
+
+def _invoke(backend: Backend, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """One call of the backend, as its family makes it (`ApiFamily.invoke`)."""
+    family = FAMILIES.get(backend.api)
+    if family is not None and family.invoke is not None:
+        return family.invoke(backend, args, kwargs)
+    return backend(*args, **kwargs)
 
 
 def _late_write(out: Any, value: Any, wait: float, left: list[threading.Thread]) -> str | None:
@@ -495,6 +513,7 @@ class Executor(Protocol):
 
     slowest: float
     trusted: bool
+    backend: Backend
 
     def run(self, job: Job | Series | Probe | Any, timeout: float) -> Any:
         """What the job returns. Raises `Raised` (what the backend did wrong),
@@ -745,3 +764,47 @@ class Supervised:
     def __del__(self) -> None:
         with contextlib.suppress(Exception):
             self._stop()
+
+
+def start_executor(
+    backend: Backend | str,
+    api: str | None = None,
+    *,
+    isolate: bool = True,
+    threads: int = 1,
+    memory_limit: int | None = None,
+    world_size: int | None = None,
+) -> "Executor":
+    """Where ``backend``'s code will run, as its family says (`ApiFamily.executor`):
+    by default one supervised worker (``isolate``) or a thread of this process.
+    ``world_size``: the processes one call runs on, for a family that spreads a call
+    over several (None: the family's default). A built-in name given without ``api`` is
+    looked up here to find its family (our code: nothing of the backend's runs).
+
+    Raises:
+        BackendError: the backend cannot be resolved or started, or ``world_size`` is
+            given to a family that runs on one process.
+    """
+    if isinstance(backend, Backend):
+        api = backend.api
+    elif api is None and ":" not in backend:
+        api = loader()(backend, None).api
+    family = FAMILIES.get(api or DEFAULT_API)
+    if family is not None and family.executor is not None:
+        made: Executor = family.executor(
+            backend,
+            api,
+            isolate=isolate,
+            threads=threads,
+            memory_limit=memory_limit,
+            world_size=world_size or family.world_size,
+        )
+        return made
+    if world_size not in (None, 1):
+        raise BackendError(
+            f"world size {world_size}: the {api or DEFAULT_API!r} family runs each call on "
+            "one process"
+        )
+    if isolate:
+        return Supervised(backend, api, threads=threads, memory_limit=memory_limit)
+    return InProcess(loader()(backend, api) if isinstance(backend, str) else backend)
