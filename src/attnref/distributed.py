@@ -36,7 +36,7 @@ from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
-from jaxtyping import Float, Int
+from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
 from attnref import functional as F
@@ -50,10 +50,13 @@ __all__ = [
     "positions",
     "reset_sent_bytes",
     "ring_attention",
+    "send_receive",
     "sent_bytes",
     "shard",
     "shard_spans",
+    "tie",
     "unshard",
+    "visible_keys",
 ]
 
 Sharding = Literal["contiguous", "zigzag"]
@@ -137,11 +140,16 @@ def _peer(group: Group, rank: int) -> int:
     return rank if group is None else dist.get_global_rank(group, rank)
 
 
-def _swap(
-    group: Group, sends: list[Tensor | None], shapes: list[tuple[int, ...] | None], like: Tensor
-) -> list[Tensor | None]:
-    """``sends[d]`` to rank ``d``, and a tensor of ``shapes[s]`` from rank ``s`` (None:
-    nothing either way). Every rank posts its sends and receives at once, so the order
+@checked
+def send_receive(
+    group: Group,
+    sends: list[Float[Tensor, "..."] | None],
+    shapes: list[tuple[int, ...] | None],
+    like: Float[Tensor, "..."],
+) -> list[Float[Tensor, "..."] | None]:
+    """``sends[d]`` to rank ``d``, and a tensor of ``shapes[s]`` (of ``like``'s dtype and
+    device) from rank ``s`` (None: nothing either way); not differentiable (`exchange`
+    is). Every rank posts its sends and receives at once, so the order
     peers answer in cannot deadlock. An empty tensor is neither sent nor received."""
     rank, world = _world(group)
     received: list[Tensor | None] = [None] * world
@@ -180,14 +188,14 @@ class _Exchange(torch.autograd.Function):
         given: list[Tensor | None] = [s if s.dim() else None for s in sends]
         ctx.group = group
         ctx.sent_shapes = [None if s is None else tuple(s.shape) for s in given]
-        got = _swap(group, given, shapes, like)
+        got = send_receive(group, given, shapes, like)
         ctx.like = like.new_empty(0)
         return tuple(like.new_empty(()) if g is None else g for g in got)
 
     @staticmethod
     def backward(ctx: Any, *grads: Tensor) -> tuple[Any, ...]:
         back: list[Tensor | None] = [g if g.dim() else None for g in grads]
-        got = _swap(ctx.group, back, ctx.sent_shapes, ctx.like)
+        got = send_receive(ctx.group, back, ctx.sent_shapes, ctx.like)
         return (None, None, *(ctx.like.new_empty(()) if g is None else g for g in got))
 
 
@@ -206,7 +214,14 @@ class _Tie(torch.autograd.Function):
         return (grad, *zeros)
 
 
-def _tie(out: Tensor, others: list[Tensor]) -> Tensor:
+@checked
+def tie(
+    out: Float[Tensor, "*shape"], others: list[Float[Tensor, "..."]]
+) -> Float[Tensor, "*shape"]:
+    """``out``, made to depend on ``others`` with a zero gradient: a ring step's
+    exchange then runs in every rank's backward alike, whether the rank read the block
+    it received or skipped it (a backward that skips an exchange its peers run
+    deadlocks them)."""
     tied: Tensor = _Tie.apply(out, *others)  # type: ignore[no-untyped-call]
     return tied
 
@@ -273,8 +288,16 @@ def _check(
     return rank, world, lengths
 
 
-def _visible(pos_q: Tensor, pos_k: Tensor, causal: bool, window_size: tuple[int, int]) -> Tensor:
-    """``(Tq, Tk)``: which keys each query sees, by global position."""
+@checked
+def visible_keys(
+    pos_q: Int[Tensor, " Tq"],
+    pos_k: Int[Tensor, " Tk"],
+    causal: bool,
+    window_size: tuple[int, int],
+) -> Bool[Tensor, "Tq Tk"]:
+    """Which keys each query sees, by global position: query ``i`` sees key ``j`` when
+    ``j <= i`` under ``causal``, and ``i - left <= j <= i + right`` in a window ``(left,
+    right)`` (a side of ``-1`` unbounded)."""
     diff = pos_q.unsqueeze(-1) - pos_k.unsqueeze(0)  # i - j
     seen = torch.ones(diff.shape, dtype=torch.bool, device=diff.device)
     if causal:
@@ -380,7 +403,7 @@ def ring_attention(
     lse = wq.new_full((B, h, q.shape[1]), -math.inf)
     for step in range(world):
         owner = (rank - step) % world
-        seen = _visible(pos_q, owner_pos[owner], causal, window_size)
+        seen = visible_keys(pos_q, owner_pos[owner], causal, window_size)
         if bool(seen.any()):  # a block none of these queries sees is passed on unread
             part, part_lse = _attend(wq, kv[..., :D], kv[..., D:], seen, softmax_scale, softcap)
             out, lse = F.merge_attention(out, lse, part, part_lse)
@@ -395,7 +418,7 @@ def ring_attention(
         assert got is not None
         kv = got
         held.append(kv)
-    out = _tie(out, held)  # every exchange in the backward, on every rank
+    out = tie(out, held)  # every exchange in the backward, on every rank
     return _finish(out, lse, sinks, q.dtype, return_lse)
 
 
@@ -432,7 +455,7 @@ def allgather_attention(
         _gather(_wide(k), lengths, sharding, group),
         _gather(_wide(v), lengths, sharding, group),
     )
-    seen = _visible(positions(T, rank, world, sharding), torch.arange(T), causal, window_size)
+    seen = visible_keys(positions(T, rank, world, sharding), torch.arange(T), causal, window_size)
     out, lse = _attend(_wide(q), keys, values, seen, softmax_scale, softcap)
     return _finish(out, lse, sinks, q.dtype, return_lse)
 
@@ -502,11 +525,14 @@ def alltoall_attention(
     # Q, K and V travel as one tensor per pair of ranks (one exchange each way, whose
     # backward every rank runs in the same order): (B, T_local, W, heads of a rank * D)
     hq, hk = h // world, g // world
-    together = torch.cat([_wide(t).reshape(B, T_local, world, -1) for t in (q, k, v)], dim=-1)
+    together = torch.cat(
+        [_wide(t).reshape(B, T_local, world, t.shape[2] // world * t.shape[3]) for t in (q, k, v)],
+        dim=-1,
+    )
     whole = _to_heads(together, lengths, sharding, group).squeeze(2)  # (B, T, ...)
     qs, ks, vs = torch.split(whole, [hq * D, hk * D, hk * Dv], dim=-1)
     qs, ks, vs = qs.reshape(B, T, hq, D), ks.reshape(B, T, hk, D), vs.reshape(B, T, hk, Dv)
-    seen = _visible(torch.arange(T), torch.arange(T), causal, window_size)
+    seen = visible_keys(torch.arange(T), torch.arange(T), causal, window_size)
     out, lse = _attend(qs, ks, vs, seen, softmax_scale, softcap)  # (B, h/W, T, Dv)
     if sinks is not None:
         out = F.apply_sinks(out, lse, sinks[rank * hq : (rank + 1) * hq])

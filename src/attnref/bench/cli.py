@@ -99,12 +99,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument(
         "--api",
-        choices=[name for name, f in FAMILIES.items() if f.bench_backends],
+        choices=[name for name, f in FAMILIES.items() if f.bench_backends or f.bench],
         default="sdpa",
         help="sdpa: dense attention (TFLOP/s); flash-kvcache: one decoding step per call "
         "against --seq cached tokens (decode tokens/s, per --page-size); flash-varlen: a "
         "packed causal prefill of --batch sequences of --seq down to --seq/2 tokens "
-        "(tokens/s). Default: sdpa",
+        "(tokens/s); context-parallel: one causal call sharded over --world-size ranks "
+        "(time, bytes sent and peak memory per rank). Default: sdpa",
+    )
+    p.add_argument(
+        "--world-size",
+        type=int,
+        default=None,
+        metavar="W",
+        help="processes one call runs on, for a family that spreads it over several "
+        "(context-parallel: the ranks; default: the family's)",
     )
     p.add_argument(
         "--page-size",
@@ -138,6 +147,9 @@ def run_cli(args: argparse.Namespace) -> int:
             return _fail(f"--{name.replace('_', '-')} must be >= 1, got {value}")
     if args.warmup < 0:
         return _fail(f"--warmup must be >= 0, got {args.warmup}")
+    bench = get_family(args.api).bench
+    if bench is not None:  # a family with a bench of its own
+        return bench(args, device, seqs, dtypes)
     if args.api != "sdpa":
         return _run_serving(args, device, seqs, dtypes)
     from attnref.conformance.worker import start_forkserver

@@ -95,6 +95,9 @@ class ApiFamily:
     executor: "Callable[..., Executor] | None" = None
     #: the processes one call runs on when the audit names none (``--world-size``)
     world_size: int = 1
+    #: ``attnref bench --api NAME`` when the family has a bench of its own (None: the
+    #: dense or the serving bench): ``bench(args, device, seqs, dtypes) -> exit code``
+    bench: "Callable[[Any, str, list[int], list[str]], int] | None" = None
 
     def check(self, fn: object, spec: str) -> Callable[..., Any]:
         """``fn`` if its signature can take this family's calls, else `BackendError`."""
