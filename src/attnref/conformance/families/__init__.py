@@ -9,7 +9,13 @@ Adding a family is a module here and its line below.
 
 from attnref.conformance import mutants, properties
 from attnref.conformance.declarations import Backend, register_preset
-from attnref.conformance.families import flash, flash_kvcache, flash_varlen, sdpa
+from attnref.conformance.families import (
+    context_parallel,
+    flash,
+    flash_kvcache,
+    flash_varlen,
+    sdpa,
+)
 from attnref.conformance.family import FAMILIES, ApiFamily, family_of, get_family
 from attnref.conformance.mutants import MUTANTS
 from attnref.conformance.properties import PROPERTIES
@@ -41,7 +47,9 @@ def install(*families: ApiFamily) -> dict[str, ApiFamily]:
 
 
 # the families, one line each
-install(sdpa.FAMILY, flash.FAMILY, flash_varlen.FAMILY, flash_kvcache.FAMILY)
+install(
+    sdpa.FAMILY, flash.FAMILY, flash_varlen.FAMILY, flash_kvcache.FAMILY, context_parallel.FAMILY
+)
 
 #: the properties of the kill matrix (docs/kill-matrix.md): those aimed at attention bugs
 MATRIX_PROPERTIES: tuple[str, ...] = properties.matrix_properties()

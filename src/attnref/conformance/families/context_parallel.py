@@ -1,0 +1,1111 @@
+"""The ``context-parallel`` family: attention with the sequence split across the ranks of a
+torch.distributed process group (ring attention, all-gather, Ulysses; docs/distributed.md).
+
+A function of the family is called on every rank with that rank's shard of the
+sequence: ``fn(q, k, v, *, group, causal=False, softmax_scale=None,
+sharding="contiguous", return_lse=False)`` (``window_size``, ``softcap`` and ``sinks``
+where declared), ``(B, T_local, h, D)`` tensors, every position global
+(`attnref.distributed` has the layout and three references). Returns the rank's shard
+of the output ``(B, T_local, h, Dv)``, and ``lse (B, h, T_local)`` with ``return_lse``.
+
+How the audit runs it: the judge stays one process, and starts one supervised worker per
+rank (`RankGroup`, the family's executor), each behind the trust boundary. The workers
+form their own process group (gloo on the CPU, NCCL on CUDA) at a port the judge picks;
+every call of a case is cut into the ranks' shards by the judge, each rank's worker
+calls the backend with its shard and the group (`ApiFamily.invoke` here), and the judge
+puts the shards of the output, the LSE and the gradients back together and judges them
+as one dense call, against the single-device float64 oracle with the usual bounds,
+search and shrinking. A rank that raises, hangs or dies fails the case with its rank
+named; the group is then started again, so the audit goes on, and closing it kills every
+rank's process.
+
+Everything of the family is here: the convention, the executor, the preset
+(`CONTEXT_PARALLEL`), the built-in backends (the three references), the properties only
+sharded calls can have and the class-30 mutants.
+"""
+
+import contextlib
+import math
+import queue
+import socket
+import threading
+from collections.abc import Callable
+from dataclasses import replace
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from hypothesis import strategies as st
+from jaxtyping import Float
+from torch import Tensor
+
+from attnref import distributed as D
+from attnref import functional as F
+from attnref._checking import checked
+from attnref.conformance.cases import Case, Inputs
+from attnref.conformance.checks import Context, agree_grads, law
+from attnref.conformance.declarations import Backend, BackendError, Capabilities
+from attnref.conformance.families.flash import flash_back, flash_layout
+from attnref.conformance.family import ApiFamily, Arguments, pair, variant_kwargs
+from attnref.conformance.mutants import Mutant
+from attnref.conformance.oracle import close, expect_lse
+from attnref.conformance.profiles import Profile
+from attnref.conformance.properties import Property, some_variants
+from attnref.conformance.strategies import case_strategy
+from attnref.conformance.verdicts import Failure, Skip
+from attnref.conformance.worker import (
+    BackendDied,
+    Job,
+    Probe,
+    Raised,
+    RemoteError,
+    Series,
+    Supervised,
+    Unaccepted,
+)
+
+__all__ = ["CONTEXT_PARALLEL", "FAMILY", "RankGroup"]
+
+NAME = "context-parallel"
+#: the ranks an audit starts when ``--world-size`` names none
+DEFAULT_WORLD = 4
+#: the ``context-parallel`` family's preset: the convention of docs/variants.md, self-
+#: attention (one sequence, queries and keys alike), causal by global position, no mask,
+#: the LSE through ``return_lse``; no variants, no dropout
+CONTEXT_PARALLEL = Capabilities(
+    family=NAME,
+    bool_mask=False,
+    float_mask=False,
+    causal_alignments=("top_left", "bottom_right"),  # one and the same when Tq = Tk
+    self_attention_only=True,
+    dropout=False,
+    zero_head_dim=False,
+    lse=True,
+)
+
+
+# ----------------------------------------------------------------- the convention
+
+
+def _build(caps: Capabilities, inputs: Inputs, lse: bool, overrides: dict[str, Any]) -> Arguments:
+    """The whole sequence's call, ``(B, T, h, D)`` tensors and the keywords; the executor
+    cuts it into the ranks' shards. A dense case runs on every rank, sharded zigzag when
+    causal (the layout that balances causal work) and contiguous otherwise; a property
+    of the family picks the world size (``_world``) and the sharding itself."""
+    if inputs.attn_mask is not None:
+        raise Skip("attn_mask: the context-parallel convention takes no mask")
+    if inputs.query.shape[-2] != inputs.key.shape[-2]:
+        raise Skip("Tq != Tk: context-parallel attention is one sequence's self-attention")
+    kwargs: dict[str, Any] = {
+        "causal": inputs.causal is not None,
+        "softmax_scale": inputs.scale,
+        "sharding": "zigzag" if inputs.causal is not None else "contiguous",
+    }
+    kwargs.update(variant_kwargs(caps, inputs))
+    if inputs.window is not None:
+        kwargs["window_size"] = inputs.window
+    if lse:
+        kwargs["return_lse"] = True
+    kwargs.update(overrides)
+    args = tuple(flash_layout(t, inputs) for t in (inputs.query, inputs.key, inputs.value))
+    return args, kwargs
+
+
+def _read(out: object, inputs: Inputs, lse: bool) -> tuple[object, object | None]:
+    """The whole sequence's output ``(B, T, h, Dv)`` (and LSE ``(B, h, T)``), as the
+    executor put it together, in the audit's layouts."""
+    first, lse_out = pair(out, "return_lse=True") if lse else (out, None)
+    shape = (*inputs.query.shape[:-1], inputs.value.shape[-1])
+    B, h, T = math.prod(shape[:-3]), shape[-3], shape[-2]
+    if isinstance(first, Tensor):
+        if tuple(first.shape) != (B, T, h, shape[-1]):
+            raise Failure(f"returned shape {tuple(first.shape)}, expected {(B, T, h, shape[-1])}")
+        first = first.transpose(1, 2).reshape(shape)
+    if isinstance(lse_out, Tensor):
+        if tuple(lse_out.shape) != (B, h, T):
+            raise Failure(
+                f"returned a log-sum-exp of shape {tuple(lse_out.shape)}, expected {(B, h, T)}"
+            )
+        lse_out = lse_out.reshape(shape[:-1])
+    return first, lse_out
+
+
+def _native_causal(caps: Capabilities, inputs: Inputs) -> bool:
+    return inputs.causal is not None
+
+
+# ------------------------------------------------------------- in each rank's worker
+
+#: this worker's process group: (port, the subgroups of the first n ranks, by n)
+_GROUP: dict[str, Any] = {}
+
+
+def _group(rank: int, ranks: int, port: int, timeout: float, world: int, cuda: bool) -> Any:
+    """The subgroup of the first ``world`` of the ``ranks`` ranks, the process group
+    joined first (at ``port``; every rank makes every subgroup, in one order)."""
+    if _GROUP.get("port") != port:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        if cuda:
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+        dist.init_process_group(
+            "nccl" if cuda else "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=ranks,
+            # shorter than the judge's timeout: a rank waiting for a peer that hangs
+            # answers with an error of its group first, and the hung one is found out
+            timeout=timedelta(seconds=max(timeout / 2, 1.0)),
+        )
+        _GROUP.clear()
+        _GROUP["port"] = port
+        _GROUP["sub"] = {n: dist.new_group(list(range(n))) for n in range(1, ranks + 1)}
+    return _GROUP["sub"][world]
+
+
+def _invoke(backend: Backend, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """One rank's call: join the group if this worker has not (the judge's first job to
+    every rank does only that), then the backend on this rank's shard and its group."""
+    kwargs = dict(kwargs)
+    setup = {k: kwargs.pop(k) for k in ("_rank", "_ranks", "_port", "_timeout", "_world")}
+    joining = kwargs.pop("_join", False)
+    group = _group(
+        setup["_rank"],
+        setup["_ranks"],
+        setup["_port"],
+        setup["_timeout"],
+        setup["_world"],
+        args[0].is_cuda,
+    )
+    if joining:
+        dist.barrier(group=group)
+        return args[0].new_zeros(())
+    bench = kwargs.pop("_bench", None)
+    if bench is not None:
+        return _bench_rank(backend, args, kwargs, group, bench)
+    return backend(*args, group=group, **kwargs)
+
+
+class _Counted:
+    """Bytes this rank hands torch.distributed to send, while entered: the point-to-point
+    sends (``isend``, ``send``, and so ``batch_isend_irecv``'s) exactly, and the
+    collectives by what a ring algorithm sends (all-gather and all-to-all: what goes to
+    the other ranks; all-reduce: ``2 (W - 1) / W`` of the tensor). The functions are
+    wrapped where torch.distributed defines them; a kernel that holds a reference to one
+    taken before the bench ran is not seen."""
+
+    NAMES = ("isend", "send", "all_gather", "all_to_all", "all_reduce")
+
+    def __init__(self, group: Any) -> None:
+        self.world = dist.get_world_size(group)
+        self.sent = 0
+        self.saved: dict[str, Any] = {}
+
+    @staticmethod
+    def _bytes(t: Any) -> int:
+        return int(t.numel() * t.element_size()) if isinstance(t, Tensor) else 0
+
+    def __enter__(self) -> "_Counted":
+        from torch.distributed import distributed_c10d as c10d
+
+        w = self.world
+        counts: dict[str, Callable[..., int]] = {
+            "isend": lambda t, *a, **k: self._bytes(t),
+            "send": lambda t, *a, **k: self._bytes(t),
+            "all_gather": lambda out, t, *a, **k: self._bytes(t) * (w - 1),
+            "all_to_all": lambda out, ins, *a, **k: sum(map(self._bytes, ins)) * (w - 1) // w,
+            "all_reduce": lambda t, *a, **k: 2 * (w - 1) * self._bytes(t) // w,
+        }
+        for name in self.NAMES:
+            real = getattr(c10d, name)
+            self.saved[name] = real
+
+            def counted(*a: Any, _real: Any = real, _n: str = name, **k: Any) -> Any:
+                self.sent += counts[_n](*a, **k)
+                return _real(*a, **k)
+
+            setattr(c10d, name, counted)  # where P2POp checks its op
+            setattr(dist, name, counted)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        from torch.distributed import distributed_c10d as c10d
+
+        for name, real in self.saved.items():
+            setattr(c10d, name, real)
+            setattr(dist, name, real)
+
+
+def _bench_rank(
+    backend: Backend, args: tuple[Any, ...], kwargs: dict[str, Any], group: Any, how: Any
+) -> Tensor:
+    """One rank's bench: ``runs`` timed calls after ``warmup``, every rank starting each
+    at a barrier; then the bytes one call sends and the memory it adds at its peak.
+    Returns ``[median seconds, bytes sent, peak bytes (-1: not measured)]``."""
+    import statistics
+    import time
+
+    from attnref.bench.timing import peak_bytes
+
+    def call() -> Any:
+        return backend(*args, group=group, **kwargs)
+
+    times = []
+    with torch.no_grad():
+        for i in range(int(how["warmup"]) + int(how["runs"])):
+            dist.barrier(group=group)
+            t0 = time.perf_counter()
+            call()
+            if i >= int(how["warmup"]):
+                times.append(time.perf_counter() - t0)
+        with _Counted(group) as counted:
+            call()
+        peak = peak_bytes(call, args[0].device.type) if how.get("memory", True) else -1
+    return torch.tensor([statistics.median(times), counted.sent, -1 if peak is None else peak],
+                        dtype=torch.float64)  # fmt: skip
+
+
+# ---------------------------------------------------------------- the judge's side
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _is_communication(error: BaseException) -> bool:
+    """Whether a rank's error is its group failing it (a peer that died or left), not a
+    fault of its own."""
+    text = str(error)
+    return any(w in text for w in ("gloo", "Gloo", "NCCL", "Connection", "connection", "peer"))
+
+
+def _named(rank: int, error: BaseException) -> BaseException:
+    """``error`` with the rank it happened on in its message."""
+    if isinstance(error, Raised):
+        inner = error.error
+        if isinstance(inner, RemoteError):
+            return Raised(
+                RemoteError(inner.type_name, f"rank {rank}: {inner}", inner.traceback_text)
+            )
+        return Raised(type(inner)(f"rank {rank}: {inner}"))
+    if isinstance(error, TimeoutError | BackendDied):
+        return type(error)(f"rank {rank}: {error}")
+    return error
+
+
+class RankGroup:
+    """The family's executor: one supervised worker per rank, behind the trust boundary.
+
+    ``world_size`` workers are started (each imports the backend, and the first sends its
+    declaration), then joined into a process group at a free local port. `run` cuts a
+    job into the ranks' shards (``sharding`` and ``_world`` in its keywords), runs them
+    at once, and puts the results back together. After a rank fails, every rank is
+    started again before the next job, in a new group: a group a rank left is broken.
+    """
+
+    trusted = False
+
+    def __init__(
+        self,
+        backend: Backend | str,
+        api: str | None = None,
+        *,
+        isolate: bool = True,
+        threads: int = 1,
+        memory_limit: int | None = None,
+        world_size: int = DEFAULT_WORLD,
+    ) -> None:
+        if not isolate:
+            raise BackendError(
+                "the context-parallel family runs one process per rank: --in-process (a "
+                "thread of the judge) cannot host a process group"
+            )
+        if not 1 <= world_size <= 64:
+            raise BackendError(f"--world-size must be between 1 and 64, got {world_size}")
+        self.spec = backend if isinstance(backend, str) else backend.spec or backend.name
+        self.world_size = world_size
+        self.threads, self.memory_limit = threads, memory_limit
+        self.slowest = 0.0
+        self.restarts = 0
+        self.history: list[tuple[Tensor, str]] = []
+        self._ranks: list[Supervised] = []
+        self._port = 0
+        self._joined = -1
+        self._start()
+        declared = self._ranks[0].backend
+        self.backend = declared if isinstance(backend, str) else backend
+        if self.backend.api != NAME:
+            self.close()
+            raise BackendError(f"{self.spec} is a backend of the {self.backend.api!r} family")
+
+    def _start(self) -> None:
+        self._stop()
+        self._port = _free_port()
+        try:
+            self._ranks = [
+                Supervised(self.spec, NAME, threads=self.threads, memory_limit=self.memory_limit)
+                for _ in range(self.world_size)
+            ]
+        except BaseException:
+            self._stop()
+            raise
+
+    def _stop(self) -> None:
+        ranks, self._ranks = self._ranks, []
+        for r in ranks:
+            r.close()
+
+    def close(self) -> None:
+        self._stop()
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self._stop()
+
+    # ------------------------------------------------------------------ the jobs
+
+    def _setup(self, rank: int, world: int, timeout: float) -> dict[str, Any]:
+        return {
+            "_rank": rank,
+            "_ranks": self.world_size,
+            "_port": self._port,
+            "_timeout": timeout,
+            "_world": world,
+        }
+
+    def _shard_call(self, job: Job, rank: int, world: int, timeout: float) -> Job:
+        kwargs = dict(job.kwargs)
+        kwargs.pop("_world", None)
+        sharding = kwargs.get("sharding", "contiguous")
+        args = tuple(
+            D.shard(a, rank, world, sharding) if i < 3 and isinstance(a, Tensor) else a
+            for i, a in enumerate(job.args)
+        )
+        d_out = None if job.d_out is None else D.shard(job.d_out, rank, world, sharding)
+        kwargs.update(self._setup(rank, world, timeout))
+        return Job(args, kwargs, d_out, job.writable, job.recheck)
+
+    def _world_of(self, job: Job) -> int:
+        asked = job.kwargs.get("_world") or self.world_size
+        return max(1, min(int(asked), self.world_size))
+
+    def _gang(self, jobs: list[Any], timeout: float) -> list[Any]:
+        """Each rank's job at once (``jobs[r]`` for rank ``r``); the results, or the
+        failure of the rank that caused it (with its rank). A rank's failure stops the
+        rest: they are killed, and every rank is started again before the next job."""
+        answers: queue.Queue[tuple[int, bool, Any]] = queue.Queue()
+        ranks = self._ranks
+
+        def work(r: int) -> None:
+            try:
+                answers.put((r, True, ranks[r].run(jobs[r], timeout)))
+            except BaseException as e:
+                answers.put((r, False, e))
+
+        threads = [threading.Thread(target=work, args=(r,), daemon=True) for r in range(len(jobs))]
+        for t in threads:
+            t.start()
+        results: dict[int, Any] = {}
+        failed: dict[int, BaseException] = {}
+        while len(results) + len(failed) < len(jobs):
+            try:
+                r, ok, value = answers.get(timeout=timeout + 30)
+            except queue.Empty:  # a worker's own timeout should have come first
+                failed.setdefault(-1, TimeoutError(f"no rank answered within {timeout:g} s"))
+                break
+            if ok:
+                results[r] = value
+                continue
+            failed[r] = value
+            if not (isinstance(value, Raised) and _is_communication(value.error)):
+                # a fault of its own: the others may be waiting for it; a moment, then stop
+                with contextlib.suppress(queue.Empty):
+                    while len(results) + len(failed) < len(jobs):
+                        r2, ok2, value2 = answers.get(timeout=1.0)
+                        (results if ok2 else failed)[r2] = value2
+                break
+            # its group failed it: wait for the rank at fault to answer, raise, die or
+            # time out (the group's own timeout is half the judge's)
+        if not failed:
+            self.slowest = max(self.slowest, *(x.slowest for x in ranks[: len(jobs)]))
+            return [results[r] for r in range(len(jobs))]
+        self._stop()  # the group is broken: every rank starts again, in a new one
+        self.restarts += 1
+        for t in threads:
+            t.join(10)
+        raise self._cause(failed)
+
+    @staticmethod
+    def _cause(failed: dict[int, BaseException]) -> BaseException:
+        """The failure that names the rank at fault: one that died, then one that raised
+        an error of its own, then one that hung, then one its group failed."""
+
+        def rank_of(item: tuple[int, BaseException]) -> tuple[int, int]:
+            r, e = item
+            if isinstance(e, BackendDied):
+                order = 0
+            elif isinstance(e, Raised) and not _is_communication(e.error):
+                order = 1
+            elif isinstance(e, TimeoutError):
+                order = 2
+            else:
+                order = 3
+            return order, r
+
+        r, error = min(failed.items(), key=rank_of)
+        others = sorted(x for x in failed if x not in (r, -1))
+        named = _named(r, error) if r >= 0 else error
+        if others and isinstance(named, Raised | BackendDied | TimeoutError):
+            also = f" (then rank{'s' if len(others) > 1 else ''} {', '.join(map(str, others))})"
+            if isinstance(named, Raised):
+                inner = named.error
+                if isinstance(inner, RemoteError):
+                    return Raised(
+                        RemoteError(inner.type_name, f"{inner}{also}", inner.traceback_text)
+                    )
+                return Raised(type(inner)(f"{inner}{also}"))
+            return type(named)(f"{named}{also}")
+        return named
+
+    def _join(self, timeout: float, device: torch.device) -> None:
+        """The first job of a group: every rank joins it (the backend is not called)."""
+        like = torch.zeros((1, 1, 1, 1), device=device)
+        jobs = [
+            Job((like, like, like), {**self._setup(r, self.world_size, timeout), "_join": True})
+            for r in range(self.world_size)
+        ]
+        self._gang(jobs, timeout)
+        self._joined = self._port
+
+    def _ensure(self, timeout: float, device: torch.device) -> None:
+        if not self._ranks:
+            self._start()
+        if self._joined != self._port:
+            self._join(timeout, device)
+
+    def run(self, job: Any, timeout: float) -> Any:
+        if isinstance(job, Probe):
+            if not self._ranks:
+                self._start()
+            return self._ranks[0].run(job, timeout)
+        first = job.calls[0] if isinstance(job, Series) else job
+        self._ensure(timeout, first.args[0].device)
+        if isinstance(job, Series):
+            world = max(self._world_of(c) for c in job.calls)
+            per_rank = [
+                Series(tuple(self._shard_call(c, r, world, timeout) for c in job.calls), job.into)
+                for r in range(world)
+            ]
+            replies = self._gang(per_rank, timeout)
+            return [
+                self._combine(job.calls[i], [rep[i] for rep in replies], series=True)
+                for i in range(len(job.calls))
+            ]
+        assert isinstance(job, Job)
+        world = self._world_of(job)
+        parts = self._gang(
+            [self._shard_call(job, r, world, timeout) for r in range(world)], timeout
+        )
+        return self._combine(job, parts)
+
+    # --------------------------------------------------------------- the answers
+
+    def _combine(self, job: Job, parts: list[Any], series: bool = False) -> Any:
+        """The ranks' results as one call's: the output (and LSE) of the whole sequence,
+        or its gradients. In a series each part is a reply the caller reads."""
+        if series:
+            failed = [
+                (r, p)
+                for r, p in enumerate(parts)
+                if type(p) is not dict or p.get("status") != "ok"
+            ]
+            if failed:
+                r, p = failed[0]
+                if type(p) is dict and type(p.get("message")) is str:
+                    p = {**p, "message": f"rank {r}: {p['message']}"}
+                return p
+            parts = [p["value"] for p in parts]
+        sharding = job.kwargs.get("sharding", "contiguous")
+        B, T, h = job.args[0].shape[:3]
+        Dv = job.args[2].shape[-1]
+        world = len(parts)
+        lengths = [len(D.positions(T, r, world, sharding)) for r in range(world)]
+        try:
+            value = self._gather(job, parts, lengths, sharding, (B, h, Dv))
+        except _BadPartError as e:
+            if series:
+                return {"status": "unaccepted", "message": str(e)}
+            raise Raised(Unaccepted(str(e))) from None
+        return {"status": "ok", "value": value} if series else value
+
+    def _gather(
+        self,
+        job: Job,
+        parts: list[Any],
+        lengths: list[int],
+        sharding: str,
+        dims: tuple[int, int, int],
+    ) -> Any:
+        B, h, Dv = dims
+        ranked = list(enumerate(zip(parts, lengths, strict=True)))
+        if job.d_out is not None:
+            grads: list[Tensor | None] = []
+            for i, arg in enumerate(job.args[:3]):
+                pieces = [_piece(p, i, r, (B, n, *arg.shape[2:])) for r, (p, n) in ranked]
+                # a rank with an empty shard has nothing to differentiate: its zeros
+                pieces = [
+                    arg.new_zeros((B, 0, *arg.shape[2:])) if x is None and n == 0 else x
+                    for x, (_, (_, n)) in zip(pieces, ranked, strict=True)
+                ]
+                whole = [x for x in pieces if x is not None]
+                grads.append(D.unshard(whole, sharding) if len(whole) == len(pieces) else None)
+            sinks = job.kwargs.get("sinks")
+            if isinstance(sinks, Tensor):
+                each = [_sink_grad(p, r, tuple(sinks.shape)) for r, (p, _) in ranked]
+                each = [
+                    sinks.new_zeros(sinks.shape) if x is None and n == 0 else x
+                    for x, (_, (_, n)) in zip(each, ranked, strict=True)
+                ]
+                given = [x for x in each if x is not None]
+                grads.append(torch.stack(given).sum(0) if len(given) == len(each) else None)
+            return tuple(grads)
+        if job.kwargs.get("return_lse"):
+            outs, lses = [], []
+            for r, (p, n) in ranked:
+                if not isinstance(p, tuple | list) or len(p) < 2:
+                    kind = type(p).__name__
+                    raise _BadPartError(
+                        f"rank {r}: asked for the log-sum-exp (return_lse=True), returned {kind}"
+                    )
+                outs.append(_tensor(p[0], r, (B, n, h, Dv), "output (B, T_local, h, Dv)"))
+                lses.append(_tensor(p[1], r, (B, h, n), "log-sum-exp (B, h, T_local)"))
+            return D.unshard(outs, sharding), D.unshard(lses, sharding, dim=2)
+        what = "output (B, T_local, h, Dv)"
+        return D.unshard([_tensor(p, r, (B, n, h, Dv), what) for r, (p, n) in ranked], sharding)
+
+
+class _BadPartError(Exception):
+    """A rank returned something that cannot be put together with the others."""
+
+
+def _tensor(x: object, rank: int, shape: tuple[int, ...], what: str) -> Tensor:
+    """A rank's part, if it is a floating-point tensor of ``shape``."""
+    if not isinstance(x, Tensor):
+        raise _BadPartError(f"rank {rank}: returned a {type(x).__name__} as its {what}")
+    if tuple(x.shape) != shape:
+        got = tuple(x.shape)
+        raise _BadPartError(f"rank {rank}: returned a {what} of shape {got}, expected {shape}")
+    if not x.is_floating_point():
+        raise _BadPartError(f"rank {rank}: returned a {what} of dtype {x.dtype}")
+    return x
+
+
+def _piece(p: object, i: int, rank: int, shape: tuple[int, ...]) -> Tensor | None:
+    """A rank's gradient of argument ``i`` (None where it gave none)."""
+    if not isinstance(p, tuple | list) or len(p) < 3:
+        raise _BadPartError(f"rank {rank}: its backward returned {type(p).__name__}")
+    g = p[i]
+    return None if g is None else _tensor(g, rank, shape, f"{('dQ', 'dK', 'dV')[i]} shard")
+
+
+def _sink_grad(p: object, rank: int, shape: tuple[int, ...]) -> Tensor | None:
+    if not isinstance(p, tuple | list) or len(p) < 4 or p[3] is None:
+        return None
+    return _tensor(p[3], rank, shape, "dSinks")
+
+
+def _bench(args: Any, device: str, seqs: list[int], dtypes: list[str]) -> int:
+    """``attnref bench --api context-parallel``: one causal zigzag call of every backend
+    at every length and dtype over ``--world-size`` ranks (each in its worker). Per rank:
+    the median time, the bytes it sends against a ring's ``2 (W - 1) / W`` of K (K and V
+    of ``Dv = D``), and the memory it adds at its peak against one rank holding the whole
+    sequence. Each call's output is first checked against the float64 reference; the
+    ranks' clocks against the judge's."""
+    import json
+    from pathlib import Path
+
+    from attnref.devices import DTYPES
+
+    world = args.world_size or DEFAULT_WORLD
+    backends = list(
+        args.backends or ("ring-reference", "allgather-reference", "alltoall-reference")
+    )
+    B, Dh = args.batch or 1, args.head_dim[0]
+    h = args.heads or 8
+    g = args.kv_heads or h
+    timeout = 600.0
+    rows: list[dict[str, Any]] = []
+    how = {"warmup": args.warmup, "runs": args.runs, "memory": not args.no_memory}
+    for spec in backends:
+        try:
+            ranks = RankGroup(spec, NAME, world_size=world)
+        except BackendError as e:
+            print(f"attnref bench: {e}")
+            rows.append({"backend": spec, "status": "error", "note": str(e)})
+            continue
+        try:
+            for dtype_name in dtypes:
+                for T in seqs:
+                    rows.append(_bench_case(ranks, spec, DTYPES[dtype_name], T, (B, h, g, Dh),
+                                            world, how, timeout, device))  # fmt: skip
+                    print(_bench_line(rows[-1]), flush=True)
+        finally:
+            ranks.close()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "context-parallel.json"
+    meta = {"world_size": world, "device": device, "runs": args.runs, "warmup": args.warmup,
+            "B": B, "h": h, "g": g, "Dh": Dh, "causal": True, "sharding": "zigzag"}  # fmt: skip
+    path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
+    print(f"written: {path}")
+    return 1 if any(r["status"] != "ok" for r in rows) else 0
+
+
+def _bench_line(r: dict[str, Any]) -> str:
+    if r["status"] != "ok":
+        where = f"{r.get('dtype', '')} T={r.get('T', '')}"
+        return f"{r['backend']:<22} {where}: {r['status']}: {r.get('note', '')}"
+    return (
+        f"{r['backend']:<22} {r['dtype']:<8} T={r['T']:<6} W={r['world_size']}  "
+        f"{r['ms']:8.2f} ms  sent/rank {r['sent_per_rank'] / 2**20:8.3f} MiB "
+        f"(ring: {r['ring_bytes'] / 2**20:.3f} MiB, x{r['sent_vs_ring']:.2f})  "
+        f"peak/rank {r['peak_per_rank'] / 2**20:8.1f} MiB "
+        f"(one rank: {r['peak_unsharded'] / 2**20:.1f} MiB)"
+    )
+
+
+def _bench_case(
+    ranks: RankGroup,
+    spec: str,
+    dtype: torch.dtype,
+    T: int,
+    dims: tuple[int, int, int, int],
+    world: int,
+    how: dict[str, Any],
+    timeout: float,
+    device: str,
+) -> dict[str, Any]:
+    import time
+
+    B, h, g, Dh = dims
+    gen = torch.Generator().manual_seed(T)
+    q = torch.randn(B, T, h, Dh, generator=gen).to(device=device, dtype=dtype)
+    k = torch.randn(B, T, g, Dh, generator=gen).to(device=device, dtype=dtype)
+    v = torch.randn(B, T, g, Dh, generator=gen).to(device=device, dtype=dtype)
+    row: dict[str, Any] = {"backend": spec, "dtype": str(dtype).removeprefix("torch."), "T": T,
+                           "world_size": world}  # fmt: skip
+    kwargs = {"causal": True, "sharding": "zigzag"}
+    try:
+        out = ranks.run(Job((q, k, v), dict(kwargs)), timeout)
+        q64, k64, v64 = (t.double().transpose(1, 2) for t in (q, k, v))
+        want = F.scaled_dot_product_attention(
+            q64, k64, v64, is_causal=True, enable_gqa=h != g
+        ).transpose(1, 2)
+        err = float((out.double() - want).abs().max()) if isinstance(out, Tensor) else math.inf
+        bound = 1e-5 if dtype in (torch.float64, torch.float32) else 5e-2
+        if not err <= bound:
+            return {**row, "status": "wrong", "note": f"max error {err:.3g} > {bound:g}"}
+        measured = []
+        for w in (world, 1):
+            jobs = [
+                ranks._shard_call(Job((q, k, v), {**kwargs, "_bench": how}), r, w, timeout)
+                for r in range(w)
+            ]
+            t0 = time.perf_counter()
+            parts = ranks._gang(jobs, timeout)
+            wall = time.perf_counter() - t0
+            measured.append((torch.stack([p.double() for p in parts]), wall))
+    except (Raised, BackendDied, TimeoutError, BackendError) as e:
+        return {**row, "status": "error", "note": str(e)[:300]}
+    (spread, wall), (alone, _) = measured
+    median = float(spread[:, 0].max())
+    if median * how["runs"] > wall:
+        return {**row, "status": "flagged", "note": "a rank's clock ran faster than the judge's"}
+    ring = 2 * (world - 1) / world * k.numel() * k.element_size()
+    sent = float(spread[:, 1].max())
+    return {
+        **row,
+        "status": "ok",
+        "ms": median * 1e3,
+        "ms_unsharded": float(alone[0, 0]) * 1e3,
+        "sent_per_rank": sent,
+        "sent_mean": float(spread[:, 1].mean()),
+        "ring_bytes": ring,
+        "sent_vs_ring": sent / ring if ring else math.nan,
+        "peak_per_rank": float(spread[:, 2].max()),
+        "peak_unsharded": float(alone[0, 2]),
+    }
+
+
+def _executor(backend: Backend | str, api: str | None, **options: Any) -> RankGroup:
+    return RankGroup(backend, api, **options)
+
+
+# ---------------------------------------------------------------- the builtins
+
+
+def _caps(**changes: Any) -> Capabilities:
+    return replace(
+        CONTEXT_PARALLEL, window=True, softcap=True, sinks=True, masked_nan="contained", **changes
+    )
+
+
+def _builtins() -> list[Backend]:
+    return [
+        Backend(
+            "ring-reference",
+            D.ring_attention,
+            "attnref.distributed.ring_attention: K/V blocks around the ring, merged by LSE",
+            _caps(),
+            api=NAME,
+        ),
+        Backend(
+            "allgather-reference",
+            D.allgather_attention,
+            "attnref.distributed.allgather_attention: K and V gathered on every rank",
+            _caps(),
+            api=NAME,
+        ),
+        Backend(
+            "alltoall-reference",
+            D.alltoall_attention,
+            "attnref.distributed.alltoall_attention (Ulysses): heads re-sharded by all-to-all",
+            _caps(refuses=("splits the heads across ranks",)),
+            api=NAME,
+        ),
+    ]
+
+
+# ---------------------------------------------------------------- the properties
+
+
+def _cases(name: str) -> Callable[[Profile, Capabilities], st.SearchStrategy[Case]]:
+    """One sequence's self-attention (GQA, any length: often not a multiple of ``2W``),
+    causal or not, with the declared variants, at a world size of 1 to 4 (those above
+    ``--world-size`` run at it) and either sharding."""
+
+    def cases(p: Profile, c: Capabilities) -> st.SearchStrategy[Case]:
+        @st.composite
+        def draw(draw: st.DrawFn) -> Case:
+            case = draw(
+                case_strategy(
+                    name,
+                    p,
+                    c,
+                    causal=st.sampled_from((None, "bottom_right")),
+                    variants=some_variants(replace(c, alibi=False)),
+                )
+            )
+            world = draw(st.integers(1, 4))
+            sharding = draw(st.sampled_from(D.SHARDINGS))
+            return replace(case, Tq=case.Tk, options=(("world", world), ("sharding", sharding)))
+
+        return draw()
+
+    return cases
+
+
+def _over(ctx: Context, case: Case) -> tuple[dict[str, Any], str]:
+    started = int(getattr(ctx.executor, "world_size", 1))
+    world = min(int(case.option("world", started)), started)
+    sharding = str(case.option("sharding", "contiguous"))
+    return {"_world": world, "sharding": sharding}, f"world size {world}, {sharding}"
+
+
+def _agreement(ctx: Context, case: Case) -> None:
+    """The output (and the LSE) put together from every rank's shard agree with the
+    single-device oracle."""
+    inputs = ctx.build(case)
+    over, where = _over(ctx, case)
+    if not ctx.caps.lse:
+        ctx.agree(inputs, f"output ({where})", **over)
+        return
+    out, got = ctx.run_lse(inputs, **over)
+    exp = ctx.expect(inputs)
+    with ctx.naming_the_row(inputs):
+        close(out.to(torch.float64), exp.value, *exp.bounds(), f"output ({where})")
+    want = expect_lse(inputs, ctx.caps.empty_lse)
+    finite = torch.isfinite(want.value)
+    with ctx.naming_the_row(inputs):
+        close(
+            got.to(torch.float64),
+            want.value,
+            *want.bounds(finite),
+            f"log-sum-exp ({where})",
+            sel=finite,
+        )
+
+
+def _gradients(ctx: Context, case: Case) -> None:
+    """dQ, dK and dV put together from every rank's shard (and dSinks summed over the
+    ranks) agree with the oracle's: each gradient arrived on the rank that owns it."""
+    agree_grads(ctx, case, ctx.build(case), **_over(ctx, case)[0])
+
+
+def _world_invariance(ctx: Context, case: Case) -> None:
+    """The output does not depend on the world size or the sharding: the drawn one
+    against one rank holding the whole sequence."""
+    inputs = ctx.build(case)
+    over, where = _over(ctx, case)
+    started = int(getattr(ctx.executor, "world_size", 1))
+    if over["_world"] == 1 and over["sharding"] == "contiguous":
+        over, where = {"_world": started, "sharding": "zigzag"}, f"world size {started}, zigzag"
+    if over["_world"] == 1 and started == 1:
+        raise Skip("one rank started: no other world size to compare")
+    alone = ctx.run(inputs, _world=1, sharding="contiguous")
+    spread = ctx.run(inputs, **over)
+    law(ctx, spread, inputs, alone, inputs, f"{where} against one rank")
+
+
+def _needs_gradients(caps: Capabilities) -> str | None:
+    return None if caps.gradients else "gradients not declared"
+
+
+def _examples(p: Profile, c: Capabilities) -> list[Case]:
+    """Where the class-30 bugs show: lengths that leave the last shard short or empty,
+    causal zigzag (the diagonal blocks and the chunk order), GQA, every world size."""
+    base = [
+        Case("cp_zigzag_causal", batch=(1,), h=4, g=2, Tq=13, Tk=13, causal="bottom_right",
+             options=(("world", 4), ("sharding", "zigzag"))),
+        Case("cp_contiguous_causal", batch=(2,), h=2, g=2, Tq=9, Tk=9, causal="bottom_right",
+             options=(("world", 3), ("sharding", "contiguous"))),
+        Case("cp_short_last", batch=(1,), h=2, g=1, Tq=10, Tk=10,
+             options=(("world", 4), ("sharding", "contiguous"))),
+        Case("cp_empty_chunk", batch=(1,), h=2, g=2, Tq=7, Tk=7, causal="bottom_right",
+             options=(("world", 4), ("sharding", "zigzag"))),
+        Case("cp_hot", batch=(1,), h=2, g=2, Tq=12, Tk=12, amp=6.0, causal="bottom_right",
+             options=(("world", 2), ("sharding", "zigzag"))),
+    ]  # fmt: skip
+    if c.sinks:
+        base.append(
+            Case("cp_sinks", batch=(1,), h=2, g=2, Tq=11, Tk=11, sinks=True,
+                 options=(("world", 4), ("sharding", "zigzag")))
+        )  # fmt: skip
+    return [replace(x, seed=400 + i) for i, x in enumerate(base)]
+
+
+PROPERTIES: tuple[Property, ...] = (
+    Property(
+        "cp_agreement",
+        "the output and LSE put together from every rank's shard agree with the "
+        "single-device oracle, at world sizes 1 to 4 and both shardings",
+        (30,),
+        _cases("cp_agreement"),
+        _agreement,
+        examples=_examples,
+        families=(NAME,),
+    ),
+    Property(
+        "cp_gradients",
+        "dQ, dK, dV put together from every rank's shard (dSinks summed) agree with "
+        "the oracle's: each gradient arrives on the rank that owns its shard",
+        (30,),
+        _cases("cp_gradients"),
+        _gradients,
+        requires=_needs_gradients,
+        examples=_examples,
+        gradient=True,
+        families=(NAME,),
+    ),
+    Property(
+        "cp_world_size",
+        "the output does not depend on the world size or the sharding: the same as one "
+        "rank holding the whole sequence",
+        (30,),
+        _cases("cp_world_size"),
+        _world_invariance,
+        examples=_examples,
+        families=(NAME,),
+    ),
+)
+
+
+# ------------------------------------------------------------------- the mutants
+
+
+class _BackwardMisrouted(torch.autograd.Function):
+    """A ring step whose backward sends the K/V gradient on to the next rank instead of
+    back to the previous one, where the block came from: each rank's dK and dV end up
+    summed from another block's gradients (``back``: the shape the misrouted gradient
+    arrives in, made to fit)."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, group: Any, shape: tuple[int, ...], back: tuple[int, ...], kv: Tensor
+    ) -> Tensor:
+        rank, world = dist.get_rank(group), dist.get_world_size(group)
+        nxt, prev = (rank + 1) % world, (rank - 1) % world
+        sends: list[Tensor | None] = [None] * world
+        sends[nxt] = kv
+        shapes: list[tuple[int, ...] | None] = [None] * world
+        shapes[prev] = shape
+        got = D.send_receive(group, sends, shapes, kv)[prev]
+        assert got is not None
+        ctx.group, ctx.back, ctx.shape = group, back, tuple(kv.shape)
+        return got
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Any, ...]:
+        group = ctx.group
+        rank, world = dist.get_rank(group), dist.get_world_size(group)
+        nxt, prev = (rank + 1) % world, (rank - 1) % world
+        sends: list[Tensor | None] = [None] * world
+        sends[nxt] = grad  # the bug: on, not back
+        shapes: list[tuple[int, ...] | None] = [None] * world
+        shapes[prev] = ctx.back
+        got = D.send_receive(group, sends, shapes, grad)[prev]
+        assert got is not None
+        fitted = grad.new_zeros(ctx.shape)
+        n = min(fitted.shape[1], got.shape[1])
+        fitted[:, :n] = got[:, :n]
+        return None, None, None, fitted
+
+
+@checked
+def _planted_ring(
+    q: Float[Tensor, "B T_local h D"],
+    k: Float[Tensor, "B T_local g D"],
+    v: Float[Tensor, "B T_local g Dv"],
+    *,
+    bugs: frozenset[str],
+    group: Any = None,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+    sharding: str = "contiguous",
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    sinks: Float[Tensor, " h"] | None = None,
+    return_lse: bool = False,
+) -> Any:
+    """Ring attention as `attnref.distributed.ring_attention` computes it, with the
+    class-30 bugs ``bugs`` names planted (the switches of the mutants below)."""
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    mine = torch.tensor([q.shape[1]], device=q.device)
+    everyone = [torch.zeros(1, dtype=torch.int64, device=q.device) for _ in range(world)]
+    dist.all_gather(everyone, mine, group=group)
+    lengths = [int(t) for t in everyone]
+    T = sum(lengths)
+    layout = "contiguous" if "sharding_ignored" in bugs else sharding
+
+    def pos(r: int) -> Tensor:
+        spans = D.shard_spans(T, world, layout)[r] if layout == sharding else None
+        if spans is None:  # the shards read as contiguous ones of the same lengths
+            start = sum(lengths[:r])
+            return torch.arange(start, start + lengths[r])
+        if "zigzag_swapped" in bugs and sharding == "zigzag":
+            spans = spans[::-1]
+        return torch.cat([torch.arange(a, b) for a, b in spans])
+
+    wide = torch.promote_types(q.dtype, torch.float32)
+    wq = q.to(wide)
+    Dh, B, h, Dv = k.shape[-1], q.shape[0], q.shape[2], v.shape[-1]
+    kv = torch.cat([k.to(wide), v.to(wide)], dim=-1)
+    held = [kv]
+    out = wq.new_zeros((B, h, q.shape[1], Dv))
+    lse = wq.new_full((B, h, q.shape[1]), -math.inf)
+    pos_q = pos(rank)
+    for step in range(world):
+        owner = (rank - step) % world
+        diagonal = "diagonal_unmasked" in bugs and owner == rank
+        seen = D.visible_keys(pos_q, pos(owner), causal and not diagonal, window_size)
+        if "last_shard_short" in bugs and owner == world - 1 and seen.shape[-1] > 0:
+            seen[:, -1] = False
+        if bool(seen.any()):
+            qh = wq.transpose(1, 2)
+            kh, vh = kv[..., :Dh].transpose(1, 2), kv[..., Dh:].transpose(1, 2)
+            part, part_lse = F.scaled_dot_product_attention(
+                qh, kh, vh, attn_mask=seen, scale=softmax_scale, enable_gqa=h != k.shape[2],
+                softcap=softcap, return_lse=True,
+            )  # fmt: skip
+            if "sink_every_rank" in bugs and sinks is not None:
+                part = F.apply_sinks(part, part_lse, sinks)
+            if "merge_unstable" in bugs:
+                e1, e2 = lse.to(q.dtype).exp(), part_lse.to(q.dtype).exp()
+                total = e1 + e2
+                out = e1.unsqueeze(-1) * out.to(q.dtype) + e2.unsqueeze(-1) * part.to(q.dtype)
+                out = (out / total.unsqueeze(-1)).to(wide).nan_to_num(0.0)
+                lse = total.log().to(wide)
+            else:
+                out, lse = F.merge_attention(out, lse, part, part_lse)
+        if step == world - 1:
+            break
+        nxt, prev = (rank + 1) % world, (rank - 1) % world
+        shape = (B, lengths[(owner - 1) % world], k.shape[2], Dh + Dv)
+        if "grad_wrong_rank" in bugs:  # what the previous rank got the step before
+            back = (B, lengths[(owner - 2) % world], k.shape[2], Dh + Dv)
+            kv = _BackwardMisrouted.apply(group, shape, back, kv)  # type: ignore[no-untyped-call]
+        else:
+            sends: list[Tensor | None] = [None] * world
+            sends[nxt] = kv
+            shapes: list[tuple[int, ...] | None] = [None] * world
+            shapes[prev] = shape
+            got = D.exchange(sends, shapes, group)[prev]
+            assert got is not None
+            kv = got
+        held.append(kv)
+    out = D.tie(out, held)
+    if sinks is not None and "sink_every_rank" not in bugs:
+        out = F.apply_sinks(out, lse, sinks)
+    result = out.transpose(1, 2).to(q.dtype)
+    return (result, lse) if return_lse else result
+
+
+def _mutant_fn(m: Mutant) -> Callable[..., Any]:
+    bugs = frozenset(m.switches)
+
+    def planted(q: Tensor, k: Tensor, v: Tensor, **kwargs: Any) -> Any:
+        return _planted_ring(q, k, v, bugs=bugs, **kwargs)
+
+    planted.__name__ = planted.__qualname__ = m.name
+    planted.__doc__ = f"Class {m.bug_class}: {m.summary}"
+    planted.capabilities = m.capabilities  # type: ignore[attr-defined]
+    return planted
+
+
+_LIKE: dict[str, Any] = {"api": NAME, "capabilities": _caps()}
+
+MUTANTS: tuple[Mutant, ...] = (
+    Mutant("zigzag_chunks_swapped", 30, "zigzag shards read with their two chunks in the "
+           "wrong order (chunk 2W - 1 - r first)", {"zigzag_swapped": True}, **_LIKE),
+    Mutant("cp_sharding_ignored", 30, "zigzag shards read as contiguous ones: every "
+           "position after the first chunk is wrong", {"sharding_ignored": True}, **_LIKE),
+    Mutant("diagonal_full_mask", 30, "the diagonal step (a rank's own block) attended "
+           "without the causal mask", {"diagonal_unmasked": True}, **_LIKE),
+    Mutant("merge_without_max", 30, "partial results merged as exp(lse) weights in the "
+           "inputs' dtype, no max subtracted: overflow", {"merge_unstable": True}, **_LIKE),
+    Mutant("last_shard_short", 30, "the last rank's shard is read one token short (its "
+           "last key never seen)", {"last_shard_short": True}, **_LIKE),
+    Mutant("sink_on_every_rank", 30, "the sink is added to every step's partial result, "
+           "not once after the merge", {"sink_every_rank": True}, **_LIKE),
+    Mutant("dkv_on_wrong_rank", 30, "the backward sends each K/V block's gradient on to "
+           "the next rank instead of back to its owner", {"grad_wrong_rank": True}, **_LIKE),
+)  # fmt: skip
+
+
+FAMILY = ApiFamily(
+    name=NAME,
+    summary="attention sharded across the ranks of a torch.distributed group: (B, T_local, "
+    "h, D) on each rank, contiguous or zigzag, positions global (ring, all-gather, Ulysses)",
+    signature="fn(q, k, v, *, group, causal=False, softmax_scale=None, "
+    "sharding='contiguous', window_size=(-1, -1), softcap=0.0, sinks=None, return_lse=False)",
+    positional=3,
+    keywords=("group", "sharding"),
+    defaults=CONTEXT_PARALLEL,
+    build=_build,
+    read=_read,
+    to_layout=flash_layout,
+    from_layout=flash_back,
+    native_causal=_native_causal,
+    dropout=False,
+    builtins=_builtins,
+    properties=PROPERTIES,
+    mutants=MUTANTS,
+    mutant_fn=_mutant_fn,
+    invoke=_invoke,
+    executor=_executor,
+    world_size=DEFAULT_WORLD,
+    bench=_bench,
+)

@@ -1,0 +1,148 @@
+"""The context-parallel family: references pass, class-30 bugs fail, misbehaving ranks are
+named and leave nothing behind (gloo, on this machine's CPU, four ranks)."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from attnref.conformance import PROFILES, BackendError, audit
+from attnref.conformance.families import FAMILIES, MUTANTS
+from attnref.conformance.worker import start_executor
+
+CP = ("cp_agreement", "cp_gradients", "cp_world_size")
+QUICK = PROFILES["quick"]
+ROOT = Path(__file__).parent.parent
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "ring-reference",
+        pytest.param("allgather-reference", marks=pytest.mark.slow),
+        pytest.param("alltoall-reference", marks=pytest.mark.slow),
+    ],
+)
+def test_the_references_pass_the_family_properties(name: str) -> None:
+    report = audit(name, properties=CP, dtypes=(torch.float32,), progress=False, world_size=4)
+    assert report.ok, report.format_table()
+    assert report.world_size == 4
+    assert report.api == "context-parallel"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["ring-reference", "allgather-reference", "alltoall-reference"])
+def test_the_references_pass_in_half_precision_and_float64(name: str) -> None:
+    dtypes = (torch.float64, torch.bfloat16, torch.float16)
+    report = audit(name, properties=(*CP, "forward", "variants", "lse"), dtypes=dtypes,
+                   progress=False, world_size=4)  # fmt: skip
+    assert report.ok, report.format_table()
+
+
+@pytest.mark.slow
+def test_the_ring_reference_passes_the_whole_audit_at_world_size_3() -> None:
+    report = audit("ring-reference", dtypes=(torch.float32,), progress=False, world_size=3)
+    assert report.ok, report.format_table()
+
+
+CLASS_30 = [m for m in MUTANTS.values() if m.api == "context-parallel"]
+
+
+def test_there_are_class_30_mutants_for_each_bug_the_issue_names() -> None:
+    assert len(CLASS_30) >= 6
+    assert {m.bug_class for m in CLASS_30} == {30}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [m.name for m in CLASS_30])
+def test_each_class_30_mutant_fails_the_family_properties(name: str) -> None:
+    report = audit(MUTANTS[name].backend(), properties=CP, dtypes=(torch.float32,),
+                   progress=False, world_size=4, fail_fast=True)  # fmt: skip
+    assert not report.ok, report.format_table()
+
+
+@pytest.mark.parametrize(
+    "name", ["zigzag_equal_chunks", pytest.param("ulysses_heads_mixed", marks=pytest.mark.slow)]
+)
+def test_kernels_it_has_not_seen_with_a_class_30_bug_fail(name: str) -> None:
+    report = audit(f"tests.planted_cp:{name}", api="context-parallel", properties=CP[:1],
+                   dtypes=(torch.float32,), progress=False, world_size=4)  # fmt: skip
+    assert not report.ok, report.format_table()
+    (failed,) = [r for r in report.results if r.status == "fail"]
+    assert failed.finding is not None
+    assert "world_size=4" in failed.finding.reproducer
+
+
+def _pids(path: Path) -> set[int]:
+    return {int(x) for x in path.read_text().split()} if path.exists() else set()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    stat = Path(f"/proc/{pid}/stat")
+    return not (stat.exists() and stat.read_text().split()[2] == "Z")  # a zombie is gone
+
+
+def _audit_cli(spec: str, tmp_path: Path, *extra: str) -> tuple[int, dict[str, object], str]:
+    env = {**os.environ, "PLANTED_CP_PIDS": str(tmp_path / "pids.txt")}
+    out = tmp_path / "report.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "attnref", "audit", "--api", "context-parallel",
+         "--world-size", "4", "--backend", spec, "--dtype", "float32", "--no-progress",
+         "--property", "cp_agreement", "--property", "cp_world_size", "--json", str(out),
+         *extra],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600, check=False,
+    )  # fmt: skip
+    return done.returncode, json.loads(out.read_text()), done.stdout + done.stderr
+
+
+@pytest.mark.parametrize(
+    ("spec", "rank", "what", "extra"),
+    [
+        pytest.param("tests.planted_cp:raises_on_rank_2", 2, "planted: rank 2 gave up", (),
+                     marks=pytest.mark.slow),
+        ("tests.planted_cp:dies_on_rank_1", 1, "killed by SIGKILL", ()),
+        pytest.param("tests.planted_cp:hangs_on_rank_3", 3, "no answer within",
+                     ("--timeout", "6"), marks=pytest.mark.slow),
+    ],
+)  # fmt: skip
+def test_a_rank_that_raises_dies_or_hangs_is_named_and_nothing_is_left(
+    spec: str, rank: int, what: str, extra: tuple[str, ...], tmp_path: Path
+) -> None:
+    code, report, output = _audit_cli(spec, tmp_path, *extra)
+    assert code == 1, output
+    failures = [r for r in report["results"] if r["status"] == "fail"]  # type: ignore[index, union-attr]
+    assert failures, output
+    assert any(f"rank {rank}" in r["message"] and what in r["message"] for r in failures), output
+    assert report["summary"]["checks"] > 1  # type: ignore[index]
+    pids = _pids(tmp_path / "pids.txt")
+    assert len(pids) >= 4
+    deadline = time.monotonic() + 10
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not [p for p in pids if _alive(p)], "a rank's process outlived the audit"
+
+
+def test_the_family_refuses_what_it_cannot_run() -> None:
+    with pytest.raises(BackendError, match="one process per rank"):
+        start_executor("ring-reference", "context-parallel", isolate=False)
+    with pytest.raises(BackendError, match="runs each call on one process"):
+        start_executor("reference", None, world_size=2)
+    assert FAMILIES["context-parallel"].world_size == 4
+
+
+def test_the_family_is_listed_from_the_registry(capsys: pytest.CaptureFixture[str]) -> None:
+    from attnref.cli import main
+
+    assert main(["audit", "--list-families"]) == 0
+    assert "context-parallel" in capsys.readouterr().out
+    assert replace(QUICK).name == "quick"
