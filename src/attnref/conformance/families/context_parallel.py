@@ -149,18 +149,22 @@ def _group(rank: int, ranks: int, port: int, timeout: float, world: int, cuda: b
             dist.destroy_process_group()
         if cuda:
             torch.cuda.set_device(rank % torch.cuda.device_count())
+        # shorter than the judge's timeout: a rank waiting for a peer that hangs answers
+        # with an error of its group first, and the hung one is found out (a subgroup
+        # has a timeout of its own: without it, 30 minutes)
+        wait = timedelta(seconds=max(timeout / 2, 1.0))
         dist.init_process_group(
             "nccl" if cuda else "gloo",
             init_method=f"tcp://127.0.0.1:{port}",
             rank=rank,
             world_size=ranks,
-            # shorter than the judge's timeout: a rank waiting for a peer that hangs
-            # answers with an error of its group first, and the hung one is found out
-            timeout=timedelta(seconds=max(timeout / 2, 1.0)),
+            timeout=wait,
         )
         _GROUP.clear()
         _GROUP["port"] = port
-        _GROUP["sub"] = {n: dist.new_group(list(range(n))) for n in range(1, ranks + 1)}
+        _GROUP["sub"] = {
+            n: dist.new_group(list(range(n)), timeout=wait) for n in range(1, ranks + 1)
+        }
     return _GROUP["sub"][world]
 
 
@@ -432,6 +436,11 @@ class RankGroup:
         if not failed:
             self.slowest = max(self.slowest, *(x.slowest for x in ranks[: len(jobs)]))
             return [results[r] for r in range(len(jobs))]
+        own = all(isinstance(e, Raised) and not _is_communication(e.error) for e in failed.values())
+        if own and len(failed) == len(jobs):
+            # every rank raised an error of its own and none waits for another (a
+            # declared refusal, checked before any message): the group still stands
+            raise self._cause(failed)
         self._stop()  # the group is broken: every rank starts again, in a new one
         self.restarts += 1
         for t in threads:
