@@ -110,7 +110,8 @@ def _audit_cli(spec: str, tmp_path: Path, *extra: str) -> tuple[int, dict[str, o
     [
         pytest.param("tests.planted_cp:raises_on_rank_2", 2, "planted: rank 2 gave up", (),
                      marks=pytest.mark.slow),
-        ("tests.planted_cp:dies_on_rank_1", 1, "killed by SIGKILL", ()),
+        pytest.param("tests.planted_cp:dies_on_rank_1", 1, "killed by SIGKILL", (),
+                     marks=pytest.mark.slow),
         pytest.param("tests.planted_cp:hangs_on_rank_3", 3, "no answer within",
                      ("--timeout", "6"), marks=pytest.mark.slow),
     ],

@@ -25,7 +25,7 @@ from attnref.conformance.cases import Case, Inputs, build
 from attnref.conformance.checks import Context
 from attnref.conformance.family import family_of
 from attnref.conformance.oracle import close
-from attnref.conformance.verdicts import Failure
+from attnref.conformance.verdicts import Failure, Skip
 from attnref.conformance.worker import InternalError, Job, Raised, Series, series_outcomes
 
 __all__ = ["SERIES", "fresh_values", "settled_output"]
@@ -91,24 +91,41 @@ def fresh_values(ctx: Context, case: Case) -> None:
     replies = series_outcomes(
         invoke(ctx.backend, series, ctx.timeout * len(calls), ctx.executor), len(calls)
     )
-    outs: list[tuple[Tensor, bool]] = []
-    for i, ((which, _, what), raw) in enumerate(zip(SERIES, replies, strict=True)):
+    # every call is judged first, and each right output kept as evidence, before any
+    # failure is reported: a later call's right output may be what a later case replays
+    outs: list[tuple[Tensor | None, bool]] = []
+    verdicts: list[Failure | Skip | None] = []
+    for i, ((which, _, _), raw) in enumerate(zip(SERIES, replies, strict=True)):
         inputs = sets[which]
-        out = _output(ctx, raw, inputs)
+        try:
+            out = _output(ctx, raw, inputs)
+        except (Failure, Skip) as e:  # not an output at all: reported in its turn
+            outs.append((None, False))
+            verdicts.append(e)
+            continue
         failure = _agrees(ctx, out, inputs)
         outs.append((out, failure is None))
-        own = digest(calls[i])
+        verdicts.append(failure)
         if failure is None:
-            history.append((out, own))  # a right output: evidence, should it come back
+            history.append((out, digest(calls[i])))  # a right output: evidence
+    for i, ((which, _, what), verdict) in enumerate(zip(SERIES, verdicts, strict=True)):
+        if verdict is None:
             continue
+        wrong = outs[i][0]
+        if wrong is None or isinstance(verdict, Skip):
+            raise verdict
+        out, failure = wrong, verdict
+        own = digest(calls[i])
         if not bool(torch.isfinite(out).all()) or _distinct(out) < _DISTINCT:
             # NaN equals nothing, and an output of a few values (zeros, one policy's
             # value everywhere) may equal another call's by itself: no replay to name
             raise failure.reworded(f"call {i + 1} of {len(calls)} ({what}): {failure}")
-        for j, (earlier, right) in enumerate(outs[:-1]):
+        for j, (earlier, right) in enumerate(outs[:i]):
             other = sets[SERIES[j][0]]
-            if SERIES[j][0] != which and (
-                (right and torch.equal(earlier, out)) or _agrees(ctx, out, other) is None
+            if (
+                earlier is not None
+                and SERIES[j][0] != which
+                and ((right and torch.equal(earlier, out)) or _agrees(ctx, out, other) is None)
             ):
                 raise Failure(
                     f"the backend returned an earlier call's result: call {i + 1} ({what}) "
