@@ -2,7 +2,8 @@
 
 ``HYPOTHESIS_PROFILE=ci`` (the default) is quick and derandomized, so CI is repeatable;
 ``thorough`` tries many more examples, for nightly runs or before a release;
-``dev`` is random, for finding new failures locally.
+``dev`` is random, for finding new failures locally; ``mutations`` is ``ci`` without
+shrinking, for tools/property_mutations.py, which asks only whether a test fails.
 """
 
 import os
@@ -12,7 +13,7 @@ from collections.abc import Iterator
 os.environ.setdefault("ATTNREF_CHECK_INTERNALS", "1")
 
 import torch
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, Phase, settings
 
 # Every tensor in the suite is tiny: torch's thread pool costs more than it gives there,
 # and far more on a loaded machine.
@@ -25,6 +26,11 @@ settings.register_profile(
     deadline=None,
     print_blob=True,
     suppress_health_check=[HealthCheck.too_slow],
+)
+settings.register_profile(
+    "mutations",
+    settings.get_profile("ci"),
+    phases=[Phase.explicit, Phase.reuse, Phase.generate],
 )
 settings.register_profile("dev", max_examples=60, deadline=None, print_blob=True)
 settings.register_profile(

@@ -8,6 +8,7 @@ import sys
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -92,7 +93,7 @@ def _alive(pid: int) -> bool:
     return not (stat.exists() and stat.read_text().split()[2] == "Z")  # a zombie is gone
 
 
-def _audit_cli(spec: str, tmp_path: Path, *extra: str) -> tuple[int, dict[str, object], str]:
+def _audit_cli(spec: str, tmp_path: Path, *extra: str) -> tuple[int, dict[str, Any], str]:
     env = {**os.environ, "PLANTED_CP_PIDS": str(tmp_path / "pids.txt")}
     out = tmp_path / "report.json"
     done = subprocess.run(
@@ -121,10 +122,10 @@ def test_a_rank_that_raises_dies_or_hangs_is_named_and_nothing_is_left(
 ) -> None:
     code, report, output = _audit_cli(spec, tmp_path, *extra)
     assert code == 1, output
-    failures = [r for r in report["results"] if r["status"] == "fail"]  # type: ignore[index, union-attr]
+    failures = [r for r in report["results"] if r["status"] == "fail"]
     assert failures, output
     assert any(f"rank {rank}" in r["message"] and what in r["message"] for r in failures), output
-    assert report["summary"]["checks"] > 1  # type: ignore[index]
+    assert report["summary"]["checks"] > 1
     pids = _pids(tmp_path / "pids.txt")
     assert len(pids) >= 4
     deadline = time.monotonic() + 10

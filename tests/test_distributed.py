@@ -8,14 +8,15 @@ summed over the ranks.
 """
 
 import itertools
+import multiprocessing
 import os
 import socket
 from datetime import timedelta
+from typing import NamedTuple
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from attnref import distributed as D
 from attnref import functional as F
@@ -29,27 +30,32 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _configs(slow: bool) -> list[tuple[object, ...]]:
+class Config(NamedTuple):
+    name: str
+    world: int
+    sharding: D.Sharding
+    causal: bool
+    T: int
+    h: int
+    g: int
+    variant: int  # 0: none, 1: a window and softcap, 2: sinks
+
+
+def _configs(slow: bool) -> list[Config]:
     lengths = (1, 7, 13, 24) if slow else (13,)
-    out = []
+    out: list[Config] = []
     for name, world, sharding, causal, T in itertools.product(
         FUNCTIONS, (1, 2, 3, 4), D.SHARDINGS, (False, True), lengths
     ):
         h, g = (4, 4) if name == "alltoall_attention" else (6, 2)
         if name == "alltoall_attention" and 4 % world:
             continue
-        variant = (T + world) % 3  # 0: none, 1: a window and softcap, 2: sinks
-        out.append((name, world, sharding, causal, T, h, g, variant))
+        out.append(Config(name, world, sharding, causal, T, h, g, (T + world) % 3))
     return out
 
 
-def _check_one(rank: int, groups: dict[int, object], config: tuple[object, ...]) -> str | None:
+def _check_one(rank: int, groups: dict[int, dist.ProcessGroup], config: Config) -> str | None:
     name, world, sharding, causal, T, h, g, variant = config
-    assert isinstance(world, int)
-    assert isinstance(T, int)
-    assert isinstance(h, int)
-    assert isinstance(g, int)
-    assert isinstance(sharding, str)
     gen = torch.Generator().manual_seed(T * 31 + world)
     B, Dh, Dv = 2, 8, 5
     q = torch.randn(B, T, h, Dh, generator=gen, dtype=torch.float64)
@@ -64,36 +70,38 @@ def _check_one(rank: int, groups: dict[int, object], config: tuple[object, ...])
     group = groups[world]
     mine = [D.shard(t, rank, world, sharding).requires_grad_() for t in (q, k, v)]
     s = None if sinks is None else sinks.clone().requires_grad_()
-    fn = getattr(D, str(name))
+    fn = getattr(D, name)
     out, lse = fn(
-        *mine, group=group, causal=bool(causal), sharding=sharding, window_size=window,
+        *mine, group=group, causal=causal, sharding=sharding, window_size=window,
         softcap=softcap, sinks=s, return_lse=True,
     )  # fmt: skip
     (out * D.shard(w, rank, world, sharding)).sum().backward()
     full = [t.clone().requires_grad_() for t in (q, k, v)]
     rs = None if sinks is None else sinks.clone().requires_grad_()
+    fq, fk, fv = (t.transpose(1, 2) for t in full)
     ref, ref_lse = F.scaled_dot_product_attention(
-        *(t.transpose(1, 2) for t in full), is_causal=bool(causal), enable_gqa=h != g,
+        fq, fk, fv, is_causal=causal, enable_gqa=h != g,
         window=None if window == (-1, -1) else window, softcap=softcap, sinks=rs,
         return_lse=True,
     )  # fmt: skip
-    (ref.transpose(1, 2) * w).sum().backward()
-    pairs = [
+    (ref.transpose(1, 2) * w).sum().backward()  # type: ignore[no-untyped-call]
+    pairs: list[tuple[str, torch.Tensor | None, torch.Tensor | None]] = [
         ("output", out, D.shard(ref.transpose(1, 2), rank, world, sharding)),
         ("lse", lse, D.shard(ref_lse.transpose(1, 2), rank, world, sharding).transpose(1, 2)),
     ]
-    for what, got, t in zip(("dq", "dk", "dv"), mine, full, strict=True):
+    for what, piece, t in zip(("dq", "dk", "dv"), mine, full, strict=True):
         assert t.grad is not None
-        grad = got.grad
-        if grad is None and got.shape[1] == 0:  # an empty shard: nothing to differentiate
-            grad = torch.zeros_like(got)
+        grad = piece.grad
+        if grad is None and piece.shape[1] == 0:  # an empty shard: nothing to differentiate
+            grad = torch.zeros_like(piece)
         pairs.append((what, grad, D.shard(t.grad, rank, world, sharding)))
     if s is not None:
         assert rs is not None
         total = torch.zeros_like(s) if s.grad is None else s.grad.clone()
-        dist.all_reduce(total, group=group)  # type: ignore[arg-type]
+        dist.all_reduce(total, group=group)
         pairs.append(("dsinks", total, rs.grad))
     for what, got, want in pairs:
+        assert want is not None
         if got is None or not torch.allclose(got, want, atol=1e-10, rtol=1e-9):
             err = "None" if got is None else f"{float((got - want).abs().max()):.3g}"
             return f"{config} rank {rank}: {what} differs by {err}"
@@ -108,14 +116,21 @@ def _run(rank: int, world: int, port: int, slow: bool, out_dir: str) -> None:
     groups = {n: dist.new_group(list(range(n))) for n in range(1, world + 1)}
     torch.set_num_threads(1)
     failures = [f for c in _configs(slow) if (f := _check_one(rank, groups, c)) is not None]
-    with open(os.path.join(out_dir, f"rank{rank}.txt"), "w") as f:
-        f.write("\n".join(failures))
+    with open(os.path.join(out_dir, f"rank{rank}.txt"), "w") as out:
+        out.write("\n".join(failures))
     dist.barrier()
     dist.destroy_process_group()
 
 
 def _spawn(tmp_path: object, slow: bool) -> list[str]:
-    mp.spawn(_run, args=(4, _free_port(), slow, str(tmp_path)), nprocs=4, join=True)
+    port = _free_port()
+    context = multiprocessing.get_context("spawn")
+    ranks = [context.Process(target=_run, args=(r, 4, port, slow, str(tmp_path))) for r in range(4)]
+    for p in ranks:
+        p.start()
+    for p in ranks:
+        p.join(timeout=600)
+    assert [p.exitcode for p in ranks] == [0] * 4, "a rank failed; its traceback is above"
     lines: list[str] = []
     for r in range(4):
         with open(os.path.join(str(tmp_path), f"rank{r}.txt")) as f:

@@ -16,6 +16,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -271,7 +272,7 @@ def run(mutation: Mutation, scratch: Path) -> dict[str, bool]:
     target.write_text(original.replace(mutation.old, mutation.new))
     try:
         caught = {}
-        env = os.environ | {"PYTHONPATH": str(scratch / "src"), "HYPOTHESIS_PROFILE": "ci"}
+        env = os.environ | {"PYTHONPATH": str(scratch / "src"), "HYPOTHESIS_PROFILE": "mutations"}
         for test in mutation.tests:
             proc = subprocess.run(
                 # one test in this process (-n 0): workers would only cost their start-up
@@ -318,11 +319,13 @@ def main() -> int:
         if not where.startswith(str(scratch)):
             raise SystemExit(f"the scratch copy is not the attnref imported: {where}")
         for m in chosen:
+            start = time.monotonic()
             caught = run(m, scratch)
+            took = f"{time.monotonic() - start:5.1f} s"
             for test, ok in caught.items():
                 all_caught &= ok
                 mark = "FAILED as it should" if ok else "NOT CAUGHT"
-                print(f"{m.name:<38} {test.split('::')[1]:<58} {mark}", flush=True)
+                print(f"{m.name:<38} {test.split('::')[1]:<58} {mark} {took}", flush=True)
     print("every mutation caught" if all_caught else "some mutation was NOT caught")
     return 0 if all_caught else 1
 
