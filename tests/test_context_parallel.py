@@ -3,6 +3,7 @@ named and leave nothing behind (gloo, on this machine's CPU, four ranks)."""
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -15,7 +16,13 @@ import torch
 
 from attnref.conformance import PROFILES, BackendError, audit
 from attnref.conformance.families import FAMILIES, MUTANTS
-from attnref.conformance.worker import start_executor
+from attnref.conformance.families.context_parallel import (
+    Launch,
+    RankGroup,
+    _worker_env,
+    launched,
+)
+from attnref.conformance.worker import BackendDied, Raised, RemoteError, start_executor
 
 CP = ("cp_agreement", "cp_gradients", "cp_world_size")
 QUICK = PROFILES["quick"]
@@ -148,3 +155,107 @@ def test_the_family_is_listed_from_the_registry(capsys: pytest.CaptureFixture[st
     assert main(["audit", "--list-families"]) == 0
     assert "context-parallel" in capsys.readouterr().out
     assert replace(QUICK).name == "quick"
+
+
+# ------------------------------------------------------------------ under torchrun
+
+
+def _torchrun(spec: str, tmp_path: Path, *extra: str) -> tuple[int, dict[str, Any], str]:
+    """``torchrun --nproc-per-node 4 -m attnref audit ...``: rank 0 judges, the others
+    host their ranks' workers."""
+    env = {**os.environ, "PLANTED_CP_PIDS": str(tmp_path / "pids.txt")}
+    out = tmp_path / "report.json"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4",
+         "--master-addr", "127.0.0.1", "--master-port", str(port), "-m", "attnref", "audit",
+         "--api", "context-parallel", "--backend", spec, "--dtype", "float32",
+         "--no-progress", "--property", "cp_agreement", "--property", "cp_world_size",
+         "--json", str(out), *extra],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600, check=False,
+    )  # fmt: skip
+    report = json.loads(out.read_text()) if out.exists() else {}
+    return done.returncode, report, done.stdout + done.stderr[-3000:]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("spec", "ok", "what"),
+    [
+        ("ring-reference", True, ""),
+        ("tests.planted_cp:zigzag_equal_chunks", False, "max error"),
+        ("tests.planted_cp:dies_on_rank_1", False, "rank 1: the backend's process was killed"),
+    ],
+)
+def test_under_torchrun_rank_0_judges_and_the_others_host_their_workers(
+    spec: str, ok: bool, what: str, tmp_path: Path
+) -> None:
+    code, report, output = _torchrun(spec, tmp_path)
+    assert report, output
+    assert report["world_size"] == 4
+    assert (code == 0) is ok, output
+    failures = [r for r in report["results"] if r["status"] == "fail"]
+    assert (not failures) is ok, output
+    assert (not failures) or any(what in r["message"] for r in failures), output
+    pids = _pids(tmp_path / "pids.txt")
+    deadline = time.monotonic() + 10
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not [p for p in pids if _alive(p)], "a rank's process outlived the audit"
+
+
+def test_torchrun_s_variables_are_read_and_checked(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "ATTNREF_JUDGE_ADDR"):
+        monkeypatch.delenv(name, raising=False)
+    assert launched() is None
+    monkeypatch.setenv("RANK", "2")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_RANK", "2")
+    monkeypatch.setenv("MASTER_ADDR", "10.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    assert launched() == Launch(2, 4, 2, "10.0.0.1")
+    monkeypatch.setenv("ATTNREF_JUDGE_ADDR", "10.0.0.7")
+    assert launched() == Launch(2, 4, 2, "10.0.0.7")
+    monkeypatch.setenv("RANK", "4")
+    with pytest.raises(BackendError, match=r"RANK=4 must be in \[0, WORLD_SIZE=4\)"):
+        launched()
+    monkeypatch.setenv("RANK", "two")
+    with pytest.raises(BackendError, match="must be integers"):
+        launched()
+    # a worker does not see torchrun's variables, and sees its rank's GPU only
+    env = _worker_env(2)
+    assert env["MASTER_PORT"] is None
+    assert env["TORCHELASTIC_USE_AGENT_STORE"] is None
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
+    assert _worker_env(2)["CUDA_VISIBLE_DEVICES"] == "6"
+
+
+def test_the_failure_that_names_a_group_s_culprit_is_chosen_by_kind() -> None:
+    """A rank that died is the cause before one that raised an error of its own, before
+    one that hung, before one whose group failed it (it waited on the culprit)."""
+    waited = Raised(RemoteError("DistBackendError", "gloo: connection closed by peer"))
+    own = Raised(RemoteError("ValueError", "planted"))
+    died = BackendDied("killed by SIGKILL")
+    hung = TimeoutError("no answer within 6 s")
+    cause = RankGroup._cause({0: waited, 2: own, 3: hung})
+    assert isinstance(cause, Raised)
+    assert str(cause.error) == "rank 2: planted (then ranks 0, 3)"
+    cause = RankGroup._cause({0: waited, 1: died, 2: own})
+    assert isinstance(cause, BackendDied)
+    assert str(cause) == "rank 1: killed by SIGKILL (then ranks 0, 2)"
+    cause = RankGroup._cause({1: waited, 3: hung})
+    assert isinstance(cause, TimeoutError)
+    assert str(cause) == "rank 3: no answer within 6 s (then rank 1)"
+    cause = RankGroup._cause({2: waited})
+    assert isinstance(cause, Raised)
+    assert "rank 2: gloo" in str(cause.error)
+
+
+def test_torch_s_own_context_parallel_is_skipped_with_the_reason_off_cuda() -> None:
+    report = audit("torch-context-parallel", properties=("forward",), dtypes=(torch.float32,),
+                   progress=False, world_size=2)  # fmt: skip
+    (result,) = report.results
+    assert result.status == "skip", report.format_table()
+    assert "flash, memory-efficient and cuDNN kernels, which run on CUDA" in result.message

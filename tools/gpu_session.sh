@@ -37,8 +37,8 @@ mkdir -p "$OUT"
     timeout 250 "$PY" tools/gpu_audit.py --device "$DEVICE" --out "$work/gpu-audit" ${AUDIT_ARGS:-}
     echo "gpu_audit exit: $?"
     # shellcheck disable=SC2086
-    timeout 270 "$PY" tools/gpu_bench.py --device "$DEVICE" --out "$work/gpu-bench" \
-        --budget-s 200 ${BENCH_ARGS:-}
+    timeout 240 "$PY" tools/gpu_bench.py --device "$DEVICE" --out "$work/gpu-bench" \
+        --budget-s 180 ${BENCH_ARGS:-}
     echo "gpu_bench exit: $?"
     # decode tokens/s against cache length and page size (flash-kvcache), in what is left
     # shellcheck disable=SC2086
@@ -50,6 +50,12 @@ mkdir -p "$OUT"
     timeout 60 "$PY" -m attnref audit --backend tests.hostile:side_stream --device "$DEVICE" \
         --dtype float32 --property forward --property settled_output --no-progress
     echo "side-stream audit exit: $? (1 expected)"
+    # torch's own context parallelism (its ring, through DTensor) on one NCCL rank: one
+    # GPU cannot hold a group of several (NCCL refuses two ranks on one device)
+    timeout 60 "$PY" -m attnref audit --api context-parallel --world-size 1 \
+        --backend torch-context-parallel --device "$DEVICE" --dtype bfloat16 \
+        --property forward --property cp_agreement --no-progress --verbose
+    echo "torch context_parallel audit exit: $?"
 } 2>&1 | tee "$OUT/session.log"
 tar -czf "$OUT/gpu-results.tgz" -C "$work" .
 cp "$work/gpu-audit/README.md" "$OUT/gpu-audit.md" 2>/dev/null

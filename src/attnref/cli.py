@@ -216,6 +216,8 @@ def _list_properties() -> None:
 
 def _audit(args: argparse.Namespace) -> int:
     from attnref.conformance import AuditReport, BackendError, audit
+    from attnref.conformance.declarations import DEFAULT_API
+    from attnref.conformance.family import get_family
     from attnref.conformance.options import OptionError, audit_settings
 
     if args.list_backends:
@@ -233,6 +235,13 @@ def _audit(args: argparse.Namespace) -> int:
     try:
         settings = audit_settings(lambda dest: getattr(args, dest))
         json_path = _writable(args.json)
+        serve = get_family(settings.api or DEFAULT_API).serve
+        if serve is not None:  # a process a launcher started, which may not be the judge
+            code = serve(
+                args.backend, threads=settings.threads, memory_limit=settings.memory_limit_bytes
+            )
+            if code is not None:
+                return int(code)
         # the backend's module is imported in its worker only (unless --in-process)
         executor = start_executor(
             args.backend,

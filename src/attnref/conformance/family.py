@@ -98,6 +98,11 @@ class ApiFamily:
     #: ``attnref bench --api NAME`` when the family has a bench of its own (None: the
     #: dense or the serving bench): ``bench(args, device, seqs, dtypes) -> exit code``
     bench: "Callable[[Any, str, list[int], list[str]], int] | None" = None
+    #: for a family whose processes a launcher starts (torchrun): asked by ``attnref
+    #: audit`` before the audit; on a process that is not the judge it serves that
+    #: process's part and returns the exit code, on the judge None: ``serve(spec,
+    #: threads=, memory_limit=)``
+    serve: "Callable[..., int | None] | None" = None
 
     def check(self, fn: object, spec: str) -> Callable[..., Any]:
         """``fn`` if its signature can take this family's calls, else `BackendError`."""

@@ -70,6 +70,7 @@ __all__ = [
     "Supervised",
     "Unaccepted",
     "loader",
+    "read_reply",
     "set_loader",
     "start_executor",
 ]
@@ -425,9 +426,16 @@ def _serve(
     memory_limit: int | None,
     checking: bool,
     load: "Loader",
+    env: dict[str, str | None] | None = None,
 ) -> None:
     """The worker's loop: resolve the backend with ``load``, say what it declares, then
-    answer job after job."""
+    answer job after job. ``env``: set (None: removed) before anything else
+    (``CUDA_VISIBLE_DEVICES``, before CUDA starts)."""
+    for name, value in (env or {}).items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
     with contextlib.suppress(OSError):
         os.setpgid(0, 0)  # its own process group, so that the judge can end what it starts
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the audit's to handle
@@ -551,13 +559,15 @@ class InProcess:
         if thread.is_alive():
             raise TimeoutError(f"no answer within {timeout:g} s")
         self.slowest = max(self.slowest, time.perf_counter() - t0)
-        return _read(result[0])
+        return read_reply(result[0])
 
     def close(self) -> None:
         pass
 
 
-def _read(data: bytes) -> Any:
+def read_reply(data: bytes) -> Any:
+    """A worker's reply bytes (untrusted), decoded by the restricted decoder: the value,
+    or the exception it stands for (`outcome`)."""
     try:
         reply = decode(data)
     except Rejected as e:
@@ -633,6 +643,8 @@ class Supervised:
         threads: torch intra-op threads in the worker.
         memory_limit: bytes of address space the worker may use (None: no limit).
         start_timeout: seconds the worker may take to import the backend.
+        env: environment variables the worker sets (None: removes) first (a family's: the
+            GPU of a rank).
 
     Raises:
         BackendError: the worker could not resolve the backend (its message says why),
@@ -649,8 +661,10 @@ class Supervised:
         threads: int = 1,
         memory_limit: int | None = None,
         start_timeout: float = 300.0,
+        env: dict[str, str | None] | None = None,
     ) -> None:
         self.spec = backend if isinstance(backend, str) else backend.spec or backend.name
+        self.env = dict(env or {})
         self.api = api if isinstance(backend, str) else backend.api
         self.threads = threads
         self.memory_limit = memory_limit
@@ -678,6 +692,7 @@ class Supervised:
                 self.memory_limit,
                 checking_enabled(),
                 loader(),
+                self.env,
             ),
             daemon=True,
         )
@@ -703,7 +718,7 @@ class Supervised:
             self._stop()
             raise
         try:
-            return from_declaration(_read(first))
+            return from_declaration(read_reply(first))
         except Raised as e:
             self._stop()
             error = e.error
@@ -729,13 +744,28 @@ class Supervised:
         self._conn = None
 
     def run(self, job: Any, timeout: float) -> Any:
+        data = self.exchange(encode(job.message()), timeout)
+        t1 = time.perf_counter()
+        try:
+            return read_reply(data)
+        finally:  # decoding the reply, on the judge's clock
+            self.last_read += time.perf_counter() - t1
+
+    def exchange(self, message: bytes, timeout: float) -> bytes:
+        """An encoded job in, the worker's reply out as it came: untrusted bytes, for
+        `attnref.conformance.wire.decode` (``run`` decodes them; a relay forwards them).
+
+        Raises:
+            TimeoutError: no answer within ``timeout`` seconds (the worker was killed).
+            BackendDied: the worker's process ended.
+        """
         if self._conn is None:
             self._start()
         conn = self._conn
         assert conn is not None
         t0 = time.perf_counter()
         try:
-            conn.send_bytes(encode(job.message()))
+            conn.send_bytes(message)
             if not conn.poll(timeout):
                 self._stop()
                 self.restarts += 1
@@ -743,6 +773,7 @@ class Supervised:
             t1 = time.perf_counter()
             data = conn.recv_bytes()
             self.slowest = max(self.slowest, time.perf_counter() - t0)
+            self.last_read = time.perf_counter() - t1  # receiving it, on the judge's clock
         except TimeoutError:
             raise
         except (EOFError, OSError):  # the pipe broke: the worker is gone
@@ -753,10 +784,7 @@ class Supervised:
             self._stop()
             self.restarts += 1
             raise BackendDied(_describe_exit(code)) from None
-        try:
-            return _read(data)
-        finally:  # receiving and decoding the reply, on the judge's clock
-            self.last_read = time.perf_counter() - t1
+        return data
 
     def close(self) -> None:
         self._stop()

@@ -25,12 +25,18 @@ sharded calls can have and the class-30 mutants.
 """
 
 import contextlib
+import json
 import math
+import os
 import queue
+import secrets
 import socket
+import struct
+import sys
 import threading
+import time
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Any
 
@@ -54,6 +60,7 @@ from attnref.conformance.profiles import Profile
 from attnref.conformance.properties import Property, some_variants
 from attnref.conformance.strategies import case_strategy
 from attnref.conformance.verdicts import Failure, Skip
+from attnref.conformance.wire import encode
 from attnref.conformance.worker import (
     BackendDied,
     Job,
@@ -63,9 +70,10 @@ from attnref.conformance.worker import (
     Series,
     Supervised,
     Unaccepted,
+    read_reply,
 )
 
-__all__ = ["CONTEXT_PARALLEL", "FAMILY", "RankGroup"]
+__all__ = ["CONTEXT_PARALLEL", "FAMILY", "Launch", "RankGroup", "launched", "serve_rank"]
 
 NAME = "context-parallel"
 #: the ranks an audit starts when ``--world-size`` names none
@@ -141,10 +149,14 @@ def _native_causal(caps: Capabilities, inputs: Inputs) -> bool:
 _GROUP: dict[str, Any] = {}
 
 
-def _group(rank: int, ranks: int, port: int, timeout: float, world: int, cuda: bool) -> Any:
+def _group(
+    rank: int, ranks: int, where: tuple[str, int], timeout: float, world: int, cuda: bool
+) -> Any:
     """The subgroup of the first ``world`` of the ``ranks`` ranks, the process group
-    joined first (at ``port``; every rank makes every subgroup, in one order)."""
-    if _GROUP.get("port") != port:
+    joined first (at ``where``, an address and port; every rank makes every subgroup, in
+    one order)."""
+    addr, port = where
+    if _GROUP.get("port") != where:
         if dist.is_initialized():
             dist.destroy_process_group()
         if cuda:
@@ -155,13 +167,13 @@ def _group(rank: int, ranks: int, port: int, timeout: float, world: int, cuda: b
         wait = timedelta(seconds=max(timeout / 2, 1.0))
         dist.init_process_group(
             "nccl" if cuda else "gloo",
-            init_method=f"tcp://127.0.0.1:{port}",
+            init_method=f"tcp://{addr}:{port}",
             rank=rank,
             world_size=ranks,
             timeout=wait,
         )
         _GROUP.clear()
-        _GROUP["port"] = port
+        _GROUP["port"] = where
         _GROUP["sub"] = {
             n: dist.new_group(list(range(n)), timeout=wait) for n in range(1, ranks + 1)
         }
@@ -172,12 +184,12 @@ def _invoke(backend: Backend, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
     """One rank's call: join the group if this worker has not (the judge's first job to
     every rank does only that), then the backend on this rank's shard and its group."""
     kwargs = dict(kwargs)
-    setup = {k: kwargs.pop(k) for k in ("_rank", "_ranks", "_port", "_timeout", "_world")}
+    setup = {k: kwargs.pop(k) for k in ("_rank", "_ranks", "_addr", "_port", "_timeout", "_world")}
     joining = kwargs.pop("_join", False)
     group = _group(
         setup["_rank"],
         setup["_ranks"],
-        setup["_port"],
+        (str(setup["_addr"]), int(setup["_port"])),
         setup["_timeout"],
         setup["_world"],
         args[0].is_cuda,
@@ -273,10 +285,312 @@ def _bench_rank(
 # ---------------------------------------------------------------- the judge's side
 
 
-def _free_port() -> int:
+def _free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+# ------------------------------------------------------------------ under torchrun
+#
+# torchrun starts one process per rank, each running ``attnref audit``. The process of
+# rank 0 is the judge; every other one hosts its rank's worker (`serve_rank`). They meet
+# in torchrun's process group (gloo, from its environment), where rank 0 says at which
+# port it listens, with a token; each host connects and then relays: a job's bytes to
+# its worker, the worker's reply bytes back, undecoded (the judge decodes them, as from
+# a worker of its own). The listening socket is closed before any worker starts. The
+# workers form their own group, as when attnref starts them, at rank 0's address.
+
+
+@dataclass(frozen=True)
+class Launch:
+    """This process's place among the processes torchrun started (its environment)."""
+
+    rank: int
+    world: int
+    local_rank: int
+    #: where the judge (rank 0) listens and the workers' group meets: MASTER_ADDR, or
+    #: ATTNREF_JUDGE_ADDR where rank 0 runs on another host than torchrun's store
+    addr: str
+
+
+def launched() -> Launch | None:
+    """This process's `Launch` when torchrun (or a launcher that sets its variables:
+    RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) started it, else None.
+
+    Raises:
+        BackendError: a variable is set to something other than what torchrun sets.
+    """
+    env = os.environ
+    if not all(k in env for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")):
+        return None
+    try:
+        rank, world, local = int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", 0))
+    except ValueError:
+        raise BackendError(
+            f"RANK={env['RANK']!r}, WORLD_SIZE={env['WORLD_SIZE']!r}, LOCAL_RANK="
+            f"{env.get('LOCAL_RANK')!r}: torchrun's variables must be integers"
+        ) from None
+    if not 0 <= rank < world or local < 0:
+        raise BackendError(f"RANK={rank} must be in [0, WORLD_SIZE={world}), LOCAL_RANK >= 0")
+    return Launch(rank, world, local, env.get("ATTNREF_JUDGE_ADDR") or env["MASTER_ADDR"])
+
+
+def _judges() -> None:
+    """Join torchrun's process group (the processes' own, not the workers') once."""
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", timeout=timedelta(seconds=900))
+
+
+#: torchrun's variables, which a rank's worker does not get: its group is its own (and
+#: with TORCHELASTIC_USE_AGENT_STORE every rank would wait for a store no one serves),
+#: and a backend has no business with the judges' store
+_TORCHRUN_ONLY = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+                  "ROLE_RANK", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                  "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_RUN_ID")  # fmt: skip
+
+
+def _worker_env(local_rank: int) -> dict[str, str | None]:
+    """A rank's worker under torchrun: without torchrun's variables, and seeing its GPU
+    only (so ``cuda:0`` there is that rank's)."""
+    env: dict[str, str | None] = dict.fromkeys(_TORCHRUN_ONLY)
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    ids = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
+    if ids:
+        env["CUDA_VISIBLE_DEVICES"] = ids[local_rank % len(ids)]
+    return env
+
+
+_FRAME = struct.Struct("<QQ")
+_MAX_HEAD = 1 << 20
+
+
+def _send(link: socket.socket, head: dict[str, Any], payload: bytes = b"") -> None:
+    text = json.dumps(head).encode()
+    link.sendall(_FRAME.pack(len(text), len(payload)) + text)
+    if payload:
+        link.sendall(payload)
+
+
+def _exactly(link: socket.socket, n: int) -> bytes:
+    buf = bytearray(n)
+    view, got = memoryview(buf), 0
+    while got < n:
+        k = link.recv_into(view[got:])
+        if k == 0:
+            raise EOFError("the connection closed")
+        got += k
+    return bytes(buf)
+
+
+def _receive(link: socket.socket) -> tuple[dict[str, Any], bytes]:
+    n, m = _FRAME.unpack(_exactly(link, _FRAME.size))
+    if n > _MAX_HEAD:
+        raise EOFError(f"a frame header of {n} bytes")
+    head = json.loads(_exactly(link, n))
+    if type(head) is not dict:
+        raise EOFError("a frame header that is not an object")
+    return head, _exactly(link, m)
+
+
+def serve_rank(spec: str, *, threads: int = 1, memory_limit: int | None = None) -> int | None:
+    """The family's ``serve``: under torchrun, on a rank other than 0, host this rank's
+    worker until the judge hangs up (the exit code: 0); None where this process is the
+    judge or torchrun did not start it.
+
+    The judge's requests (``start``, ``job``, ``close``) are answered in order; ``stop``
+    is acted on as it arrives (a reader thread), so that a worker still busy with a job
+    whose group broke is killed at once, and that job answered as died."""
+    launch = launched()
+    if launch is None or launch.rank == 0:
+        return None
+    _judges()
+    meeting = torch.zeros(2, dtype=torch.int64)
+    dist.broadcast(meeting, src=0)
+    port, token = (int(x) for x in meeting)
+    link = socket.create_connection((launch.addr, port), timeout=120)
+    link.settimeout(None)
+    env = _worker_env(launch.local_rank)
+    requests: queue.Queue[tuple[dict[str, Any], bytes] | None] = queue.Queue()
+    current: list[Supervised | None] = [None]
+    lock = threading.Lock()
+
+    def stop() -> None:
+        with lock:
+            worker, current[0] = current[0], None
+        if worker is not None:
+            worker.close()
+
+    def read() -> None:
+        try:
+            while True:
+                head, payload = _receive(link)
+                if head.get("op") == "stop":
+                    stop()
+                    continue
+                requests.put((head, payload))
+        except (EOFError, OSError, ValueError):
+            pass  # the judge hung up, or is gone
+        finally:
+            requests.put(None)
+
+    try:
+        _send(link, {"token": token, "rank": launch.rank, "local_rank": launch.local_rank})
+        threading.Thread(target=read, daemon=True).start()
+        while (request := requests.get()) is not None:
+            head, payload = request
+            op = head.get("op")
+            if op == "close":
+                break
+            if op == "start":
+                stop()
+                try:
+                    started = Supervised(
+                        spec, NAME, threads=threads, memory_limit=memory_limit, env=env
+                    )
+                except BackendError as e:
+                    _send(link, {"status": "error", "message": str(e)})
+                    continue
+                with lock:
+                    current[0] = started
+                _send(link, {"status": "ok"})
+            elif op == "job":
+                worker = current[0]
+                if worker is None:
+                    _send(link, {"status": "died", "message": "its worker was stopped"})
+                    continue
+                try:
+                    reply = worker.exchange(payload, float(head.get("timeout", 60.0)))
+                except TimeoutError as e:
+                    _send(link, {"status": "timeout", "message": str(e)})
+                except BackendDied as e:
+                    _send(link, {"status": "died", "message": str(e)})
+                else:
+                    _send(link, {"status": "ok"}, reply)
+            else:
+                _send(link, {"status": "error", "message": f"an unknown request {op!r}"})
+    except OSError:
+        pass  # the judge is gone: so is this rank
+    finally:
+        stop()
+        with contextlib.suppress(OSError):
+            link.close()
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
+    return 0
+
+
+def _meet_hosts(launch: Launch, wait: float = 120.0) -> "list[_Host]":
+    """Rank 0: listen, say where in torchrun's group, and take each host's connection."""
+    _judges()
+    listener = socket.create_server(("", 0))
+    token = secrets.randbits(62)
+    port = int(listener.getsockname()[1])
+    dist.broadcast(torch.tensor([port, token], dtype=torch.int64), src=0)
+    hosts: dict[int, _Host] = {}
+    listener.settimeout(wait)
+    try:
+        while len(hosts) < launch.world - 1:
+            try:
+                link, _ = listener.accept()
+            except TimeoutError:
+                missing = sorted(set(range(1, launch.world)) - set(hosts))
+                raise BackendError(
+                    f"under torchrun: rank{'s' if len(missing) > 1 else ''} "
+                    f"{', '.join(map(str, missing))} did not connect within {wait:g} s"
+                ) from None
+            link.settimeout(wait)
+            try:
+                head, _ = _receive(link)
+            except (EOFError, OSError, ValueError):
+                link.close()
+                continue
+            rank = head.get("rank")
+            if head.get("token") != token or type(rank) is not int or not 0 < rank < launch.world:
+                link.close()  # not one of torchrun's processes
+                continue
+            local = head.get("local_rank")
+            hosts[rank] = _Host(rank, link, local if type(local) is int else 0)
+    finally:
+        listener.close()
+    return [hosts[r] for r in range(1, launch.world)]
+
+
+class _Host:
+    """Rank ``rank``'s worker as the judge sees it: on the process torchrun started for
+    that rank, which relays each job to it and its reply back, as bytes."""
+
+    def __init__(self, rank: int, link: socket.socket, local_rank: int) -> None:
+        self.rank, self.link, self.local_rank = rank, link, local_rank
+        self.slowest = 0.0
+        self.restarts = 0
+        self.broken = False
+        self._asking = threading.Lock()  # one request and its answer at a time
+        self._sending = threading.Lock()  # and a stop may go out between them
+
+    def _ask(
+        self, head: dict[str, Any], payload: bytes, wait: float
+    ) -> tuple[dict[str, Any], bytes]:
+        with self._asking:
+            return self._ask_now(head, payload, wait)
+
+    def _ask_now(
+        self, head: dict[str, Any], payload: bytes, wait: float
+    ) -> tuple[dict[str, Any], bytes]:
+        if self.broken:
+            raise BackendDied(f"the process torchrun started for rank {self.rank} is gone")
+        self.link.settimeout(wait)
+        try:
+            with self._sending:
+                _send(self.link, head, payload)
+            answer, data = _receive(self.link)
+        except TimeoutError:
+            self.broken = True
+            raise TimeoutError(
+                f"the process torchrun started for rank {self.rank} did not answer within "
+                f"{wait:g} s"
+            ) from None
+        except (EOFError, OSError, ValueError):
+            self.broken = True
+            raise BackendDied(
+                f"the process torchrun started for rank {self.rank} is gone"
+            ) from None
+        if type(answer.get("status")) is not str:
+            raise BackendDied(f"rank {self.rank}'s process sent a malformed answer")
+        return answer, data
+
+    def start(self) -> None:
+        answer, _ = self._ask({"op": "start"}, b"", 360.0)
+        if answer["status"] != "ok":
+            raise BackendError(str(answer.get("message", "its worker did not start")))
+
+    def run(self, job: Any, timeout: float) -> Any:
+        t0 = time.perf_counter()
+        answer, data = self._ask({"op": "job", "timeout": timeout}, encode(job.message()),
+                                 timeout + 60.0)  # fmt: skip
+        status, message = answer["status"], str(answer.get("message", ""))
+        if status == "timeout":
+            self.restarts += 1
+            raise TimeoutError(message)
+        if status == "died":
+            self.restarts += 1
+            raise BackendDied(message)
+        if status != "ok":
+            raise BackendDied(f"rank {self.rank}'s process: {message}")
+        self.slowest = max(self.slowest, time.perf_counter() - t0)
+        return read_reply(data)  # the worker's bytes, decoded here
+
+    def close(self) -> None:
+        """Stop the worker now, even while it runs a job (the connection stays, for the
+        next start; the job is answered as died)."""
+        with contextlib.suppress(OSError), self._sending:
+            _send(self.link, {"op": "stop"})
+
+    def hang_up(self) -> None:
+        with contextlib.suppress(OSError), self._sending:
+            _send(self.link, {"op": "close"})
+        with contextlib.suppress(OSError):
+            self.link.close()
 
 
 def _is_communication(error: BaseException) -> bool:
@@ -321,6 +635,7 @@ class RankGroup:
         threads: int = 1,
         memory_limit: int | None = None,
         world_size: int = DEFAULT_WORLD,
+        launch: Launch | None = None,
     ) -> None:
         if not isolate:
             raise BackendError(
@@ -330,15 +645,23 @@ class RankGroup:
         if not 1 <= world_size <= 64:
             raise BackendError(f"--world-size must be between 1 and 64, got {world_size}")
         self.spec = backend if isinstance(backend, str) else backend.spec or backend.name
-        self.world_size = world_size
+        self.world_size = world_size if launch is None else launch.world
         self.threads, self.memory_limit = threads, memory_limit
         self.slowest = 0.0
         self.restarts = 0
         self.history: list[tuple[Tensor, str]] = []
-        self._ranks: list[Supervised] = []
+        self._ranks: list[Any] = []  # Supervised, or under torchrun a _Host from rank 1 on
         self._port = 0
         self._joined = -1
-        self._start()
+        self._launch = launch
+        self._addr = "127.0.0.1" if launch is None else launch.addr
+        self._env: dict[str, str | None] = {} if launch is None else _worker_env(launch.local_rank)
+        self._hosts = [] if launch is None else _meet_hosts(launch)
+        try:
+            self._start()
+        except BaseException:
+            self.close()
+            raise
         declared = self._ranks[0].backend
         self.backend = declared if isinstance(backend, str) else backend
         if self.backend.api != NAME:
@@ -347,12 +670,18 @@ class RankGroup:
 
     def _start(self) -> None:
         self._stop()
-        self._port = _free_port()
+        # under torchrun the other ranks' workers reach rank 0's from their hosts
+        self._port = _free_port("127.0.0.1" if self._launch is None else "")
+        local = 1 if self._launch is not None else self.world_size
         try:
-            self._ranks = [
-                Supervised(self.spec, NAME, threads=self.threads, memory_limit=self.memory_limit)
-                for _ in range(self.world_size)
-            ]
+            for _ in range(local):
+                self._ranks.append(
+                    Supervised(self.spec, NAME, threads=self.threads,
+                               memory_limit=self.memory_limit, env=self._env)
+                )  # fmt: skip
+            for host in self._hosts:
+                host.start()
+                self._ranks.append(host)
         except BaseException:
             self._stop()
             raise
@@ -364,6 +693,12 @@ class RankGroup:
 
     def close(self) -> None:
         self._stop()
+        hosts, self._hosts = self._hosts, []
+        for host in hosts:
+            host.hang_up()
+        if self._launch is not None:
+            with contextlib.suppress(Exception):
+                dist.destroy_process_group()
 
     def __del__(self) -> None:
         with contextlib.suppress(Exception):
@@ -375,6 +710,7 @@ class RankGroup:
         return {
             "_rank": rank,
             "_ranks": self.world_size,
+            "_addr": self._addr,
             "_port": self._port,
             "_timeout": timeout,
             "_world": world,
@@ -638,6 +974,10 @@ def _bench(args: Any, device: str, seqs: list[int], dtypes: list[str]) -> int:
 
     from attnref.devices import DTYPES
 
+    if launched() is not None:
+        print("attnref bench: the context-parallel bench starts its ranks itself; run it "
+              "without torchrun (--world-size W)", file=sys.stderr)  # fmt: skip
+        return 2
     world = args.world_size or DEFAULT_WORLD
     backends = list(
         args.backends or ("ring-reference", "allgather-reference", "alltoall-reference")
@@ -750,7 +1090,15 @@ def _bench_case(
 
 
 def _executor(backend: Backend | str, api: str | None, **options: Any) -> RankGroup:
-    return RankGroup(backend, api, **options)
+    """The ranks: started here, or under torchrun the processes it started (this one
+    rank 0's, the judge; the others serve theirs, `serve_rank`)."""
+    launch = launched()
+    if launch is not None and launch.rank != 0:
+        raise BackendError(
+            f"under torchrun rank 0 judges; rank {launch.rank} serves its worker "
+            "(attnref audit does that, or serve_rank)"
+        )
+    return RankGroup(backend, api, launch=launch, **options)
 
 
 # ---------------------------------------------------------------- the builtins
@@ -760,6 +1108,76 @@ def _caps(**changes: Any) -> Capabilities:
     return replace(
         CONTEXT_PARALLEL, window=True, softcap=True, sinks=True, masked_nan="contained", **changes
     )
+
+
+#: what torch's own context parallelism refuses: its load balancer cuts ``2W`` chunks
+_TORCH_CP_LENGTHS = "torch's context_parallel takes a length divisible by 2W"
+
+
+@checked
+def torch_context_parallel(
+    q: Float[Tensor, "B T h D"],
+    k: Float[Tensor, "B T g D"],
+    v: Float[Tensor, "B T g Dv"],
+    *,
+    group: Any = None,
+    causal: bool = False,
+    softmax_scale: float | None = None,
+    sharding: str = "contiguous",
+    return_lse: bool = False,
+) -> Float[Tensor, "B T h Dv"]:
+    """torch's own context parallelism, through its public API
+    (`torch.distributed.tensor.experimental.context_parallel`), in this family's
+    convention: the rank's shards are gathered into the global Q, K and V, which
+    ``context_parallel`` shards again its own way (head-tail chunks) while SDPA runs in
+    it, on torch's ring; ``context_parallel_unshard`` gathers the output, and the rank
+    returns its shard of it. No LSE, and no gradient (the unshard is not differentiable).
+
+    Raises:
+        RuntimeError: not on CUDA: torch dispatches SDPA to its ring only from the flash,
+            memory-efficient and cuDNN kernels (a message the audit's probe reports).
+        ValueError: a length not divisible by ``2W`` (declared: a refusal).
+    """
+    if not q.is_cuda:
+        raise RuntimeError(
+            "torch's context_parallel hands SDPA to its ring only from the flash, "
+            "memory-efficient and cuDNN kernels, which run on CUDA (with NCCL); not on "
+            f"{q.device.type} (with gloo)"
+        )
+    if return_lse:
+        raise ValueError("torch's context_parallel does not return the log-sum-exp")
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    h, g = q.shape[2], k.shape[2]
+    if group is None:  # the probe: one device, no group
+        return sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale=softmax_scale,
+                    enable_gqa=h != g).transpose(1, 2)  # fmt: skip
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor.experimental import context_parallel
+    from torch.distributed.tensor.experimental._attention import context_parallel_unshard
+
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    lengths = torch.tensor([q.shape[1]], device=q.device)
+    everyone = [torch.zeros_like(lengths) for _ in range(world)]
+    dist.all_gather(everyone, lengths, group=group)
+    T = int(sum(int(n) for n in everyone))
+    if T % (2 * world):
+        raise ValueError(f"{_TORCH_CP_LENGTHS} = {2 * world}, got {T}")
+
+    def whole(x: Tensor) -> Tensor:  # (B, T_local, n, d) on each rank -> (B, n, T, d)
+        parts = [torch.empty_like(x) for _ in range(world)]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return D.unshard(parts, sharding).transpose(1, 2).contiguous()
+
+    qg, kg, vg = whole(q), whole(k), whole(v)
+    if h != g:
+        kg, vg = kg.repeat_interleave(h // g, dim=1), vg.repeat_interleave(h // g, dim=1)
+    mesh = DeviceMesh.from_group(group, "cuda")
+    buffers = [qg, kg, vg]
+    with context_parallel(mesh, buffers=buffers, buffer_seq_dims=[2, 2, 2],
+                          no_restore_buffers=set(buffers)):  # fmt: skip
+        out = sdpa(qg, kg, vg, is_causal=causal, scale=softmax_scale)
+    (full,) = context_parallel_unshard(mesh, [out], [2])
+    return D.shard(full.transpose(1, 2), rank, world, sharding)
 
 
 def _builtins() -> list[Backend]:
@@ -783,6 +1201,21 @@ def _builtins() -> list[Backend]:
             D.alltoall_attention,
             "attnref.distributed.alltoall_attention (Ulysses): heads re-sharded by all-to-all",
             _caps(refuses=("splits the heads across ranks",)),
+            api=NAME,
+        ),
+        Backend(
+            "torch-context-parallel",
+            torch_context_parallel,
+            "torch.distributed.tensor.experimental.context_parallel: torch's ring, through "
+            "its public API (CUDA and NCCL only: skipped elsewhere, with the reason)",
+            replace(
+                CONTEXT_PARALLEL,
+                lse=False,
+                gradients=False,
+                dtypes=(torch.float32, torch.bfloat16, torch.float16),
+                refuses=(_TORCH_CP_LENGTHS,),
+            ),
+            probe=True,
             api=NAME,
         ),
     ]
@@ -1117,4 +1550,5 @@ FAMILY = ApiFamily(
     executor=_executor,
     world_size=DEFAULT_WORLD,
     bench=_bench,
+    serve=serve_rank,
 )
