@@ -249,3 +249,27 @@ def test_rotary_embedding_layer_offsets_positions() -> None:
         RotaryEmbedding(3)
     with pytest.raises(ValueError, match="offset must be >= 0"):
         rope(x, offset=-1)
+
+
+def test_the_adapter_reads_the_cache_as_the_reference_does_without_cache_seqlens() -> None:
+    """The decode rules (cached lengths, rotation positions) are written once, in
+    attnref.kvcache, and the conformance adapter uses them: without cache_seqlens a paged
+    cache is full less the append, pages times the page size (not one page)."""
+    from attnref.conformance.families.flash_kvcache import kvcache_naive
+
+    gen = torch.Generator().manual_seed(3)
+    B, g, h, D, page, pages = 2, 1, 2, 8, 4, 3
+    k_cache = torch.randn(B * pages, page, g, D, generator=gen, dtype=torch.float64)
+    v_cache = torch.randn(B * pages, page, g, D, generator=gen, dtype=torch.float64)
+    table = torch.randperm(B * pages, generator=gen).reshape(B, pages).to(torch.int32)
+    q = torch.randn(B, 1, h, D, generator=gen, dtype=torch.float64)
+    k = torch.randn(B, 1, g, D, generator=gen, dtype=torch.float64)
+    v = torch.randn(B, 1, g, D, generator=gen, dtype=torch.float64)
+    cos, sin = rotary_tables(pages * page, D, dtype=torch.float64)
+    outs = []
+    for fn in (kvcache_attention, kvcache_naive):
+        kc, vc = k_cache.clone(), v_cache.clone()
+        outs.append((fn(q, kc, vc, k, v, rotary_cos=cos, rotary_sin=sin, block_table=table,
+                        causal=True), kc, vc))  # fmt: skip
+    for a, b in zip(outs[0], outs[1], strict=True):
+        torch.testing.assert_close(a, b)

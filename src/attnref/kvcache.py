@@ -37,7 +37,14 @@ from attnref.masks import Window
 from attnref.rotary import check_rotary_dim, rotary
 from attnref.varlen import attend_one
 
-__all__ = ["cache_slots", "kvcache_attention", "valid_keys"]
+__all__ = [
+    "cache_slots",
+    "cached_lengths",
+    "key_positions",
+    "kvcache_attention",
+    "query_positions",
+    "valid_keys",
+]
 
 
 def _check_ints(name: str, t: Tensor, shape: tuple[int, ...]) -> None:
@@ -47,6 +54,42 @@ def _check_ints(name: str, t: Tensor, shape: tuple[int, ...]) -> None:
         raise ValueError(f"{name} must be int32, got {t.dtype}")
     if tuple(t.shape) != shape:
         raise ValueError(f"{name} must have shape {shape}, got {tuple(t.shape)}")
+
+
+# ------------------------------------------- the rules a decode call follows, once
+# (the reference below and the conformance adapter, `kvcache_form`, both use them)
+
+
+@checked
+def cached_lengths(
+    cache_seqlens: Int[Tensor, " B"] | int | None, B: int, capacity: int, T_new: int
+) -> list[int]:
+    """The tokens already in each of the ``B`` rows: ``cache_seqlens`` (one int for every
+    row, or one per row); without it, a full cache less the ``T_new`` appended tokens
+    (``capacity``: a row's slots, or pages times the page size when paged)."""
+    if cache_seqlens is None:
+        return [capacity - T_new] * B
+    if isinstance(cache_seqlens, int):
+        return [cache_seqlens] * B
+    return [int(x) for x in cache_seqlens.tolist()]
+
+
+@checked
+def key_positions(cached: int, T_new: int) -> Int[Tensor, " T_new"]:
+    """The positions the appended keys are rotated to: right after the ``cached`` ones."""
+    return torch.arange(cached, cached + T_new)
+
+
+@checked
+def query_positions(
+    cached: int, Tq: int, causal: bool, window_size: tuple[int, int]
+) -> Int[Tensor, " Tq"]:
+    """The positions the queries are rotated to: ``cached + t`` when causal or windowed
+    (each query is the token it appends), else all at ``cached`` (FlashAttention's
+    documented rule for ``rotary_cos`` in ``flash_attn_with_kvcache``)."""
+    if causal or tuple(window_size) != (-1, -1):
+        return torch.arange(cached, cached + Tq)
+    return torch.full((Tq,), cached, dtype=torch.int64)
 
 
 @checked
@@ -209,14 +252,10 @@ def kvcache_attention(
             raise ValueError(f"cache_batch_idx names cache row {bad[0]}; the cache has {rows} rows")
     elif not paged and rows < B:
         raise ValueError(f"the cache has {rows} rows for a batch of {B} (pass cache_batch_idx)")
-    if cache_seqlens is None:
-        lengths = [capacity - (0 if k is None else k.shape[1])] * B
-    elif isinstance(cache_seqlens, int):
-        lengths = [cache_seqlens] * B
-    else:
-        _check_ints("cache_seqlens", cache_seqlens, (B,))
-        lengths = [int(x) for x in cache_seqlens.tolist()]
     T_new = 0 if k is None else k.shape[1]
+    if isinstance(cache_seqlens, Tensor):
+        _check_ints("cache_seqlens", cache_seqlens, (B,))
+    lengths = cached_lengths(cache_seqlens, B, capacity, T_new)
     for b, n in enumerate(lengths):
         if n < 0:
             raise ValueError(f"cache_seqlens[{b}] is {n}; it must be >= 0")
@@ -259,7 +298,7 @@ def kvcache_attention(
             new_k = k[b]
             if rotate:
                 new_k = rotary(
-                    new_k, *angles(torch.arange(n, n + T_new)), interleaved=rotary_interleaved
+                    new_k, *angles(key_positions(n, T_new)), interleaved=rotary_interleaved
                 )
             for t, (r, s) in enumerate(
                 cache_slots(b, range(n, n + T_new), block_table, slots, row)
@@ -268,8 +307,7 @@ def kvcache_attention(
                 v_cache[r, s] = v[b, t]
         qb = q[b]
         if rotate:
-            moving = causal or tuple(window_size) != (-1, -1)
-            positions = torch.arange(n, n + Tq) if moving else torch.full((Tq,), n)
+            positions = query_positions(n, Tq, causal, window_size)
             qb = rotary(qb, *angles(positions), interleaved=rotary_interleaved)
         keys = valid_keys(k_cache, b, n + T_new, block_table, row)
         values = valid_keys(v_cache, b, n + T_new, block_table, row)

@@ -186,7 +186,13 @@ def kvcache_form(
     the newest, once the cache is longer than the window), ``split_merge_unweighted``
     (split-KV parts averaged, not weighted by their log-sum-exps).
     """
-    from attnref.kvcache import cache_slots, valid_keys
+    from attnref.kvcache import (
+        cache_slots,
+        cached_lengths,
+        key_positions,
+        query_positions,
+        valid_keys,
+    )
     from attnref.rotary import rotary
 
     @checked_internal
@@ -216,17 +222,12 @@ def kvcache_form(
         B, Tq, h = q.shape[:3]
         T_new = 0 if k is None else k.shape[1]
         page = k_cache.shape[1]
-        if cache_seqlens is None:
-            lengths = [k_cache.shape[1] - T_new] * B
-        elif isinstance(cache_seqlens, int):
-            lengths = [cache_seqlens] * B
-        else:
-            lengths = [int(n) for n in cache_seqlens.tolist()]
+        capacity = page if block_table is None else block_table.shape[1] * page
+        lengths = cached_lengths(cache_seqlens, B, capacity, T_new)
         table = block_table
         if table is not None and "logical_pages" in bugs:
             table = torch.arange(table.numel(), dtype=table.dtype).reshape(table.shape)
         interleaved = rotary_interleaved and "rotary_halves" not in bugs
-        moving = causal or tuple(window_size) != (-1, -1)
         extra: dict[str, Any] = {"softmax_scale": softmax_scale, "causal": causal}
         if tuple(window_size) != (-1, -1):
             extra["window_size"] = window_size
@@ -239,8 +240,7 @@ def kvcache_form(
             if k is not None and v is not None:
                 new_k = k[b]
                 if rotary_cos is not None and rotary_sin is not None:
-                    at = 0 if "rotary_at_zero" in bugs else n
-                    pos = torch.arange(at, at + T_new)
+                    pos = key_positions(0 if "rotary_at_zero" in bugs else n, T_new)
                     c, s = rotary_cos[pos].unsqueeze(-2), rotary_sin[pos].unsqueeze(-2)
                     new_k = rotary(new_k, c, s, interleaved=interleaved)
                 start = n + (1 if "append_one_too_far" in bugs else 0)
@@ -269,7 +269,7 @@ def kvcache_form(
             values = valid_keys(v_cache, b, span, table, row)[lo:]
             qb = q[b]
             if rotary_cos is not None and rotary_sin is not None:
-                pos = torch.arange(n, n + Tq) if moving else torch.full((Tq,), n)
+                pos = query_positions(n, Tq, causal, window_size)
                 c, s = rotary_cos[pos].unsqueeze(-2), rotary_sin[pos].unsqueeze(-2)
                 qb = rotary(qb, c, s, interleaved=interleaved)
             kwargs = dict(extra)
