@@ -150,8 +150,6 @@ def run_cli(args: argparse.Namespace) -> int:
     bench = get_family(args.api).bench
     if bench is not None:  # a family with a bench of its own
         return bench(args, device, seqs, dtypes)
-    if args.api != "sdpa":
-        return _run_serving(args, device, seqs, dtypes)
     from attnref.conformance.worker import start_forkserver
 
     start_forkserver()  # the workers' clean parent starts while the cases are made
@@ -217,65 +215,6 @@ def run_cli(args: argparse.Namespace) -> int:
             )
         except ImportError as e:
             print(f"no plot: {e}", file=sys.stderr)
-    print("written: " + ", ".join(str(p) for p in written))
-    return 1 if any(r.status in ("error", "wrong", "flagged") for r in results) else 0
-
-
-def _run_serving(args: argparse.Namespace, device: str, seqs: list[int], dtypes: list[str]) -> int:
-    """``--api flash-kvcache|flash-varlen`` (`attnref.bench.serving`)."""
-    from attnref.bench.serving import (
-        SERVING_BACKENDS,
-        ServingCase,
-        format_serving,
-        run_serving,
-        write_serving,
-    )
-
-    pages = args.page_size if args.page_size is not None else [0, 16]
-    if any(p < 0 for p in pages):
-        return _fail(f"--page-size values must be >= 0 (0: contiguous), got {pages}")
-    if args.api == "flash-varlen":
-        pages = [0]
-    from attnref.conformance.worker import start_forkserver
-
-    start_forkserver()
-    backends: list[str] = list(args.backends or SERVING_BACKENDS[args.api])
-    for spec in backends:  # a name is looked up here; module:function only in a worker
-        if ":" not in spec:
-            try:
-                b = resolve_backend(spec, args.api)
-            except BackendError as e:
-                return _fail(str(e))
-            if b.api != args.api:
-                return _fail(f"{b.name} is a backend of the {b.api!r} family, not {args.api!r}")
-    Dh = args.head_dim[0]
-    h = args.heads or max(1, (args.hidden or 512) // Dh)
-    g = args.kv_heads or h
-    try:
-        cases = [
-            ServingCase(args.api, args.batch or 8, h, g, Dh, seq, page, dtype, device)
-            for dtype in dtypes
-            for seq in seqs
-            for page in pages
-        ]
-    except ValueError as e:
-        return _fail(str(e))
-    results = run_serving(
-        backends,
-        cases,
-        warmup=args.warmup,
-        runs=args.runs,
-        progress=False if args.no_progress else None,
-    )
-    print(format_serving(results))
-    meta = {
-        "device": device,
-        "environment": environment(device),
-        "warmup": args.warmup,
-        "runs": args.runs,
-        "command": " ".join(sys.argv),
-    }
-    written = write_serving(results, args.out, meta)
     print("written: " + ", ".join(str(p) for p in written))
     return 1 if any(r.status in ("error", "wrong", "flagged") for r in results) else 0
 

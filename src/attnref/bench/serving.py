@@ -19,6 +19,7 @@ absent, or not declared for the dtype, gets a ``skipped`` row; one that raises, 
 import csv
 import json
 import statistics
+import sys
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -39,6 +40,7 @@ __all__ = [
     "format_serving",
     "run_serving",
     "serving_call",
+    "serving_cli",
     "write_serving",
 ]
 
@@ -322,3 +324,62 @@ def write_serving(
         writer.writerows(rows)
     json_path.write_text(json.dumps({"meta": meta, "results": rows}, indent=2) + "\n")
     return [csv_path, json_path]
+
+
+def serving_cli(api: ServingApi, args: Any, device: str, seqs: list[int], dtypes: list[str]) -> int:
+    """``attnref bench --api flash-kvcache|flash-varlen``: the bench entry of those two
+    families (each names itself as ``api``); the exit code."""
+    from attnref.bench.runner import environment
+    from attnref.conformance.backends import BackendError, resolve_backend
+    from attnref.conformance.worker import start_forkserver
+
+    def _fail(message: str) -> int:
+        print(f"attnref bench: {message}", file=sys.stderr)
+        return 2
+
+    pages = args.page_size if args.page_size is not None else [0, 16]
+    if any(p < 0 for p in pages):
+        return _fail(f"--page-size values must be >= 0 (0: contiguous), got {pages}")
+    if api == "flash-varlen":
+        pages = [0]
+
+    start_forkserver()
+    backends: list[str] = list(args.backends or SERVING_BACKENDS[api])
+    for spec in backends:  # a name is looked up here; module:function only in a worker
+        if ":" not in spec:
+            try:
+                b = resolve_backend(spec, api)
+            except BackendError as e:
+                return _fail(str(e))
+            if b.api != api:
+                return _fail(f"{b.name} is a backend of the {b.api!r} family, not {api!r}")
+    Dh = args.head_dim[0]
+    h = args.heads or max(1, (args.hidden or 512) // Dh)
+    g = args.kv_heads or h
+    try:
+        cases = [
+            ServingCase(api, args.batch or 8, h, g, Dh, seq, page, dtype, device)
+            for dtype in dtypes
+            for seq in seqs
+            for page in pages
+        ]
+    except ValueError as e:
+        return _fail(str(e))
+    results = run_serving(
+        backends,
+        cases,
+        warmup=args.warmup,
+        runs=args.runs,
+        progress=False if args.no_progress else None,
+    )
+    print(format_serving(results))
+    meta = {
+        "device": device,
+        "environment": environment(device),
+        "warmup": args.warmup,
+        "runs": args.runs,
+        "command": " ".join(sys.argv),
+    }
+    written = write_serving(results, args.out, meta)
+    print("written: " + ", ".join(str(p) for p in written))
+    return 1 if any(r.status in ("error", "wrong", "flagged") for r in results) else 0
