@@ -165,9 +165,11 @@ def test_evaluation_changes_nothing() -> None:
 
 @pytest.mark.slow
 def test_the_copy_task_loss_falls_and_most_sequences_are_copied() -> None:
-    """A short run (12 epochs of 20 batches, about 8 s on 2 cores): the loss per token
-    falls tenfold and greedy decoding copies most fresh sequences exactly."""
-    result = train_copy_task(max_epochs=12, progress=False)
+    """A short run (16 epochs of 20 batches, about 16 s on 2 cores): the loss per token
+    falls tenfold and greedy decoding copies most fresh sequences exactly. (At 12 epochs
+    the copy rate sat at the bar: 0.485 on one machine, above 0.5 on another, as the
+    CPU's kernels rounded; at 16 it is 0.915 on the first.)"""
+    result = train_copy_task(max_epochs=16, progress=False)
     losses = result.epoch_losses
     assert losses[0] > 2.0  # chance is log(10) = 2.3
     assert losses[-1] < 0.1 * losses[0]
