@@ -48,7 +48,7 @@ from torch import Tensor
 
 from attnref import distributed as D
 from attnref import functional as F
-from attnref._checking import checked
+from attnref._checking import checked, checked_internal
 from attnref.conformance.cases import Case, Inputs
 from attnref.conformance.checks import Context, agree_grads, law
 from attnref.conformance.declarations import Backend, BackendError, Capabilities
@@ -1163,7 +1163,9 @@ def torch_context_parallel(
     if T % (2 * world):
         raise ValueError(f"{_TORCH_CP_LENGTHS} = {2 * world}, got {T}")
 
-    def whole(x: Tensor) -> Tensor:  # (B, T_local, n, d) on each rank -> (B, n, T, d)
+    @checked_internal
+    def whole(x: Float[Tensor, "B t n d"]) -> Float[Tensor, "B n T d"]:
+        """A rank's shard, gathered from every rank into SDPA's layout, whole."""
         parts = [torch.empty_like(x) for _ in range(world)]
         dist.all_gather(parts, x.contiguous(), group=group)
         return D.unshard(parts, sharding).transpose(1, 2).contiguous()
