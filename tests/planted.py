@@ -120,6 +120,30 @@ def empty_rows_by_cause(
     return out.to(q.dtype)
 
 
+def nan_row_spreads(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    attn_mask: Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> Tensor:
+    """Declares the NaN policy for a query with no visible key, and keeps it, but its
+    matmul spreads a NaN row to the row before it, as oneDNN's bfloat16 matmul does on
+    CPUs with AMX (oneDNN#5717): a row that sees keys comes out NaN."""
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, attn_mask, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa
+    )
+    if attn_mask is None:
+        return out
+    seen = attn_mask if attn_mask.dtype == torch.bool else attn_mask > float("-inf")
+    empty = ~seen.expand(*q.shape[:-1], k.shape[-2]).any(dim=-1, keepdim=True)
+    spread = empty | torch.cat([empty[..., 1:, :], torch.zeros_like(empty[..., :1, :])], -2)
+    return out.masked_fill(spread, float("nan"))
+
+
 def no_mask_argument(query: Tensor, key: Tensor, value: Tensor) -> Tensor:
     """Lacks SDPA's keyword arguments."""
     return query
@@ -239,6 +263,9 @@ def _declare() -> None:
 
     refuses_masks.capabilities = Capabilities(  # type: ignore[attr-defined]
         refuses=("not supported by this kernel",)
+    )
+    nan_row_spreads.capabilities = Capabilities(  # type: ignore[attr-defined]
+        empty_row="nan", dropout=False, gqa=True
     )
     uniform_empty_rows.capabilities = Capabilities(  # type: ignore[attr-defined]
         empty_row="uniform", dropout=False

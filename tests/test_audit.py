@@ -281,6 +281,19 @@ def test_declared_empty_row_policies_are_held_to() -> None:
     assert not run(zeros, properties=["empty_rows"], dtypes=(torch.float32,)).ok
 
 
+def test_a_nan_row_spread_to_its_neighbour_is_reported_with_its_cause() -> None:
+    # oneDNN's bfloat16 matmul spreads a NaN row of A to the next rows on some CPUs: the
+    # audit rightly fails a row that sees keys, and names the empty row beside it
+    report = run("tests.planted:nan_row_spreads", properties=["empty_rows"])
+    assert not report.ok
+    failure = next(r for r in report.results if r.status == "fail")
+    assert failure.finding is not None
+    message = failure.finding.message
+    assert "NaN/inf values where a finite value is expected" in message, message
+    assert "of the same head sees no key" in message, message
+    assert "oneDNN#5717" in message, message
+
+
 def test_empty_row_policies_may_be_declared_per_cause() -> None:
     # zeros under a bool mask, NaN under a -inf float mask, the mean of V under its own
     # causal diagonal: declared as such, it passes every property that meets empty rows

@@ -142,7 +142,7 @@ class Context:
             close(out.to(torch.float64), exp.value, *exp.bounds(), what)
         return out
 
-    def row(self, inputs: Inputs, where: tuple[int, ...]) -> str:
+    def row(self, inputs: Inputs, where: tuple[int, ...], nan: bool = False) -> str:
         """What the oracle says of the output row at index ``where``: how many keys its
         query sees or, for one that sees none, what hid them and the declared policy."""
         index = where[:-1]
@@ -150,21 +150,33 @@ class Context:
         query = f"query {where[-2]}"
         if bool(visible.any()):
             seen = f"{query} sees {int(visible.sum())} of {visible.numel()} keys"
-            return seen + self._spread(inputs, where)
+            return seen + self._spread(inputs, where, nan)
         causes = empty_row_causes(inputs, self.native(inputs))
         cause = next(c for c, rows in causes.items() if bool(rows[index].any()))
         policy = self.caps.empty_rows.of(cause, inputs.attn_mask is not None)
         why = "there are none" if inputs.key.shape[-2] == 0 else _CAUSES[cause]
         return f"{query} sees no key ({why}; declared policy {policy!r})"
 
-    def _spread(self, inputs: Inputs, where: tuple[int, ...]) -> str:
-        """For a row that sees keys: a head at the same query position that sees none,
-        whose NaN a projection mixing heads (before or after attention) may have
-        spread, as `naming_the_row` adds it to a NaN failure."""
+    def _spread(self, inputs: Inputs, where: tuple[int, ...], nan: bool) -> str:
+        """For a row that sees keys: a row nearby that sees none, whose NaN may have
+        spread to it, as `naming_the_row` adds it to a failure. A neighbouring query of
+        the same head (a matmul that spreads a NaN row of its left operand to the next
+        rows: oneDNN's bfloat16 matmul on CPUs with AMX, oneDNN#5717), or a head at the
+        same query position (a projection that mixes heads, before or after attention)."""
+        seen = inputs.visible()
+        i, Tq = where[-2], seen.shape[-2]
+        rows = seen[where[:-2]].any(dim=-1)  # (Tq,): which queries of this head see a key
+        near = [j for j in (i - 1, i + 1, i - 2, i + 2) if 0 <= j < Tq and not bool(rows[j])]
+        if nan and near:
+            return (
+                f"; query {near[0]} of the same head sees no key: a matmul that spreads "
+                "a NaN row of P to its neighbours (oneDNN's bfloat16 matmul on some CPUs, "
+                "oneDNN#5717) makes this row NaN too"
+            )
         if len(where) < 4:
             return ""
         index: tuple[int | slice, ...] = (*where[:-3], slice(None), where[-2])
-        heads = inputs.visible()[index]  # (h, Tk)
+        heads = seen[index]  # (h, Tk)
         empty = [int(i) for i in (~heads.any(dim=-1)).nonzero().flatten()]
         if not empty:
             return ""
@@ -183,7 +195,7 @@ class Context:
                 raise
             try:
                 where = f.where if len(f.where) == inputs.query.dim() else (*f.where, 0)
-                row = self.row(inputs, where)
+                row = self.row(inputs, where, f.kind == "nan")
             except (IndexError, StopIteration):  # an index the inputs do not explain
                 raise f from None
             raise f.reworded(f"{f}; {row}") from None

@@ -155,7 +155,12 @@ def materialised(
     p = p.to(query.dtype)
     if dropout_p > 0 or dropout_floor > 0:
         p = torch.nn.functional.dropout(p, max(dropout_p, dropout_floor))
-    out = p @ value
+    # a NaN row of P (an empty row's softmax of -inf) is set in the output after the
+    # matmul: some CPU matmuls (oneDNN's bfloat16 one, oneDNN#5717) spread a NaN row of
+    # A to its neighbours, and a planted bug must be the same on every machine
+    nan_rows = torch.isnan(p).any(dim=-1, keepdim=True)
+    out = p.nan_to_num(nan=0.0) @ value
+    out = out.masked_fill(nan_rows, math.nan)
     if not return_lse:
         return out
     lse = _lse(s, hidden, lse_base2, lse_relative_max, lse_empty_split_overwrites)

@@ -1,0 +1,71 @@
+"""The judge's share of an audit: wall time against the backend's own time.
+
+    python tools/audit_split.py [--src PATH] [-- audit options]
+
+Runs ``attnref audit --backend timed_sdpa:sdpa`` (torch's SDPA, timing its own calls in
+its worker: `tools/timed_sdpa.py`) with one torch thread, and prints the wall time, the
+time the audit reports, the backend's calls and their summed time, and the ratio of the
+rest (the judge's own work: drawing, the oracle, the round trips) to the backend's.
+``--src`` runs another checkout's ``src`` (a baseline) with the same backend, so that
+two versions can be timed side by side, alternating.
+"""
+
+import argparse
+import glob
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+TOOLS = Path(__file__).resolve().parent
+
+
+def split(src: str | None, extra: list[str]) -> dict[str, float]:
+    with tempfile.TemporaryDirectory() as tmp:
+        stem = os.path.join(tmp, "calls")
+        report = os.path.join(tmp, "report.json")
+        path = [str(TOOLS)] + ([src] if src else [])
+        env = {
+            **os.environ,
+            "ATTNREF_TIMED_SDPA": stem,
+            "PYTHONPATH": os.pathsep.join(path + [os.environ.get("PYTHONPATH", "")]),
+            "OMP_NUM_THREADS": "1",
+        }
+        cmd = [sys.executable, "-m", "attnref", "audit", "--backend", "timed_sdpa:sdpa"]
+        cmd += ["--json", report, "--no-progress", *extra]
+        t0 = time.perf_counter()
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
+        wall = time.perf_counter() - t0
+        calls = backend = 0.0
+        for name in glob.glob(stem + ".*"):
+            n, s = Path(name).read_text().split()
+            calls, backend = calls + int(n), backend + float(s)
+        data = json.loads(Path(report).read_text()) if os.path.exists(report) else {}
+    reported = float(data.get("seconds", 0.0))
+    return {
+        "exit": done.returncode,
+        "wall": wall,
+        "reported": reported,
+        "calls": calls,
+        "backend": backend,
+        "judge_share": (wall - backend) / backend if backend else float("nan"),
+        "cases": float(sum(r.get("checks", 0) for r in data.get("results", []))),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--src", help="another checkout's src folder (a baseline)")
+    parser.add_argument("--runs", type=int, default=1)
+    parser.add_argument("audit", nargs="*", help="options for attnref audit, after --")
+    args = parser.parse_args()
+    for _ in range(args.runs):
+        row = split(args.src, args.audit)
+        print(json.dumps({k: round(v, 3) for k, v in row.items()}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
