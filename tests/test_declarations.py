@@ -182,14 +182,23 @@ def test_an_empty_row_policy_may_depend_on_the_dtype_and_on_a_mask_passed() -> N
 
 def test_a_finite_fill_added_to_the_scores_is_declared_unmasked() -> None:
     """diffusers' -10000 added at hidden keys: a row its mask empties attends the keys the
-    mask hid. Declared so, it passes; declared as zeros, the empty rows fail."""
-    props = ["empty_rows", "forward", "mask_kinds"]
+    mask hid. Declared so, its empty rows pass; declared as zeros, they fail. Rows that
+    see keys fail either way once real scores fall below -1e4 (class 33: the fill is a
+    finite stand-in for minus infinity)."""
+    props = ["empty_rows", "mask_kinds"]
     for spec, ok in (
         ("tests.narrow:additive_fill", True),
         ("tests.narrow:additive_fill_as_zero", False),
     ):
         report = audit(spec, properties=props, dtypes=[torch.float32], progress=False)
         assert report.ok is ok, report.format_table()
+    report = audit(
+        "tests.narrow:additive_fill", properties=["forward"], dtypes=[torch.float32], progress=False
+    )
+    (result,) = report.results
+    assert result.status == "fail", report.format_table()
+    assert result.finding is not None
+    assert result.finding.case.logits != "randn", result.finding.case  # scores past -1e4
     inputs = Context(resolve_backend("reference"), torch.float32, "cpu").build(
         Case("x", batch=(1,), h=1, g=1, Tq=4, Tk=5, mask="empty_rows")
     )

@@ -23,7 +23,7 @@ from pathlib import Path
 TOOLS = Path(__file__).resolve().parent
 
 
-def split(src: str | None, extra: list[str]) -> dict[str, float]:
+def split(src: str | None, extra: list[str], keep: str | None = None) -> dict[str, float]:
     with tempfile.TemporaryDirectory() as tmp:
         stem = os.path.join(tmp, "calls")
         report = os.path.join(tmp, "report.json")
@@ -31,7 +31,7 @@ def split(src: str | None, extra: list[str]) -> dict[str, float]:
         env = {
             **os.environ,
             "ATTNREF_TIMED_SDPA": stem,
-            "PYTHONPATH": os.pathsep.join(path + [os.environ.get("PYTHONPATH", "")]),
+            "PYTHONPATH": os.pathsep.join([*path, os.environ.get("PYTHONPATH", "")]),
             "OMP_NUM_THREADS": "1",
         }
         cmd = [sys.executable, "-m", "attnref", "audit", "--backend", "timed_sdpa:sdpa"]
@@ -44,6 +44,8 @@ def split(src: str | None, extra: list[str]) -> dict[str, float]:
             n, s = Path(name).read_text().split()
             calls, backend = calls + int(n), backend + float(s)
         data = json.loads(Path(report).read_text()) if os.path.exists(report) else {}
+        if keep and data:
+            Path(keep).write_text(json.dumps(data, indent=1))
     reported = float(data.get("seconds", 0.0))
     return {
         "exit": done.returncode,
@@ -60,10 +62,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--src", help="another checkout's src folder (a baseline)")
     parser.add_argument("--runs", type=int, default=1)
+    parser.add_argument("--keep", help="write the audit's JSON report here")
     parser.add_argument("audit", nargs="*", help="options for attnref audit, after --")
     args = parser.parse_args()
     for _ in range(args.runs):
-        row = split(args.src, args.audit)
+        row = split(args.src, args.audit, args.keep)
         print(json.dumps({k: round(v, 3) for k, v in row.items()}), flush=True)
 
 

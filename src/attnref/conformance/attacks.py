@@ -67,7 +67,7 @@ def _output(ctx: Context, raw: Any, inputs: Inputs) -> Tensor:
 def _agrees(ctx: Context, out: Tensor, inputs: Inputs) -> Failure | None:
     exp = ctx.expect(inputs)
     try:
-        close(out, exp.value, *exp.bounds(), "output")
+        close(out, exp.value, *exp.bounds(), "output", exp.known)
     except Failure as f:
         return f
     return None

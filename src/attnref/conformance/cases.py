@@ -5,6 +5,7 @@ reproducer and a case list can be stored in a report. `build` turns it into
 tensors on a device in a dtype.
 """
 
+import math
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Literal, get_args
 
@@ -20,10 +21,12 @@ __all__ = [
     "Case",
     "Inputs",
     "Layout",
+    "Logits",
     "MaskKind",
     "Poison",
     "build",
     "fixed_grid",
+    "long_grid",
     "variant_grid",
 ]
 
@@ -37,6 +40,8 @@ Layout = Literal["contiguous", "transposed", "sliced", "broadcast", "broadcast_h
 Poison = Literal["none", "garbage", "nan", "inf"]
 #: ALiBi slopes: none, one per head ``(h,)``, or one per sample and head ``(*batch, h)``
 Alibi = Literal["none", "heads", "batch_heads"]
+#: how the scores of a case are shaped beyond ``amp * randn`` (see `Case`, class 33)
+Logits = Literal["randn", "far", "peaked", "moving", "outliers"]
 
 
 @dataclass(frozen=True)
@@ -61,6 +66,16 @@ class Case:
     random factor per sample for ``batch_heads``); ``sinks`` (one random logit per query
     head). Window and ALiBi place query ``i`` at ``i`` under a ``top_left`` causal case,
     and at ``Tk - Tq + i`` otherwise (bottom-right, the flash convention).
+
+    Values where kernels break and references do not (class 33; docs/testing.md):
+    ``logits`` ``randn`` (``amp * randn`` queries and keys); ``far`` (every score of a
+    row moved by about ``level``, e.g. ``-1e5``: past a finite stand-in for minus
+    infinity, or below a running max started at 0); ``peaked`` (one key per KV head,
+    far from the last ones, dominates every row by about ``level``); ``moving`` (scores
+    ramp by ``level`` along the keys, so a row's maximum moves from one key block to
+    the next: split-KV merges must rescale); ``outliers`` (two channels of Q and K
+    ``level`` times larger, as LLM activations have). ``v_offset``: V's mean, with a
+    spread over channels (0: ``randn``), so that an output near zero is wrong.
     """
 
     name: str
@@ -100,6 +115,9 @@ class Case:
     splits: int = 0
     shuffle: bool = False
     shift: int = 0  # every position moved by this much (the first ones garbage)
+    logits: Logits = "randn"
+    level: float = 0.0  # the size of what ``logits`` does (scores, or a channel factor)
+    v_offset: float = 0.0  # V's mean (over channels, with a spread)
     #: what a family's own cases add, as (name, value) pairs (context-parallel: the world
     #: size and the sharding); read with `Case.option`
     options: tuple[tuple[str, Any], ...] = ()
@@ -115,6 +133,7 @@ class Case:
             ("layout", Layout),
             ("poison", Poison),
             ("alibi", Alibi),
+            ("logits", Logits),
         ):
             allowed: tuple[object, ...] = get_args(kind) + ((None,) if name == "causal" else ())
             if getattr(self, name) not in allowed:
@@ -239,6 +258,8 @@ def build(case: Case, dtype: torch.dtype, device: str | torch.device = "cpu") ->
     else:
         k = _randn(k_shape, gen, case.amp)
         v = _randn(v_shape, gen)
+    if case.logits != "randn" or case.v_offset:
+        q, k, v = _shape_values(case, dtype, q, k, v)
     mask = _make_mask(case, gen)
     if case.poison != "none":
         if case.layout.startswith("broadcast"):
@@ -282,6 +303,64 @@ def build(case: Case, dtype: torch.dtype, device: str | torch.device = "cpu") ->
 
 
 POISONS = ("none", "garbage", "nan", "inf")
+
+
+@checked_internal
+def _shape_values(
+    case: Case,
+    dtype: torch.dtype,
+    q: Float32[Tensor, "*batch h Tq Dh"],
+    k: Float32[Tensor, "*batch g Tk Dh"],
+    v: Float32[Tensor, "*batch g Tk Dv"],
+) -> tuple[
+    Float32[Tensor, "*batch h Tq Dh"],
+    Float32[Tensor, "*batch g Tk Dh"],
+    Float32[Tensor, "*batch g Tk Dv"],
+]:
+    """Q, K and V with ``case.logits`` and ``case.v_offset`` applied (see `Case`).
+
+    The scores are moved along one random unit direction ``u``: ``q += b u``, ``k += a_j
+    u`` adds ``scale * b * a_j`` to score ``(i, j)`` (plus cross terms that are the same
+    along a row, or of the size of the noise). Its own generator (from the seed), so
+    that the ``randn`` values of every other case stay as they were. In float16 the
+    factors are capped so that every input stays finite (`_LARGEST`)."""
+    gen = torch.Generator().manual_seed(case.seed + 7919)
+    Dh, Tk = q.shape[-1], k.shape[-2]
+    scale = case.scale if case.scale is not None else (Dh**-0.5 if Dh else 1.0)
+    big = _LARGEST.get(dtype, math.inf)
+    if Dh and case.logits != "randn" and case.level:
+        u = torch.randn(Dh, generator=gen)
+        u = u / u.norm()
+        if case.logits == "outliers":
+            boost = torch.ones(Dh)
+            boost[torch.randperm(Dh, generator=gen)[:2]] = min(abs(case.level), big / 8)
+            q, k = q * boost, k * boost
+        else:
+            # b for the queries, a_j for the keys: scale * b * a_j is the planted score;
+            # Q's own part along u goes, or a_j (q . u) would move whole rows as far
+            b = 1.0 if case.level > 0 or case.logits == "peaked" else -1.0
+            q = q - (q @ u)[..., None] * u
+            level = abs(case.level)
+            a = torch.zeros(Tk)
+            if case.logits == "far":
+                a[:] = level / abs(scale * b)
+            elif case.logits == "peaked" and Tk:
+                a[int(torch.randint(0, max(1, Tk // 3), (), generator=gen))] = level / abs(scale)
+            elif case.logits == "moving":
+                a = torch.linspace(0.0, level / abs(scale), Tk)
+            a = a.clamp(max=big / 2)
+            q = q + b * u
+            k = k + a[:, None] * u
+    if case.v_offset:
+        spread = 1 + 0.5 * torch.randn(v.shape[-1], generator=gen)
+        v = v + case.v_offset * spread
+    if case.layout == "transposed":  # stored Dh-major again
+        q = q.transpose(-1, -2).contiguous().transpose(-1, -2)
+    return q, k, v
+
+
+#: the largest input `_shape_values` plants in a dtype whose range is narrow
+_LARGEST = {torch.float16: 3.0e4}
 
 
 @checked_internal
@@ -399,6 +478,33 @@ def fixed_grid() -> list[Case]:
         Case("float_empty_rows", mask="float_empty_rows", Tq=10, Tk=13),
     ]
     return [replace(c, seed=i) for i, c in enumerate(cases)]
+
+
+def long_grid() -> list[Case]:
+    """Fixed cases at the sizes and values production kernels break on (classes 32 and
+    33), run after the search when it found nothing: a causal prefill past 1024 rows
+    against more keys, decode against 4097 keys, a split-KV row
+    whose maximum moves, head dims 256, 192/128 and 576/512, a grid of 1028 programs,
+    scores far below a finite minus infinity (with a mask and without), a dominant key."""
+    one = (1,)
+    cases = [
+        Case("long_prefill_causal", batch=one, h=1, g=1, Tq=1025, Tk=2049, Dh=64, Dv=64,
+             causal="top_left"),
+        Case("long_decode", batch=one, h=2, g=1, Tq=1, Tk=4097, Dh=128, Dv=128),
+        Case("split_kv_moving_max", batch=one, h=2, g=2, Tq=3, Tk=4096, Dh=64, Dv=64,
+             logits="moving", level=30.0),
+        Case("head_dim_256", batch=one, h=2, g=2, Tq=65, Tk=257, Dh=256, Dv=256, mask="bool"),
+        Case("dims_192_128", batch=one, h=2, g=2, Tq=33, Tk=513, Dh=192, Dv=128,
+             causal="bottom_right"),
+        Case("dims_576_512", batch=one, h=2, g=1, Tq=2, Tk=1025, Dh=576, Dv=512),
+        Case("grid_1028", batch=(257,), h=4, g=4, Tq=5, Tk=7, Dh=8, Dv=8),
+        Case("far_below_masked", batch=one, h=2, g=2, Tq=33, Tk=257, mask="bool", logits="far",
+             level=-1e5, v_offset=3.0),
+        Case("far_below", batch=one, h=2, g=2, Tq=17, Tk=300, logits="far", level=-6e4),
+        Case("dominant_key", batch=one, h=2, g=2, Tq=17, Tk=513, causal="bottom_right",
+             logits="peaked", level=40.0, v_offset=-20.0),
+    ]  # fmt: skip
+    return [replace(c, seed=200 + i) for i, c in enumerate(cases)]
 
 
 def variant_grid(caps: Any, *, lse: bool = False) -> list[Case]:

@@ -23,11 +23,11 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
-from jaxtyping import Bool, Float
+from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
 from attnref import functional as F
-from attnref._checking import checked_internal
+from attnref._checking import checked, checked_internal
 from attnref.conformance.calls import arguments, call, call_lse, invoke, native_causal
 from attnref.conformance.cases import Case, Inputs, build
 from attnref.conformance.declarations import Backend, Capabilities, EmptyRow
@@ -42,7 +42,6 @@ from attnref.conformance.oracle import (
     expect_lse,
     expect_sink_grad,
     policy_rows,
-    reference_lse,
 )
 from attnref.conformance.verdicts import Failure, Skip
 from attnref.conformance.worker import Executor, Job
@@ -91,6 +90,14 @@ class Context:
     _oracles: dict[int, tuple[Inputs, Expected]] = field(
         default_factory=dict, repr=False, compare=False
     )
+    #: judge a long case on a sample of its rows (`rows`); False (what a reproducer
+    #: does) compares every row
+    sample: bool = True
+    #: mixed into the sample's generator: the audit's own secret, so that a backend
+    #: cannot know which of its rows are judged (a reproducer judges every row)
+    secret: int = 0
+    # the rows of the current case that are judged: (Tq, rows), or None for every row
+    _sampled: list[tuple[int, Tensor]] = field(default_factory=list, repr=False, compare=False)
 
     @functools.cached_property
     def caps(self) -> Capabilities:
@@ -103,7 +110,22 @@ class Context:
 
     def build(self, case: Case) -> Inputs:
         self._oracles.clear()  # a new case: the oracles of the last one are not needed
-        return build(case, self.dtype, self.device)
+        inputs = build(case, self.dtype, self.device)
+        self._sampled.clear()
+        if self.sample and sampled(inputs):
+            Tq = inputs.query.shape[-2]
+            self._sampled.append((Tq, sample_rows(Tq, case.seed * 7919 + self.secret)))
+        return inputs
+
+    def rows(self, inputs: Inputs) -> Int[Tensor, " n"] | None:
+        """The query rows of ``inputs`` the oracle judges: a sample of a long case's rows
+        (the same for every call of a check with its number of queries), None for all.
+        Output rows are judged on those alone, whatever the call; a law compares two
+        calls there too."""
+        for Tq, rows in self._sampled:
+            if inputs.query.shape[-2] == Tq:
+                return rows
+        return None
 
     def run(self, inputs: Inputs, **overrides: object) -> Tensor:
         return call(self.backend, inputs, self.timeout, self.executor, **overrides)
@@ -118,9 +140,14 @@ class Context:
         """The oracle of ``inputs``, computed once per check."""
         hit = self._oracles.get(id(inputs))
         if hit is None or hit[0] is not inputs:
-            hit = (inputs, expect(inputs, self.caps.empty_row, self.native(inputs)))
+            rows = self.rows(inputs)
+            hit = (inputs, expect(inputs, self.caps.empty_row, self.native(inputs), rows))
             self._oracles[id(inputs)] = hit
         return hit[1]
+
+    def expect_lse(self, inputs: Inputs) -> Expected:
+        """The oracle's log-sum-exp of ``inputs``, on the rows `rows` judges."""
+        return expect_lse(inputs, self.caps.empty_lse, self.rows(inputs))
 
     def keep(self, inputs: Inputs, expected: Expected) -> None:
         """Make ``expected`` the oracle of ``inputs`` for the rest of the check (a
@@ -139,7 +166,7 @@ class Context:
         out = self.run(inputs, **overrides)
         exp = self.expect(inputs)
         with self.naming_the_row(inputs):
-            close(out.to(torch.float64), exp.value, *exp.bounds(), what)
+            close(out.to(torch.float64), exp.value, *exp.bounds(), what, exp.known)
         return out
 
     def row(self, inputs: Inputs, where: tuple[int, ...], nan: bool = False) -> str:
@@ -203,6 +230,36 @@ class Context:
 
 Check = Callable[[Context, Case], None]
 
+#: a case whose oracle would cost more than this (``batch * h * Tq * Tk * (Dh + Dv)``)
+#: and that has more than `SAMPLE_ROWS` queries is judged on a sample of its rows
+JUDGE_WORK = 2**21
+#: how many query rows a long case is judged on
+SAMPLE_ROWS = 32
+
+
+def sampled(inputs: Inputs) -> bool:
+    """Whether the oracle of ``inputs`` is computed on a sample of its rows."""
+    q, v = inputs.query, inputs.value
+    Tq, Tk = q.shape[-2], inputs.key.shape[-2]
+    work = q.numel() // max(1, q.shape[-1]) * Tk * (q.shape[-1] + v.shape[-1])
+    return Tq > SAMPLE_ROWS and work > JUDGE_WORK
+
+
+@checked
+def sample_rows(Tq: int, seed: int) -> Int[Tensor, " n"]:
+    """`SAMPLE_ROWS` sorted query rows of ``Tq``: the first two and last two (where a
+    tile starts and a tail ends), each side of a boundary of 64 rows, and the rest at
+    random; drawn from ``seed``."""
+    gen = torch.Generator().manual_seed(seed % 2**63)
+    rows = {0, 1, Tq - 2, Tq - 1}
+    edge = 64 * int(torch.randint(1, max(2, Tq // 64), (), generator=gen))
+    rows |= {r for r in (edge - 1, edge, edge + 1) if r < Tq}
+    rest = torch.randperm(Tq, generator=gen).tolist()
+    while len(rows) < SAMPLE_ROWS:
+        rows.add(rest.pop())
+    return torch.tensor(sorted(rows))
+
+
 #: how a row's keys were hidden, by `attnref.conformance.oracle.empty_row_causes`
 _CAUSES = {
     "bool_mask": "a boolean mask hides them",
@@ -243,7 +300,13 @@ def law(
     """
     eg, eb = ctx.expect(got_inputs), ctx.expect(base_inputs)
     with ctx.naming_the_row(base_inputs):
-        _finite_where_the_oracle_is(base, eb.value, f"{what}: the call on the original inputs")
+        _finite_where_the_oracle_is(base, eb.judged(), f"{what}: the call on the original inputs")
+    # a long case's rows the oracles know (`Context.rows`), as the transform moves them
+    sel = eg.sel(sel)
+    if eb.known is not None:
+        marker = torch.zeros_like(eb.value).where(eb.known, math.nan)
+        moved = torch.isfinite(transform(marker))
+        sel = moved if sel is None else sel & moved
     oracle = eg.value if sel is None else torch.where(sel, eg.value, torch.nan)  # sel only
     with ctx.naming_the_row(got_inputs):
         _finite_where_the_oracle_is(got, oracle, f"{what}: the call on the changed inputs")
@@ -453,7 +516,11 @@ def decode(ctx: Context, case: Case) -> None:
     q, k, v, mask = inputs.query, inputs.key, inputs.value, inputs.attn_mask
     Tq, Tk = q.shape[-2], k.shape[-2]
     offset = causal_offset(Tq, Tk, inputs.causal)
-    rows = sorted({0, Tq - 1, int(torch.randint(0, Tq, (), generator=rng(case, 7)))})
+    pick = int(torch.randint(0, Tq, (), generator=rng(case, 7)))
+    judged = ctx.rows(inputs)  # a long case's: one of the rows the oracle judges
+    if judged is not None:
+        pick = int(judged[pick % len(judged)])
+    rows = sorted({0, Tq - 1, pick})
     for i in rows:
         n = min(Tk, i + offset + 1)
         if n <= 0:
@@ -646,7 +713,7 @@ def sink_law(ctx: Context, case: Case) -> None:
     sinks = inputs.sinks
     plain = replace(inputs, sinks=None)
     base = ctx.run(plain)
-    lse = reference_lse(plain.to(torch.float64))  # (*batch, h, Tq)
+    lse = expect_lse(plain.to(torch.float64), rows=ctx.rows(plain)).value  # (*batch, h, Tq)
     factor = torch.sigmoid(lse - sinks.to(torch.float64)[:, None]).unsqueeze(-1)
     seen = _rows(~empty_rows(inputs).squeeze(-1))  # rows with no key: the policy's value
     law(
@@ -673,8 +740,9 @@ def lse(ctx: Context, case: Case) -> None:
     out, got = ctx.run_lse(inputs)
     exp = ctx.expect(inputs)
     with ctx.naming_the_row(inputs):
-        close(out.to(torch.float64), exp.value, *exp.bounds(), "output returned with the LSE")
-    want = expect_lse(inputs, ctx.caps.empty_lse)
+        what = "output returned with the LSE"
+        close(out.to(torch.float64), exp.value, *exp.bounds(), what, exp.known)
+    want = ctx.expect_lse(inputs)
     got64 = got.to(torch.float64)
     finite = torch.isfinite(want.value)
     wrong = ~finite & (got64 != want.value)
@@ -689,7 +757,7 @@ def lse(ctx: Context, case: Case) -> None:
             where=where,
         )
     with ctx.naming_the_row(inputs):
-        close(got64, want.value, *want.bounds(finite), "log-sum-exp", sel=finite)
+        close(got64, want.value, *want.bounds(finite), "log-sum-exp", sel=want.sel(finite))
 
 
 def merge(ctx: Context, case: Case) -> None:
@@ -733,7 +801,7 @@ def merge(ctx: Context, case: Case) -> None:
             )
         merged, merged_lse = F.merge_attention(merged, merged_lse, out.to(torch.float64), got64)
         e = ctx.expect(sub)
-        el = expect_lse(sub)
+        el = ctx.expect_lse(sub)
         pmax, pmean = e.bounds()
         lmax, lmean = el.bounds(torch.isfinite(el.value))
         vmax = float(sub.value.abs().max()) if sub.value.numel() else 0.0
@@ -743,7 +811,7 @@ def merge(ctx: Context, case: Case) -> None:
         merged = F.apply_sinks(merged, merged_lse, inputs.sinks)
     full = ctx.expect(inputs)
     fmax, fmean = full.bounds()
-    seen = _rows(~empty_rows(inputs).squeeze(-1))
+    seen = full.sel(_rows(~empty_rows(inputs).squeeze(-1)))
     with ctx.naming_the_row(inputs):
         close(
             merged,

@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
-from jaxtyping import Bool, Float, Float64
+from jaxtyping import Bool, Float, Float64, Int
 from torch import Tensor
 
 from attnref import functional as F
@@ -29,7 +29,7 @@ from attnref._checking import checked, checked_internal
 from attnref.conformance.cases import Inputs
 from attnref.conformance.declarations import Cause, EmptyLse, EmptyRow, EmptyRows
 from attnref.conformance.verdicts import Failure
-from attnref.masks import causal_mask
+from attnref.masks import causal_mask, causal_offset, sliding_window_mask
 from attnref.tolerances import (
     FUDGE,
     GRAD_FUDGE,
@@ -41,6 +41,7 @@ from attnref.tolerances import (
 
 __all__ = [
     "Expected",
+    "at_rows",
     "close",
     "empty_row_causes",
     "error_floor",
@@ -101,13 +102,13 @@ def _bias_bound(inputs: Inputs) -> float:
     return float(inputs.alibi_slopes.abs().max()) * (Tq + Tk)
 
 
-def error_floor(inputs: Inputs) -> float:
+def error_floor(inputs: Inputs, rows: Inputs | None = None) -> float:
     """``max(atol[dtype], (eps * kappa + 2 u) * max|V|)`` over the visible query-key pairs:
     the error no correct backend can avoid (see `attnref.tolerances.attention_atol`),
-    with the ALiBi bias counted in ``kappa``. A softcap only shrinks score errors."""
-    floor = attention_atol(
-        inputs.query, inputs.key, inputs.value, inputs.scale, visible=inputs.visible()
-    )
+    with the ALiBi bias counted in ``kappa``. A softcap only shrinks score errors.
+    ``rows``: the floor of these rows only (`at_rows`: a sample of ``inputs``' rows)."""
+    part = inputs if rows is None else rows
+    floor = attention_atol(part.query, part.key, part.value, part.scale, visible=part.visible())
     bias = _bias_bound(inputs)
     if bias and inputs.value.numel():
         v = torch.nan_to_num(inputs.value.detach().to(torch.float64), nan=0.0, posinf=0.0)
@@ -131,9 +132,24 @@ class Expected:
     #: the part of ``floor`` added for a rounding the backend makes of inputs it derives
     #: itself (rotary: `attnref.conformance.serving_checks`), 0 when none was
     derived: float = 0.0
+    #: ``(Tq, 1)``: the output rows the oracle was computed for (a sample of a long
+    #: case's rows, `expect`'s ``rows``); ``value`` and ``ref_err`` are 0 in the others,
+    #: which no comparison reads. None: every row
+    known: Tensor | None = None
+
+    def sel(self, sel: Tensor | None = None) -> Tensor | None:
+        """``sel`` (broadcastable to the output) narrowed to the rows the oracle knows."""
+        if self.known is None:
+            return sel
+        return self.known if sel is None else sel & self.known
+
+    def judged(self) -> Tensor:
+        """``value`` with NaN (nothing to hold a backend to) in the rows not known."""
+        return self.value if self.known is None else self.value.where(self.known, math.nan)
 
     def bounds(self, sel: Tensor | None = None) -> tuple[float, float]:
         """The (max, mean) error bounds over the selected elements (all by default)."""
+        sel = self.sel(sel)
         err = self.ref_err if sel is None else self.ref_err[sel.expand_as(self.ref_err)]
         if err.numel() == 0:
             return self.floor, self.floor
@@ -231,18 +247,79 @@ def _unhidden(inputs: Inputs, cause: Cause, native_causal: bool) -> tuple[Inputs
     return opened, replace(opened, attn_mask=fill)
 
 
+@checked
+def at_rows(inputs: Inputs, rows: Int[Tensor, " n"]) -> Inputs:
+    """Query rows ``rows`` (indices into ``Tq``) of ``inputs`` as inputs of their own,
+    with the same answer row for row: what places a query (the causal diagonal, the
+    window, ALiBi) is folded, with the mask, into a float64 mask of those rows (``-inf``
+    where a key is hidden, the ALiBi bias and the float mask's finite offsets
+    elsewhere). What a sampled oracle computes (`expect`): ``len(rows) * Tk`` scores,
+    not ``Tq * Tk``."""
+    q = inputs.query
+    Tq, Tk = q.shape[-2], inputs.key.shape[-2]
+    seen = _visible_rows(inputs, rows)  # (*batch, h, n, Tk)
+    bias = torch.zeros(seen.shape, dtype=torch.float64, device=q.device)
+    mask = inputs.attn_mask
+    if mask is not None and mask.is_floating_point():
+        part = mask[..., rows, :] if mask.shape[-2] == Tq and Tq > 1 else mask
+        bias = bias + torch.nan_to_num(part.to(torch.float64), neginf=0.0)
+    if inputs.alibi_slopes is not None:
+        at = rows.to(torch.float64) + causal_offset(Tq, Tk, inputs.alignment)
+        cols = torch.arange(Tk, dtype=torch.float64, device=q.device)
+        distance = (at[:, None] - cols).abs()  # (n, Tk)
+        bias = bias - inputs.alibi_slopes.to(torch.float64)[..., None, None] * distance
+    return replace(
+        inputs,
+        query=q[..., rows, :],
+        attn_mask=bias.masked_fill(~seen, -math.inf),
+        causal=None,
+        window=None,
+        alibi_slopes=None,
+    )
+
+
+@checked_internal
+def _visible_rows(inputs: Inputs, rows: Int[Tensor, " n"]) -> Bool[Tensor, "*batch h n Tk"]:
+    """Which keys the queries ``rows`` see: `Inputs.visible` of those rows only."""
+    Tq, Tk = inputs.query.shape[-2], inputs.key.shape[-2]
+    seen = torch.ones(Tq, Tk, dtype=torch.bool, device=inputs.query.device)
+    if inputs.causal is not None:
+        seen = seen & causal_mask(Tq, Tk, inputs.causal, device=seen.device)
+    if inputs.window is not None:
+        seen = seen & sliding_window_mask(Tq, Tk, inputs.window, inputs.alignment, seen.device)
+    seen = seen[rows]  # (n, Tk)
+    mask = inputs.attn_mask
+    if mask is not None:
+        part = mask[..., rows, :] if mask.shape[-2] == Tq and Tq > 1 else mask
+        seen = seen & (part if part.dtype == torch.bool else part > -math.inf)
+    shape = (*inputs.query.shape[:-2], len(rows), Tk)
+    return seen.expand(shape)
+
+
+@checked
 def expect(
-    inputs: Inputs, empty_row: EmptyRow | EmptyRows = "zero", native_causal: bool = False
+    inputs: Inputs,
+    empty_row: EmptyRow | EmptyRows = "zero",
+    native_causal: bool = False,
+    rows: Int[Tensor, " n"] | None = None,
 ) -> Expected:
     """The oracle for ``inputs`` under the declared empty-row policy, with its bounds.
 
     ``native_causal``: whether the backend is called with ``is_causal`` (which decides
-    the cause of a causally empty row, see `empty_row_causes`).
+    the cause of a causally empty row, see `empty_row_causes`). ``rows``: compute only
+    these query rows (`at_rows`), each at the cost of one row; the others are unknown
+    (`Expected.known`).
     """
-    oracle = reference(inputs.to(torch.float64))
-    ref_err = (reference(inputs).to(torch.float64) - oracle).abs()
+    target = inputs if rows is None else at_rows(inputs, rows)
+    oracle = reference(target.to(torch.float64))
+    if inputs.query.dtype == torch.float64:  # the reference in the dtype is the oracle
+        ref_err = torch.zeros_like(oracle)
+    else:
+        ref_err = (reference(target).to(torch.float64) - oracle).abs()
     # what follows applies the declared policy to rows with no visible key
     for cause, name, empty in _cause_rows(inputs, empty_row, native_causal):
+        if rows is not None:
+            empty = empty[..., rows, :]
         if name == "zero":
             continue  # the reference's own policy
         if name == "nan":
@@ -252,24 +329,50 @@ def expect(
             policy = v.mean(dim=-2, keepdim=True).expand_as(oracle)
         else:  # "unmasked": attention over the keys the mask hid
             opened, filled = _unhidden(inputs, cause, native_causal)
+            if rows is not None:
+                opened, filled = at_rows(opened, rows), at_rows(filled, rows)
             policy = reference(opened.to(torch.float64))
             fill_err = (reference(filled).to(torch.float64) - policy).abs()
             ref_err = torch.where(empty, fill_err, ref_err)
         oracle = torch.where(empty, policy, oracle)
         if name != "unmasked":
             ref_err = ref_err.masked_fill(empty, 0.0)
-    return Expected(oracle, torch.nan_to_num(ref_err, nan=0.0), error_floor(inputs))
+    ref_err = torch.nan_to_num(ref_err, nan=0.0)
+    floor = error_floor(inputs, None if rows is None else target)
+    if rows is None:
+        return Expected(oracle, ref_err, floor)
+    return _spread_rows(Expected(oracle, ref_err, floor), rows, inputs.query.shape[-2], -2)
 
 
-def expect_lse(inputs: Inputs, empty_lse: EmptyLse = "-inf") -> Expected:
+@checked_internal
+def _spread_rows(sampled: Expected, rows: Int[Tensor, " n"], Tq: int, axis: int) -> Expected:
+    """A sampled oracle laid out as a whole one: its rows in place along ``axis`` (the
+    query axis), zeros elsewhere, and `Expected.known` saying which rows are known."""
+    shape = list(sampled.value.shape)
+    shape[axis] = Tq
+    full = sampled.value.new_zeros(shape).index_copy_(axis, rows, sampled.value)
+    err = sampled.ref_err.new_zeros(shape).index_copy_(axis, rows, sampled.ref_err)
+    known = torch.zeros(Tq, dtype=torch.bool, device=full.device)
+    known[rows] = True
+    return replace(sampled, value=full, ref_err=err, known=known if axis == -1 else known[:, None])
+
+
+@checked
+def expect_lse(
+    inputs: Inputs, empty_lse: EmptyLse = "-inf", rows: Int[Tensor, " n"] | None = None
+) -> Expected:
     """The oracle's log-sum-exp (``(*batch, h, Tq)``, float64) under the declared policy
     for a row with no visible key (``-inf``, or FlashAttention 2's ``+inf``).
 
     The floor: a score error of ``eps_s * kappa`` moves the LSE by at most as much, and
     storing it in float32 rounds it by ``eps32 * |lse|``; at least the atol of the dtype
     the LSE is computed in (float32, or float64 for float64 inputs), not the inputs'
-    (an LSE taken relative to a row's max differs by that max only).
+    (an LSE taken relative to a row's max differs by that max only). ``rows``: only
+    these query rows (`at_rows`), as for `expect`.
     """
+    whole = inputs
+    if rows is not None:
+        inputs = at_rows(inputs, rows)
     oracle = reference_lse(inputs.to(torch.float64))
     same = reference_lse(inputs).to(torch.float64)
     finite = torch.isfinite(oracle)
@@ -282,9 +385,11 @@ def expect_lse(inputs: Inputs, empty_lse: EmptyLse = "-inf") -> Expected:
     stored = torch.finfo(ldtype)
     biggest = float(oracle[finite].abs().max()) if bool(finite.any()) else 0.0
     eps = score_eps(inputs.query.dtype)
-    computed = 2 * (eps * (kappa + _bias_bound(inputs)) + stored.eps * biggest)
+    computed = 2 * (eps * (kappa + _bias_bound(whole)) + stored.eps * biggest)
     floor = max(tolerance(ldtype).atol, computed)
-    return Expected(oracle, ref_err, floor)
+    if rows is None:
+        return Expected(oracle, ref_err, floor)
+    return _spread_rows(Expected(oracle, ref_err, floor), rows, whole.query.shape[-2], -1)
 
 
 @checked_internal

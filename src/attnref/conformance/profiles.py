@@ -3,11 +3,29 @@
 ``quick`` audits a correct backend in well under a minute on two CPU cores (README's main
 job); ``ci`` searches about five times harder and draws larger cases (a few minutes);
 ``thorough`` is for nightly runs and for GPUs, where large index arithmetic is cheap.
+
+Every profile draws three sizes of case (docs/testing.md, "Shapes and values"): small
+ones, long ones (keys and queries at each side of the tile and split boundaries where
+production kernels change path, up to 4097 keys and 2049 queries at ``quick``) and wide
+ones (grids of more than 64, 128 and 1024 batch-heads). A long case is judged on a
+sample of its rows (`attnref.conformance.checks.Context.rows`), so its cost to the judge
+does not grow with it.
 """
 
 from dataclasses import dataclass
 
 __all__ = ["PROFILES", "Profile", "get_profile"]
+
+#: head dims production kernels are built for (and small odd ones, where masks of dims
+#: and scales go wrong)
+_DIMS = (8, 1, 2, 3, 4, 5, 16, 32, 64, 80, 96, 128, 160, 192, 256)
+#: ``(Dqk, Dv)`` pairs of real models: DeepSeek's 192/128 prefill and 576/512 MLA decode
+_PAIRS = ((192, 128), (576, 512))
+
+
+def _around(*sizes: int) -> tuple[int, ...]:
+    """Each size, one less and one more: both sides of a tile or split boundary."""
+    return tuple(n + d for n in sizes for d in (-1, 0, 1))
 
 
 @dataclass(frozen=True)
@@ -22,6 +40,9 @@ class Profile:
     max_len: int
     #: lengths just off common tile sizes, drawn often (class 12)
     tail_lengths: tuple[int, ...]
+    #: head dims drawn (those a backend declares), and ``(Dqk, Dv)`` pairs models use
+    head_dims: tuple[int, ...]
+    dim_pairs: tuple[tuple[int, int], ...]
     #: most KV heads and largest GQA group drawn
     max_kv_heads: int
     #: largest batch dimension drawn
@@ -32,6 +53,21 @@ class Profile:
     large_rows: int
     #: seconds a property may spend shrinking a failure before it settles for what it has
     shrink_seconds: float
+    #: key lengths of the long cases (class 32): each side of tile and split boundaries
+    long_keys: tuple[int, ...] = ()
+    #: query lengths of the long cases (prefill); decode (1 to 3 queries) is drawn too
+    long_queries: tuple[int, ...] = ()
+    #: batch * heads of the wide cases: grids past 64, 128 and 1024 programs
+    programs: tuple[int, ...] = (65, 129, 1025)
+    #: a long or wide case's work, ``batch * h * Tq * Tk * (Dh + Dv)``, stays under this
+    max_work: int = 2**30
+    #: and its score matrix under this many elements (what the judge's masks cost)
+    max_long_scores: int = 5 * 2**19
+    #: and K and V as the query heads read them, ``batch * h * Tk * (Dh + Dv)``
+    max_kv: int = 2**23
+    #: the work of a long case for the gradient property (whose oracle is not sampled),
+    #: and of a wide one (whose rows are few: a sample would not make it cheaper)
+    max_grad_work: int = 2**24
 
 
 PROFILES: dict[str, Profile] = {
@@ -42,6 +78,10 @@ PROFILES: dict[str, Profile] = {
             examples=25,
             max_len=40,
             tail_lengths=(31, 33, 63, 65, 127, 129, 255, 257),
+            head_dims=_DIMS,
+            dim_pairs=_PAIRS,
+            long_keys=_around(128, 256, 512, 1024, 2048, 4096),
+            long_queries=_around(128, 256, 512, 1024, 2048),
             max_kv_heads=3,
             max_batch=3,
             max_scores=70_000,
@@ -53,22 +93,38 @@ PROFILES: dict[str, Profile] = {
             examples=60,
             max_len=96,
             tail_lengths=(31, 33, 63, 65, 127, 129, 255, 257),
+            head_dims=_DIMS,
+            dim_pairs=_PAIRS,
+            long_keys=_around(128, 256, 512, 1024, 2048, 4096, 8192),
+            long_queries=_around(128, 256, 512, 1024, 2048, 4096),
             max_kv_heads=4,
             max_batch=4,
             max_scores=200_000,
             large_rows=140_000,
             shrink_seconds=60.0,
+            max_work=2**31,
+            max_long_scores=2**23,
+            max_kv=2**25,
+            max_grad_work=2**26,
         ),
         Profile(
             "thorough",
             examples=400,
             max_len=300,
             tail_lengths=(31, 33, 63, 65, 127, 129, 239, 255, 257, 511, 799, 1023, 1025),
+            head_dims=_DIMS,
+            dim_pairs=_PAIRS,
+            long_keys=_around(128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768),
+            long_queries=_around(128, 256, 512, 1024, 2048, 4096, 8192),
             max_kv_heads=8,
             max_batch=6,
             max_scores=2_000_000,
             large_rows=1_100_000,
             shrink_seconds=300.0,
+            max_work=2**33,
+            max_long_scores=2**25,
+            max_kv=2**27,
+            max_grad_work=2**28,
         ),
     )
 }

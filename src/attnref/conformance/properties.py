@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, replace
 from hypothesis import strategies as st
 
 from attnref.conformance import attacks, checks
-from attnref.conformance.cases import Case, fixed_grid, variant_grid
+from attnref.conformance.cases import Case, fixed_grid, long_grid, variant_grid
 from attnref.conformance.checks import Check, Context
 from attnref.conformance.declarations import Capabilities
 from attnref.conformance.profiles import Profile
@@ -239,7 +239,10 @@ PROPERTIES: dict[str, Property] = {
             (1, 2, 4, 5, 9, 10, 14, 15, 16, 17, 20),
             lambda p, c: case_strategy("forward", p, c),
             checks.forward,
-            examples=lambda p, c: [x for x in fixed_grid() if x.poison == "none"],
+            examples=lambda p, c: [
+                *(x for x in fixed_grid() if x.poison == "none"),
+                *long_grid(),
+            ],
         ),
         Property(
             "gradient",

@@ -9,6 +9,7 @@ into a verdict.
 """
 
 import os
+import secrets
 import time
 import zlib
 from collections.abc import Callable, Sequence
@@ -97,7 +98,8 @@ def run_property(
     reason = prop.why_not(caps)
     if reason is not None:
         return done("skip", reason)
-    ctx = Context(backend, dtype, device, timeout, executor)
+    # the sample of a long case's rows is drawn with a secret of this search's own
+    ctx = Context(backend, dtype, device, timeout, executor, secret=secrets.randbits(62))
 
     def body(case: Case) -> None:
         if stop_at is not None and time.perf_counter() > stop_at:
@@ -362,7 +364,8 @@ def check_case(
         executor.close()
         return f"skip: a property of the {' and '.join(prop.families)} family"
     try:
-        prop.check(Context(backend, dtype, device, timeout, executor), case)
+        # every row of a long case is judged: a reproducer must see the row that failed
+        prop.check(Context(backend, dtype, device, timeout, executor, sample=False), case)
     except Skip as s:
         return f"skip: {s}"
     except Failure as f:

@@ -8,7 +8,7 @@ Every choice lists its simplest option first (no mask, not causal, contiguous, a
 
 from collections.abc import Callable, Sequence
 from dataclasses import replace
-from typing import Any, TypeVar, get_args
+from typing import Any, Literal, TypeVar, get_args
 
 from hypothesis import strategies as st
 
@@ -29,6 +29,7 @@ __all__ = [
     "pack_strategy",
     "variant_fields",
     "windows",
+    "work",
 ]
 
 #: every mask kind `build` knows, simplest first
@@ -51,16 +52,17 @@ def lengths(profile: Profile) -> st.SearchStrategy[int]:
     )
 
 
-def _head_dims() -> st.SearchStrategy[int]:
-    return st.sampled_from((8, 1, 2, 3, 4, 5, 16, 32, 64, 80, 128))
+def _product(dims: Sequence[int]) -> int:
+    n = 1
+    for d in dims:
+        n *= d
+    return n
 
 
 def _fits(case: Case, profile: Profile) -> Case:
     """Shrink the batch, then the heads, until the score matrix fits the profile."""
     while True:
-        batch = 1
-        for b in case.batch:
-            batch *= b
+        batch = _product(case.batch)
         if batch * case.h * case.Tq * case.Tk <= profile.max_scores:
             return case
         if batch > 1:
@@ -69,6 +71,54 @@ def _fits(case: Case, profile: Profile) -> Case:
             case = replace(case, h=case.h // case.g, g=1) if case.g > 1 else replace(case, h=1)
         else:
             return replace(case, Tq=min(case.Tq, 64), Tk=min(case.Tk, 64))
+
+
+def work(case: Case) -> int:
+    """What one call of ``case`` costs a kernel: ``batch * h * Tq * Tk * (Dh + Dv)``."""
+    return _product(case.batch) * case.h * case.Tq * case.Tk * max(1, case.Dh + case.Dv)
+
+
+def _fits_work(case: Case, max_work: int, max_scores: int, max_kv: int, wide: bool = False) -> Case:
+    """A long or wide case within ``max_work``, ``max_scores`` and ``max_kv`` (K and V
+    as every query head reads them, ``batch * h * Tk * (Dh + Dv)``: what a decode step
+    costs): a long case keeps its lengths as long as it can (one sample, one head),
+    then has fewer queries (a long prefill becomes a shorter one, then decode), then
+    fewer keys, each roughly halved, so that it stays near a boundary. A ``wide`` case
+    keeps its programs: its lengths and dims are cut first."""
+
+    def sizes(c: Case) -> tuple[bool, bool]:
+        batch = _product(c.batch)
+        kv = batch * c.h * c.Tk * (c.Dh + c.Dv)
+        return work(c) > max_work or batch * c.h * c.Tq * c.Tk > max_scores, kv > max_kv
+
+    while any(too_big := sizes(case)):
+        small = replace(
+            case, Tq=min(case.Tq, 16), Tk=min(case.Tk, 16), Dh=min(case.Dh, 64), Dv=min(case.Dv, 64)
+        )
+        if wide and small != case:  # keep the programs
+            case = small
+        elif not wide and _product(case.batch) > 1:  # keep the lengths
+            case = replace(case, batch=tuple((b + 1) // 2 for b in case.batch))
+        elif not wide and case.h > 1:
+            case = replace(case, h=case.h // case.g, g=1) if case.g > 1 else replace(case, h=1)
+        elif too_big[0] and case.Tq > 3:
+            case = replace(case, Tq=(case.Tq + 1) // 2)
+        elif _product(case.batch) > 1:
+            case = replace(case, batch=tuple((b + 1) // 2 for b in case.batch))
+        elif case.h > 1:
+            case = replace(case, h=case.h // case.g, g=1) if case.g > 1 else replace(case, h=1)
+        elif case.Tk > 1:
+            case = replace(case, Tk=(case.Tk + 1) // 2)
+        else:
+            return case
+    return case
+
+
+#: how large a drawn case is: small (most), long (lengths past tile and split
+#: boundaries), wide (grids past 64, 128 and 1024 batch-heads); small first, where
+#: Hypothesis shrinks to
+Size = Literal["small", "long", "wide"]
+_SIZES: tuple[Size, ...] = ("small",) * 9 + ("long",) * 2 + ("wide",)
 
 
 def windows() -> st.SearchStrategy[tuple[int, int]]:
@@ -122,82 +172,179 @@ def masks_for(caps: Capabilities, kinds: tuple[str, ...] = MASKS) -> tuple[str, 
 
 
 def case_strategy(
-    name: str, profile: Profile, caps: Capabilities, **fields: Any
+    name: str,
+    profile: Profile,
+    caps: Capabilities,
+    *,
+    max_work: int | None = None,
+    sizes: Sequence[Size] = _SIZES,
+    **fields: Any,
 ) -> st.SearchStrategy[Case]:
     """Cases named ``name``; each field of `Case` may be pinned by a value or a strategy.
 
-    Unpinned fields are drawn over the whole space the profile allows: zero to two batch
-    dimensions, GQA groups (when declared), every mask kind the backend accepts, both
-    causal alignments (those declared, for a backend that takes no mask), every layout,
-    hot inputs and explicit scales; head dims within the declared limit. ``variants``
-    (a dict of variant fields, or a strategy of one: `variant_fields`) is off unless
-    pinned.
+    Unpinned fields are drawn over the whole space the profile allows: small, long and
+    wide cases (``sizes``; long and wide ones within ``max_work``, default the
+    profile's), zero to two batch dimensions, GQA groups (when declared), every mask
+    kind the backend accepts, both causal alignments (those declared, for a backend
+    that takes no mask), every layout, hot inputs, explicit scales, the values of class
+    33 (``logits``, ``v_offset``); head dims (and ``(Dqk, Dv)`` pairs) within the
+    declared limit. ``variants`` (a dict of variant fields, or a strategy of one:
+    `variant_fields`) is off unless pinned. The strategies are built once, here, and
+    drawn from in each case.
     """
+    unknown = set(fields) - set(Case.__dataclass_fields__) - {"variants", "group"}
+    if unknown:
+        raise TypeError(f"case_strategy got unknown fields: {', '.join(sorted(unknown))}")
+    budget = profile.max_work if max_work is None else max_work
 
-    def pick(draw: st.DrawFn, field: str, default: st.SearchStrategy[Any]) -> Any:
+    def pinned(field: str, default: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
         value = fields.get(field, default)
-        return draw(value) if isinstance(value, st.SearchStrategy) else value
+        return value if isinstance(value, st.SearchStrategy) else st.just(value)
 
     # a backend that takes no mask can only be given the alignments it declares
     alignments: tuple[str | None, ...] = (None, "top_left", "bottom_right")
     if not caps.bool_mask:
         alignments = (None, *caps.causal_alignments)
+    limit = caps.max_head_dim
+    dim_list = [d for d in profile.head_dims if limit is None or d <= limit]
+    pairs = [
+        p
+        for p in profile.dim_pairs
+        if caps.distinct_value_dim and (limit is None or max(p) <= limit)
+    ]
+    dims = st.sampled_from(dim_list)
+    same = dims.map(lambda d: (d, d))
+    dh_dv = st.one_of(
+        same, same, same, same, st.tuples(dims, dims), *([st.sampled_from(pairs)] if pairs else [])
+    )
+    small_batch = st.one_of(
+        st.tuples(st.integers(1, profile.max_batch)),
+        st.just(()),
+        st.tuples(st.integers(1, profile.max_batch), st.integers(1, 3)),
+    )
+    strategies: dict[str, st.SearchStrategy[Any]] = {
+        "size": st.sampled_from(tuple(sizes)),
+        "batch": pinned("batch", small_batch),
+        "g": pinned("g", st.integers(1, profile.max_kv_heads)),
+        "group": pinned("group", st.sampled_from((1, 2, 3, 4)) if caps.gqa else st.just(1)),
+        "Tq": pinned("Tq", lengths(profile)),
+        "Tk": pinned("Tk", lengths(profile)),
+        # the longest lengths weighted up: Hypothesis leans to a list's first entries
+        "long_Tq": pinned(
+            "Tq", st.one_of(st.sampled_from((1, 2, 3)), *_longest(profile.long_queries))
+        ),
+        "long_Tk": pinned("Tk", st.one_of(*_longest(profile.long_keys or profile.tail_lengths))),
+        "square": st.sampled_from((True, False)),
+        "programs": st.sampled_from(profile.programs),
+        "dims": dh_dv,
+        **{f: pinned(f, st.nothing()) for f in ("Dh", "Dv") if f in fields},
+        # no mask twice as often: it is the case where kernels take their fast paths
+        "mask": pinned("mask", st.sampled_from(("none", *masks_for(caps)))),
+        "causal": pinned("causal", st.sampled_from(alignments)),
+        "layout": pinned("layout", st.sampled_from(("contiguous", *LAYOUTS))),
+        "amp": pinned("amp", st.sampled_from((1.0, 0.25, 2.0, 4.0, 8.0))),
+        "scale": pinned("scale", st.sampled_from((None, None, 0.37, 1.0, 2.5))),
+        "poison": pinned("poison", st.just("none")),
+        "seed": pinned("seed", st.integers(0, 2**16)),
+        "variants": pinned("variants", st.just({})),
+        "values": st.tuples(pinned("logits", _LOGITS), pinned("v_offset", _V_OFFSETS)),
+    }
+    level = fields.get("level")
 
     @st.composite
     def draw_case(draw: st.DrawFn) -> Case:
-        batch = pick(
-            draw,
-            "batch",
-            st.one_of(
-                st.tuples(st.integers(1, profile.max_batch)),
-                st.just(()),
-                st.tuples(st.integers(1, profile.max_batch), st.integers(1, 3)),
-            ),
-        )
-        g = pick(draw, "g", st.integers(1, profile.max_kv_heads))
-        group = pick(draw, "group", st.sampled_from((1, 2, 3, 4)) if caps.gqa else st.just(1))
-        Tq = pick(draw, "Tq", lengths(profile))
-        Tk = pick(draw, "Tk", lengths(profile))
-        dims = _head_dims()
-        limit = caps.max_head_dim
-        if limit is not None:
-            dims = dims.filter(lambda d: bool(d <= limit))
-        Dh = pick(draw, "Dh", dims)
-        Dv = pick(draw, "Dv", st.one_of(st.just(Dh), dims))
+        kind: Size = draw(strategies["size"])
+        skip = _NOT_DRAWN[kind]
+        got = {n: draw(strategy) for n, strategy in strategies.items() if n not in skip}
+        batch: tuple[int, ...] = tuple(got["batch"])
+        g, group = got["g"], got["group"]
+        if kind == "long":
+            Tq, Tk = got["long_Tq"], got["long_Tk"]
+            if got["square"] and Tq > 3 and "Tk" not in fields:
+                Tk = Tq  # a long prefill: self-attention, where causal kernels split rows
+            if "batch" not in fields:
+                batch = (1,) if batch else ()
+            if "g" not in fields:
+                g = min(g, 2)
+        else:
+            Tq, Tk = got["Tq"], got["Tk"]
+        if kind == "wide":
+            programs = got["programs"]
+            if "batch" not in fields:
+                batch = (-(-programs // (g * group)),)
+            elif "g" not in fields:
+                g = max(1, -(-programs // (_product(batch) * group)))
+        Dh, Dv = got["dims"]
+        if "Dh" in got:  # pinned: Dv is Dh, or the other dim drawn
+            Dv = got["Dh"] if Dh == Dv else Dv
+            Dh = got["Dh"]
+        Dv = got.get("Dv", Dv)
         if not caps.distinct_value_dim:
             Dv = Dh
-        # no mask twice as often: it is the case where kernels take their fast paths
-        mask = pick(draw, "mask", st.sampled_from(("none", *masks_for(caps))))
-        causal = pick(draw, "causal", st.sampled_from(alignments))
-        layout = pick(draw, "layout", st.sampled_from(("contiguous", *LAYOUTS)))
-        amp = pick(draw, "amp", st.sampled_from((1.0, 0.25, 2.0, 4.0, 8.0)))
-        scale = pick(draw, "scale", st.sampled_from((None, None, 0.37, 1.0, 2.5)))
-        poison = pick(draw, "poison", st.just("none"))
+        layout, poison = got["layout"], got["poison"]
         if poison != "none" and layout.startswith("broadcast"):
             layout = "contiguous"
-        seed = pick(draw, "seed", st.integers(0, 2**16))
-        variants = pick(draw, "variants", st.just({}))
+        logits, v_offset = got["values"]
+        value_level = level if level is not None else _LEVELS[logits]
+        if isinstance(value_level, st.SearchStrategy):
+            value_level = draw(value_level)
         case = Case(
             name,
-            batch=tuple(batch),
+            batch=batch,
             h=g * group,
             g=g,
             Tq=Tq,
             Tk=Tk,
             Dh=Dh,
             Dv=Dv,
-            mask=mask,
-            causal=causal,
+            mask=got["mask"],
+            causal=got["causal"],
             layout=layout,
-            amp=amp,
-            scale=scale,
+            amp=got["amp"],
+            scale=got["scale"],
             poison=poison,
-            seed=seed,
-            **variants,
+            seed=got["seed"],
+            logits=logits,
+            level=value_level if logits != "randn" else 0.0,
+            v_offset=v_offset,
+            **got["variants"],
         )
-        return _fits(case, profile)
+        if kind == "small":
+            return _fits(case, profile)
+        if kind == "wide":  # the grid is what matters: its programs stay small
+            narrow = min(budget, profile.max_grad_work)
+            return _fits_work(case, narrow, 2**22, profile.max_kv, wide=True)
+        return _fits_work(case, budget, profile.max_long_scores, profile.max_kv)
 
     return draw_case()
+
+
+def _longest(lengths: tuple[int, ...]) -> tuple[st.SearchStrategy[int], ...]:
+    """Every length, and (three times as often) the longest six: past the last split
+    and tile boundaries, where the bugs of class 32 live."""
+    top = st.sampled_from(lengths[-6:])
+    return (st.sampled_from(lengths), top, top, top)
+
+
+#: the strategies a case of each size does not draw from
+_NOT_DRAWN: dict[str, frozenset[str]] = {
+    "small": frozenset({"size", "long_Tq", "long_Tk", "square", "programs"}),
+    "long": frozenset({"size", "Tq", "Tk", "programs"}),
+    "wide": frozenset({"size", "long_Tq", "long_Tk", "square"}),
+}
+#: the values of class 33, ``randn`` first (where Hypothesis shrinks to)
+_LOGITS = st.sampled_from(("randn",) * 6 + ("far", "peaked", "moving", "outliers"))
+#: the size of each (`Case.level`): scores far past a finite minus infinity (-5e4,
+#: -1e4) on either side, a dominant key, a ramp along the keys, outlier channels
+_LEVELS: dict[str, st.SearchStrategy[float] | float] = {
+    "randn": 0.0,
+    "far": st.sampled_from((-1e5, -6e4, -2e4, -1e3, 1e3, 3e4, 1e5)),
+    "peaked": st.sampled_from((12.0, 40.0)),
+    "moving": st.sampled_from((30.0, -30.0, 200.0)),
+    "outliers": st.sampled_from((8.0, 30.0)),
+}
+#: V's mean: zero (randn), or far enough that an output near zero is wrong
+_V_OFFSETS = st.sampled_from((0.0, 0.0, 0.0, 3.0, -20.0))
 
 
 # ------------------------------------------------------------- packs and caches
@@ -239,7 +386,7 @@ def _serving_base(
         "Tk": 1,
         **{k: v for k, v in fields.items() if k in Case.__dataclass_fields__ or k == "variants"},
     }
-    return case_strategy(name, profile, caps, **pins)
+    return case_strategy(name, profile, caps, sizes=("small",), **pins)
 
 
 def pack_strategy(
