@@ -1229,7 +1229,8 @@ def _builtins() -> list[Backend]:
 def _cases(name: str) -> Callable[[Profile, Capabilities], st.SearchStrategy[Case]]:
     """One sequence's self-attention (GQA, any length: often not a multiple of ``2W``),
     causal or not, with the declared variants, at a world size of 1 to 4 (those above
-    ``--world-size`` run at it) and either sharding."""
+    ``--world-size`` run at it; half the time with as many KV heads as ranks) and either
+    sharding."""
 
     def cases(p: Profile, c: Capabilities) -> st.SearchStrategy[Case]:
         # small cases: every rank's shard is judged whole (long ones are the dense
@@ -1247,6 +1248,10 @@ def _cases(name: str) -> Callable[[Profile, Capabilities], st.SearchStrategy[Cas
         def draw(draw: st.DrawFn) -> Case:
             case = draw(dense)
             world = draw(st.integers(1, 4))
+            if world > 1 and draw(st.booleans()):
+                # KV heads a head-sharding kernel (Ulysses) can split across the ranks:
+                # half the cases, so that one that declares it refuses others is judged
+                case = replace(case, g=world, h=world * (case.h // case.g))
             sharding = draw(st.sampled_from(D.SHARDINGS))
             return replace(case, Tq=case.Tk, options=(("world", world), ("sharding", sharding)))
 
