@@ -45,8 +45,8 @@ def add_audit_options(add: Callable[..., Any], prefix: str = "", *, choices: boo
         "profile",
         default="quick",
         choices=list(PROFILES),
-        help="how hard to search: quick (< 1 min), ci (< 5 min), thorough (nightly) "
-        "(default: quick)",
+        help="how hard to search: quick (about 2 min on a CPU), ci (minutes), "
+        "thorough (nightly) (default: quick)",
     )
     option("device", default=None, help="cpu or cuda (default: cuda if present)")
     option(

@@ -1,7 +1,8 @@
 """Audit profiles: how hard Hypothesis searches, and how large the cases it draws may be.
 
-``quick`` audits a correct backend in well under a minute on two CPU cores (README's main
-job); ``ci`` searches about five times harder and draws larger cases (a few minutes);
+``quick`` audits a correct backend in about two minutes on two CPU cores (README's main
+job; it drew only small cases, and took under one, before the long and wide ones);
+``ci`` searches about five times harder and draws larger cases (a few minutes);
 ``thorough`` is for nightly runs and for GPUs, where large index arithmetic is cheap.
 
 Every profile draws three sizes of case (docs/testing.md, "Shapes and values"): small
