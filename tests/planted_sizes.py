@@ -10,12 +10,9 @@ one of them (`tests/test_sizes.py`).
 """
 
 import math
-from typing import Any
 
 import torch
 from torch import Tensor
-
-Sdpa = Any
 
 
 def _sdpa(
