@@ -270,6 +270,8 @@ def _repeat_kv_heads(
     """The one place the GQA head mapping is computed (see `expand_kv_heads`)."""
     g = x.shape[-3]
     _check_gqa(num_heads, g)
+    if num_heads == g:
+        return x  # nothing to repeat: no copy
     return x.repeat_interleave(num_heads // g, dim=-3)
 
 
@@ -280,7 +282,8 @@ def expand_kv_heads(
     """Repeat each of the ``g`` key (or value) heads ``h / g`` times, interleaved.
 
     After expansion head ``i`` is original head ``i // (h // g)``: ``[k0, k0, k1, k1]`` for
-    ``h = 4, g = 2``, never the tiled ``[k0, k1, k0, k1]``.
+    ``h = 4, g = 2``, never the tiled ``[k0, k1, k0, k1]``. With ``h = g`` it returns
+    ``x`` itself, not a copy.
 
     Raises:
         ValueError: ``num_heads`` is not a multiple of ``g``.

@@ -61,16 +61,26 @@ def causal_block(
     stop: int,
     offset: int,
     device: torch.device | str | None = None,
+    rows: Int[Tensor, " n"] | None = None,
 ) -> Bool[Tensor, "Tq Tk"]:
     """Causal visibility of every query against the block of keys ``start .. stop - 1``.
 
     The one place the causal diagonal is computed: a full mask is the block ``0 .. Tk``;
     chunked attention asks for one block at a time (``Tk`` is then the block's width).
-    Query ``i`` sees key ``j`` iff ``j <= i + offset`` (see `causal_offset`).
+    Query ``i`` sees key ``j`` iff ``j <= i + offset`` (see `causal_offset`). ``rows``:
+    only these queries (indices into ``0 .. num_queries - 1``), one row each, in order
+    (a sampled oracle's rows).
     """
-    rows = torch.arange(num_queries, device=device).unsqueeze(-1)  # (Tq, 1)
+    at = _query_rows(num_queries, rows, device).unsqueeze(-1)  # (Tq, 1)
     cols = torch.arange(start, stop, device=device)  # (stop - start,)
-    return cols <= rows + offset
+    return cols <= at + offset
+
+
+def _query_rows(num_queries: int, rows: Tensor | None, device: torch.device | str | None) -> Tensor:
+    """The query indices a block is computed for: ``rows``, or every query."""
+    if rows is None:
+        return torch.arange(num_queries, device=device)
+    return rows.to(device=device, dtype=torch.int64)
 
 
 #: a sliding window ``(left, right)``: query ``i`` at position ``p`` sees keys
@@ -99,19 +109,21 @@ def window_block(
     offset: int,
     window: Window,
     device: torch.device | str | None = None,
+    rows: Int[Tensor, " n"] | None = None,
 ) -> Bool[Tensor, "Tq Tk"]:
     """Sliding-window visibility of every query against the keys ``start .. stop - 1``.
 
     The one place the window is computed. Query ``i`` sits at position ``p = i + offset``
     (`causal_offset` of the alignment) and sees key ``j`` iff
     ``p - left <= j <= p + right``, both ends inclusive (FlashAttention's
-    ``window_size``); ``-1`` leaves that side unbounded.
+    ``window_size``); ``-1`` leaves that side unbounded. ``rows``: only these queries,
+    as for `causal_block`.
     """
     check_window(window)
     left, right = window
-    pos = torch.arange(num_queries, device=device).unsqueeze(-1) + offset  # (Tq, 1)
+    pos = _query_rows(num_queries, rows, device).unsqueeze(-1) + offset  # (Tq, 1)
     cols = torch.arange(start, stop, device=device)  # (stop - start,)
-    seen = torch.ones((num_queries, stop - start), dtype=torch.bool, device=device)
+    seen = torch.ones((pos.shape[0], stop - start), dtype=torch.bool, device=device)
     if left >= 0:
         seen = seen & (cols >= pos - left)
     if right >= 0:

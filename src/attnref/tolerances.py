@@ -39,7 +39,7 @@ from jaxtyping import Bool, Float
 from torch import Tensor
 
 from attnref._checking import checked
-from attnref.functional import default_scale, expand_kv_heads
+from attnref.functional import default_scale
 
 __all__ = [
     "FUDGE",
@@ -111,11 +111,19 @@ def score_condition(
     )
     if q.numel() == 0 or k.numel() == 0:
         return 0.0
-    terms = q @ expand_kv_heads(k, q.shape[-3]).transpose(-2, -1)
+    terms = _grouped(q, k.shape[-3]) @ k.transpose(-2, -1)  # (*batch, g, group * Tq, Tk)
+    terms = terms.reshape(*q.shape[:-1], k.shape[-2])  # (*batch, h, Tq, Tk)
     if visible is not None:
         terms = terms.masked_fill(~visible, 0.0)
     s = default_scale(q.shape[-1]) if scale is None else scale
     return float(terms.max()) * abs(s)
+
+
+def _grouped(q: Tensor, g: int) -> Tensor:
+    """``(*batch, h, Tq, D)`` as ``(*batch, g, (h / g) * Tq, D)``: the queries of each KV
+    head's group as rows of one matrix (the interleaved GQA mapping of
+    `attnref.functional.expand_kv_heads`), so that no K is repeated."""
+    return q.reshape(*q.shape[:-3], g, -1, q.shape[-1])
 
 
 @checked
@@ -138,12 +146,14 @@ def attention_atol(
     non-finite entries (NaN planted in padding) never do.
     """
     atol = tolerance(query.dtype).atol
-    v = torch.nan_to_num(value.detach().to(torch.float64), nan=0.0, posinf=0.0, neginf=0.0)
+    # |V| in its own dtype (taking the largest rounds nothing)
+    v = torch.nan_to_num(value.detach().abs(), nan=0.0, posinf=0.0)
     if query.numel() == 0 or key.numel() == 0 or v.numel() == 0:
         return atol
-    v = expand_kv_heads(v.abs(), query.shape[-3])
-    if visible is not None:
-        seen = visible.expand(*query.shape[:-1], key.shape[-2]).any(dim=-2)
+    if visible is not None:  # the keys some query of a KV head's group sees
+        g, Tk = key.shape[-3], key.shape[-2]
+        seen = visible.expand(*query.shape[:-1], Tk).any(dim=-2)  # (*batch, h, Tk)
+        seen = seen.reshape(*seen.shape[:-2], g, -1, Tk).any(dim=-2)  # (*batch, g, Tk)
         v = v.masked_fill(~seen.unsqueeze(-1), 0.0)
     kappa = score_condition(query, key, scale, visible)
     u = torch.finfo(query.dtype).eps / 2

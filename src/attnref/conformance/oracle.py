@@ -29,7 +29,7 @@ from attnref._checking import checked, checked_internal
 from attnref.conformance.cases import Inputs
 from attnref.conformance.declarations import Cause, EmptyLse, EmptyRow, EmptyRows
 from attnref.conformance.verdicts import Failure
-from attnref.masks import causal_mask, causal_offset, sliding_window_mask
+from attnref.masks import causal_block, causal_mask, causal_offset, window_block
 from attnref.tolerances import (
     FUDGE,
     GRAD_FUDGE,
@@ -167,8 +167,8 @@ def empty_rows(inputs: Inputs) -> Bool[Tensor, "*batch h Tq 1"]:
 
 @checked
 def empty_row_causes(
-    inputs: Inputs, native_causal: bool
-) -> dict[Cause, Bool[Tensor, "*batch h Tq 1"]]:
+    inputs: Inputs, native_causal: bool, rows: Int[Tensor, " n"] | None = None
+) -> dict[Cause, Bool[Tensor, "*batch h Tr 1"]]:
     """The queries that see no key, by cause (`attnref.conformance.EmptyRows`).
 
     ``native_causal``: the backend applies the causal diagonal itself; otherwise the
@@ -177,30 +177,39 @@ def empty_row_causes(
     itself, and counts as ``causal``. Otherwise a row that the mask alone empties is the
     mask's, and one that the diagonal empties, alone or with the mask, is ``causal``:
     the backend's own causal masking finished hiding it (x-transformers' ``Attend``, for
-    one, zeroes the rows its mask empties and averages V in the others).
+    one, zeroes the rows its mask empties and averages V in the others). ``rows``: those
+    query rows only (``Tr`` of them), at the cost of those rows.
     """
     mask = inputs.attn_mask
+
+    def empty(x: Inputs) -> Tensor:
+        seen = x.visible() if rows is None else _visible_rows(x, rows)
+        return ~seen.any(dim=-1, keepdim=True)
+
     kind: Cause = "float_mask" if mask is not None and mask.is_floating_point() else "bool_mask"
-    empty = empty_rows(inputs)
-    none = torch.zeros_like(empty)
+    hidden = empty(inputs)
+    none = torch.zeros_like(hidden)
     if inputs.window is None and (inputs.causal is None or not native_causal):
-        return {kind: empty, "causal": none}
+        return {kind: hidden, "causal": none}
     # a window is always the backend's own (it never reaches it folded into a mask)
-    unmasked = replace(inputs, window=None, causal=None if native_causal else inputs.causal)
-    by_mask = ~unmasked.visible().any(dim=-1, keepdim=True)
-    return {kind: by_mask, "causal": empty & ~by_mask}
+    by_mask = empty(replace(inputs, window=None, causal=None if native_causal else inputs.causal))
+    return {kind: by_mask, "causal": hidden & ~by_mask}
 
 
 @checked_internal
 def _cause_rows(
-    inputs: Inputs, empty_row: EmptyRow | EmptyRows, native_causal: bool
-) -> list[tuple[Cause, EmptyRow, Bool[Tensor, "*batch h Tq 1"]]]:
-    """``(cause, declared policy, rows)`` for each cause that empties some row."""
+    inputs: Inputs,
+    empty_row: EmptyRow | EmptyRows,
+    native_causal: bool,
+    rows: Int[Tensor, " n"] | None = None,
+) -> list[tuple[Cause, EmptyRow, Bool[Tensor, "*batch h Tr 1"]]]:
+    """``(cause, declared policy, rows)`` for each cause that empties some row (of
+    ``rows``, if given)."""
     policy = empty_row if isinstance(empty_row, EmptyRows) else EmptyRows(*(empty_row,) * 3)
     masked = inputs.attn_mask is not None
     return [
         (cause, policy.of(cause, masked), sel)
-        for cause, sel in empty_row_causes(inputs, native_causal).items()
+        for cause, sel in empty_row_causes(inputs, native_causal, rows).items()
         if bool(sel.any())
     ]
 
@@ -282,12 +291,13 @@ def at_rows(inputs: Inputs, rows: Int[Tensor, " n"]) -> Inputs:
 def _visible_rows(inputs: Inputs, rows: Int[Tensor, " n"]) -> Bool[Tensor, "*batch h n Tk"]:
     """Which keys the queries ``rows`` see: `Inputs.visible` of those rows only."""
     Tq, Tk = inputs.query.shape[-2], inputs.key.shape[-2]
-    seen = torch.ones(Tq, Tk, dtype=torch.bool, device=inputs.query.device)
+    device = inputs.query.device
+    seen = torch.ones(len(rows), Tk, dtype=torch.bool, device=device)  # (n, Tk)
+    offset = causal_offset(Tq, Tk, inputs.alignment)
     if inputs.causal is not None:
-        seen = seen & causal_mask(Tq, Tk, inputs.causal, device=seen.device)
+        seen = seen & causal_block(Tq, 0, Tk, offset, device, rows)
     if inputs.window is not None:
-        seen = seen & sliding_window_mask(Tq, Tk, inputs.window, inputs.alignment, seen.device)
-    seen = seen[rows]  # (n, Tk)
+        seen = seen & window_block(Tq, 0, Tk, offset, inputs.window, device, rows)
     mask = inputs.attn_mask
     if mask is not None:
         part = mask[..., rows, :] if mask.shape[-2] == Tq and Tq > 1 else mask
@@ -317,9 +327,7 @@ def expect(
     else:
         ref_err = (reference(target).to(torch.float64) - oracle).abs()
     # what follows applies the declared policy to rows with no visible key
-    for cause, name, empty in _cause_rows(inputs, empty_row, native_causal):
-        if rows is not None:
-            empty = empty[..., rows, :]
+    for cause, name, empty in _cause_rows(inputs, empty_row, native_causal, rows):
         if name == "zero":
             continue  # the reference's own policy
         if name == "nan":

@@ -64,6 +64,10 @@ class Profile:
     max_work: int = 2**30
     #: and its score matrix under this many elements (what the judge's masks cost)
     max_long_scores: int = 5 * 2**19
+    #: and, with a mask of its own per query and key (every kind but ``columns`` and
+    #: ``padding``), its scores under this many: such a mask is made, sent to the
+    #: backend and read by the judge in full, whatever the row sample
+    max_mask_scores: int = 2**19
     #: and K and V as the query heads read them, ``batch * h * Tk * (Dh + Dv)``
     max_kv: int = 2**23
     #: the work of a long case for the gradient property (whose oracle is not sampled),
@@ -105,6 +109,7 @@ PROFILES: dict[str, Profile] = {
             shrink_seconds=60.0,
             max_work=2**31,
             max_long_scores=2**23,
+            max_mask_scores=2**21,
             max_kv=2**25,
             max_grad_work=2**26,
         ),
@@ -124,6 +129,7 @@ PROFILES: dict[str, Profile] = {
             shrink_seconds=300.0,
             max_work=2**33,
             max_long_scores=2**25,
+            max_mask_scores=2**23,
             max_kv=2**27,
             max_grad_work=2**28,
         ),

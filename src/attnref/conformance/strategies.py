@@ -314,9 +314,16 @@ def case_strategy(
         if kind == "wide":  # the grid is what matters: its programs stay small
             narrow = min(budget, profile.max_grad_work)
             return _fits_work(case, narrow, 2**22, profile.max_kv, wide=True)
-        return _fits_work(case, budget, profile.max_long_scores, profile.max_kv)
+        scores = profile.max_long_scores
+        if case.mask not in _NARROW_MASKS:
+            scores = min(scores, profile.max_mask_scores)
+        return _fits_work(case, budget, scores, profile.max_kv)
 
     return draw_case()
+
+
+#: mask kinds made of a row or a column, broadcast (cheap at any length)
+_NARROW_MASKS = ("none", "columns", "padding")
 
 
 def _longest(lengths: tuple[int, ...]) -> tuple[st.SearchStrategy[int], ...]:

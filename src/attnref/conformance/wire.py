@@ -62,20 +62,19 @@ def _describe(obj: object) -> str:
 
 
 @checked_internal
-def _tensor_bytes(t: Shaped[Tensor, "..."]) -> bytes:
-    """Every byte of ``t``'s storage (a CPU copy of it for a tensor on a device)."""
+def _storage(t: Shaped[Tensor, "..."]) -> torch.UntypedStorage:
+    """``t``'s storage, every byte of which crosses (a CPU copy of it for a tensor on a
+    device)."""
     storage = t.untyped_storage()
     if t.device.type != "cpu":
         storage = storage.cpu()  # type: ignore[no-untyped-call]
-    if storage.nbytes() == 0:
-        return b""
-    return ctypes.string_at(storage.data_ptr(), storage.nbytes())
+    return storage
 
 
-def encode(obj: Any) -> bytes:
+def encode(obj: Any) -> bytearray:
     """``obj`` as a message. Tensors travel as their storage's bytes and how they view it;
     anything the codec cannot carry becomes an ``unsupported`` node naming its type."""
-    blobs: list[bytes] = []
+    blobs: list[torch.UntypedStorage] = []
 
     def node(x: Any, depth: int) -> Any:
         if depth > MAX_DEPTH:
@@ -86,7 +85,7 @@ def encode(obj: Any) -> bytes:
             name = str(x.dtype).removeprefix("torch.")
             if name not in DTYPES:
                 return {"unsupported": f"a tensor of dtype {x.dtype}"}
-            blobs.append(_tensor_bytes(x))
+            blobs.append(_storage(x))
             return {
                 "tensor": len(blobs) - 1,
                 "dtype": name,
@@ -104,11 +103,21 @@ def encode(obj: Any) -> bytes:
         return {"unsupported": _describe(x)}
 
     head = json.dumps(node(obj, 0)).encode()
-    sizes = struct.pack(f"<{len(blobs)}Q", *(len(b) for b in blobs))
-    return b"".join([_HEADER.pack(len(head)), head, _HEADER.pack(len(blobs)), sizes, *blobs])
+    lengths = [b.nbytes() for b in blobs]
+    sizes = struct.pack(f"<{len(blobs)}Q", *lengths)
+    start = b"".join([_HEADER.pack(len(head)), head, _HEADER.pack(len(blobs)), sizes])
+    # one buffer, each storage copied into it once (megabytes at the long sizes)
+    out = bytearray(len(start) + sum(lengths))
+    out[: len(start)] = start
+    at, base = len(start), ctypes.addressof(ctypes.c_char.from_buffer(out))
+    for blob, n in zip(blobs, lengths, strict=True):
+        if n:
+            ctypes.memmove(base + at, blob.data_ptr(), n)
+        at += n
+    return out
 
 
-def decode(data: bytes, device: str | None = None) -> Any:
+def decode(data: bytes | bytearray, device: str | None = None) -> Any:
     """The tree ``data`` holds, built only of ``None``, ``bool``, ``int``, ``float``,
     ``str``, tuples, lists, dicts and plain strided tensors (on ``device`` if given).
 

@@ -365,7 +365,7 @@ _FRAME = struct.Struct("<QQ")
 _MAX_HEAD = 1 << 20
 
 
-def _send(link: socket.socket, head: dict[str, Any], payload: bytes = b"") -> None:
+def _send(link: socket.socket, head: dict[str, Any], payload: bytes | bytearray = b"") -> None:
     text = json.dumps(head).encode()
     link.sendall(_FRAME.pack(len(text), len(payload)) + text)
     if payload:
@@ -529,13 +529,13 @@ class _Host:
         self._sending = threading.Lock()  # and a stop may go out between them
 
     def _ask(
-        self, head: dict[str, Any], payload: bytes, wait: float
+        self, head: dict[str, Any], payload: bytes | bytearray, wait: float
     ) -> tuple[dict[str, Any], bytes]:
         with self._asking:
             return self._ask_now(head, payload, wait)
 
     def _ask_now(
-        self, head: dict[str, Any], payload: bytes, wait: float
+        self, head: dict[str, Any], payload: bytes | bytearray, wait: float
     ) -> tuple[dict[str, Any], bytes]:
         if self.broken:
             raise BackendDied(f"the process torchrun started for rank {self.rank} is gone")
