@@ -80,9 +80,11 @@ RUNS = (
         # audits torch's SDPA in every dtype)
         if not (name == "naive" and seed >= 2) and not (seed == 0 and dtypes == F32_BF16)
     ]
+    # torch's SDPA at seed 0 in float32 is not here: it is README's main job (`attnref
+    # audit`, every dtype), which CI runs first
     + [
-        pytest.param(name, 0, (torch.float32,), marks=marks, id=f"{name}-seed0-f32")
-        for name, marks in (("reference", (SLOW,)), ("torch-sdpa", ()), ("naive", (SLOW,)))
+        pytest.param(name, 0, (torch.float32,), marks=SLOW, id=f"{name}-seed0-f32")
+        for name in ("reference", "naive")
     ]
     + [
         pytest.param(name, 0, (torch.bfloat16,), marks=SLOW, id=f"{name}-seed0-bf16")
