@@ -7,9 +7,14 @@ from dataclasses import replace
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from attnref.conformance import audit
 from attnref.conformance.backends import resolve_backend
+from attnref.conformance.cases import Case, build
+from attnref.conformance.declarations import EmptyRows
+from attnref.conformance.oracle import empty_row_causes, expect
 from attnref.conformance.profiles import PROFILES
 from attnref.conformance.report import AuditReport
 from tests.planted_sizes import PLANTED, STRAWMEN
@@ -72,3 +77,75 @@ def test_every_strawman_fails_every_property_that_can_see_it(name: str, full: bo
     )
     passed = [r.property for r in report.results if r.status != "fail"]
     assert not passed, report.format_table()
+
+
+# ------------------------------------------------------------ the sampled oracle
+
+_POLICIES = ("zero", "nan", "uniform", "unmasked")
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    Tq=st.integers(1, 40),
+    Tk=st.integers(0, 40),
+    g=st.sampled_from((1, 2)),
+    group=st.sampled_from((1, 3)),
+    mask=st.sampled_from(("none", "bool", "bool_full", "empty_rows", "float_empty_rows")),
+    causal=st.sampled_from((None, "top_left", "bottom_right")),
+    window=st.sampled_from((None, (3, 0), (2, 5), (-1, 1))),
+    alibi=st.sampled_from(("none", "heads")),
+    policy=st.tuples(*(st.sampled_from(_POLICIES),) * 3),
+    native=st.booleans(),
+    seed=st.integers(0, 2**16),
+    data=st.data(),
+)
+def test_the_sampled_oracle_is_the_whole_one_row_for_row(
+    Tq: int,
+    Tk: int,
+    g: int,
+    group: int,
+    mask: str,
+    causal: str | None,
+    window: tuple[int, int] | None,
+    alibi: str,
+    policy: tuple[str, str, str],
+    native: bool,
+    seed: int,
+    data: st.DataObject,
+) -> None:
+    """`expect` and `empty_row_causes` on a sample of the rows (what a long case is judged
+    on) give, on those rows, what they give on the whole case: the value, the reference's
+    own error, and which rows see no key and why (the causal diagonal and the window
+    computed for the sampled rows alone, `causal_block`'s ``rows``)."""
+    case = Case(
+        "sampled",
+        batch=(2,),
+        h=g * group,
+        g=g,
+        Tq=Tq,
+        Tk=Tk,
+        Dh=8,
+        Dv=4,
+        mask=mask,  # type: ignore[arg-type]
+        causal=causal,  # type: ignore[arg-type]
+        window=window,
+        alibi=alibi,  # type: ignore[arg-type]
+        seed=seed,
+    )
+    inputs = build(case, torch.float32)
+    rows = sorted(data.draw(st.sets(st.integers(0, Tq - 1), min_size=1)))
+    at = torch.tensor(rows)
+    empty_row = EmptyRows(*policy)  # type: ignore[arg-type]
+    whole = expect(inputs, empty_row, native)
+    part = expect(inputs, empty_row, native, at)
+    assert part.known is not None
+    assert part.known[:, 0].nonzero().flatten().tolist() == rows
+    torch.testing.assert_close(part.value[..., at, :], whole.value[..., at, :], equal_nan=True)
+    # the reference's own float32 error: a float32 matmul of fewer rows may round
+    # differently, by an ulp of the output (|V| < 5 here)
+    torch.testing.assert_close(
+        part.ref_err[..., at, :], whole.ref_err[..., at, :], atol=2e-6, rtol=0.0
+    )
+    sampled, full = empty_row_causes(inputs, native, at), empty_row_causes(inputs, native)
+    for cause, sel in full.items():
+        assert torch.equal(sampled[cause], sel[..., at, :]), cause
