@@ -18,7 +18,7 @@ import torch
 from jaxtyping import Bool, Float, Int, Shaped
 from torch import Tensor
 
-from attnref._checking import checked
+from attnref._checking import checked, checked_internal
 
 __all__ = [
     "Alignment",
@@ -76,7 +76,10 @@ def causal_block(
     return cols <= at + offset
 
 
-def _query_rows(num_queries: int, rows: Tensor | None, device: torch.device | str | None) -> Tensor:
+@checked_internal
+def _query_rows(
+    num_queries: int, rows: Int[Tensor, " n"] | None, device: torch.device | str | None
+) -> Int[Tensor, " m"]:
     """The query indices a block is computed for: ``rows``, or every query."""
     if rows is None:
         return torch.arange(num_queries, device=device)

@@ -38,7 +38,7 @@ import torch
 from jaxtyping import Bool, Float
 from torch import Tensor
 
-from attnref._checking import checked
+from attnref._checking import checked, checked_internal
 from attnref.functional import default_scale
 
 __all__ = [
@@ -119,7 +119,8 @@ def score_condition(
     return float(terms.max()) * abs(s)
 
 
-def _grouped(q: Tensor, g: int) -> Tensor:
+@checked_internal
+def _grouped(q: Float[Tensor, "*batch h Tq D"], g: int) -> Float[Tensor, "*batch {g} r D"]:
     """``(*batch, h, Tq, D)`` as ``(*batch, g, (h / g) * Tq, D)``: the queries of each KV
     head's group as rows of one matrix (the interleaved GQA mapping of
     `attnref.functional.expand_kv_heads`), so that no K is repeated."""
