@@ -75,8 +75,8 @@ MUTATIONS = [
     Mutation(
         "causal_diagonal_excludes_self",
         MASKS,
-        "return cols <= rows + offset",
-        "return cols < rows + offset",
+        "return cols <= at + offset",
+        "return cols < at + offset",
         (
             f"{PROPS}::test_agrees_with_independent_float64",
             f"{PROPS}::test_agrees_with_torch_sdpa",
