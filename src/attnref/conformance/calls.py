@@ -26,6 +26,7 @@ from attnref.conformance.worker import (
     InternalError,
     Job,
     LateWrite,
+    Meanwhile,
     ModifiedInputs,
     Probe,
     Raised,
@@ -160,10 +161,15 @@ def arguments(
 
 
 def invoke(
-    backend: Backend, job: Job | Probe | Any, timeout: float, executor: Executor | None = None
+    backend: Backend,
+    job: Job | Probe | Any,
+    timeout: float,
+    executor: Executor | None = None,
+    meanwhile: Meanwhile = None,
 ) -> Any:
     """What ``job`` returns, run by ``executor`` (default: in this process): the one way
     backend code is called. Whatever the backend does becomes `Skip` or `Failure`.
+    ``meanwhile``: the judge's own work, done while the backend computes (`Executor.run`).
 
     Raises:
         Skip: it refused the call with an error the backend declares as a refusal.
@@ -174,7 +180,7 @@ def invoke(
     """
     executor = executor or InProcess(backend)
     try:
-        return executor.run(job, timeout)
+        return executor.run(job, timeout, meanwhile)
     except Raised as e:
         raise_for_error(backend, e.error)
     except BackendDied as e:
@@ -229,6 +235,7 @@ def call(
     inputs: Inputs,
     timeout: float,
     executor: Executor | None = None,
+    meanwhile: Meanwhile = None,
     **overrides: Any,
 ) -> Float[Tensor, "*batch h Tq Dv"]:
     """The backend's output for ``inputs``, checked for type, shape, dtype and device.
@@ -238,7 +245,9 @@ def call(
         Failure: it raised, hung past ``timeout`` seconds, crashed, modified its inputs,
             or returned something wrong.
     """
-    out, _ = call_lse(backend, inputs, timeout, executor, lse=False, **overrides)
+    out, _ = call_lse(
+        backend, inputs, timeout, executor, lse=False, meanwhile=meanwhile, **overrides
+    )
     return out
 
 
@@ -250,6 +259,7 @@ def call_lse(
     executor: Executor | None = None,
     *,
     lse: bool = True,
+    meanwhile: Meanwhile = None,
     **overrides: Any,
 ) -> tuple[Float[Tensor, "*batch h Tq Dv"], Float[Tensor, "*batch h Tq"] | None]:
     """The backend's output and (with ``lse``) its log-sum-exp, in the audit's layouts
@@ -262,7 +272,7 @@ def call_lse(
     """
     family = family_of(backend)
     args, kwargs = arguments(backend, inputs, lse, **overrides)
-    raw = invoke(backend, Job(args, kwargs), timeout, executor)
+    raw = invoke(backend, Job(args, kwargs), timeout, executor, meanwhile)
     out, lse_out = family.read(raw, inputs, lse)
     expected_shape = (*inputs.query.shape[:-1], inputs.value.shape[-1])
     checked_out = check_output(out, expected_shape, inputs).detach()

@@ -64,6 +64,7 @@ from attnref.conformance.wire import encode
 from attnref.conformance.worker import (
     BackendDied,
     Job,
+    Meanwhile,
     Probe,
     Raised,
     RemoteError,
@@ -564,7 +565,7 @@ class _Host:
         if answer["status"] != "ok":
             raise BackendError(str(answer.get("message", "its worker did not start")))
 
-    def run(self, job: Any, timeout: float) -> Any:
+    def run(self, job: Any, timeout: float, meanwhile: Meanwhile = None) -> Any:
         t0 = time.perf_counter()
         answer, data = self._ask({"op": "job", "timeout": timeout}, encode(job.message()),
                                  timeout + 60.0)  # fmt: skip
@@ -578,6 +579,8 @@ class _Host:
         if status != "ok":
             raise BackendDied(f"rank {self.rank}'s process: {message}")
         self.slowest = max(self.slowest, time.perf_counter() - t0)
+        if meanwhile is not None:  # after: the rank's answer comes through a relay
+            meanwhile()
         return read_reply(data)  # the worker's bytes, decoded here
 
     def close(self) -> None:
@@ -831,7 +834,13 @@ class RankGroup:
         if self._joined != self._port:
             self._join(timeout, device)
 
-    def run(self, job: Any, timeout: float) -> Any:
+    def run(self, job: Any, timeout: float, meanwhile: Meanwhile = None) -> Any:
+        answer = self._run(job, timeout)
+        if meanwhile is not None:  # after: the ranks answer through their relays
+            meanwhile()
+        return answer
+
+    def _run(self, job: Any, timeout: float) -> Any:
         if isinstance(job, Probe):
             if not self._ranks:
                 self._start()
