@@ -204,6 +204,7 @@ def test_a_declaration_is_checked_field_by_field() -> None:
 # ------------------------------------------------------------------------ the bench
 
 
+@pytest.mark.slow  # six attacks timed for five runs each: about 20 s
 def test_no_attack_on_the_bench_is_listed_ok() -> None:
     from attnref.bench.cases import BenchCase
     from attnref.bench.runner import run_benchmarks

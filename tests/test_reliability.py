@@ -6,6 +6,7 @@ and name the fault.
 """
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,7 @@ import torch
 from attnref.cli import main
 from attnref.conformance import PROPERTIES, Capabilities, audit, resolve_backend
 from attnref.conformance.backends import Backend
+from attnref.conformance.worker import Job
 
 pytestmark = pytest.mark.usefixtures("unchecked")
 
@@ -198,3 +200,111 @@ def test_the_json_report_is_written_after_every_property_marked_incomplete(
     assert len(data["results"]) == 2
     assert data["incomplete"] == "the audit had not finished when this was written"
     assert data["summary"]["ok"] is False
+
+
+# ------------------------------------------------- the judge's work while a call runs
+
+
+def _sdpa_job() -> Job:
+    q = torch.randn(1, 2, 5, 8)
+    return Job((q, q.clone(), q.clone()), {})
+
+
+def test_the_judge_works_while_the_worker_computes_and_the_deadline_counts_from_the_send() -> None:
+    """`Executor.run`'s ``meanwhile`` runs after the job is sent: a reply that came while
+    it ran is read at once, and the timeout counts from the send, not from its end."""
+    from attnref.conformance.worker import start_executor
+
+    worker = start_executor("torch-sdpa")
+    try:
+        ran: list[float] = []
+        job = _sdpa_job()
+        out = worker.run(job, 0.5, lambda: ran.append(time.sleep(1.0) or 1.0))
+        assert ran == [1.0]  # longer than the timeout, yet the answer that came is taken
+        assert torch.allclose(out, torch.nn.functional.scaled_dot_product_attention(*job.args))
+    finally:
+        worker.close()
+    hanging = start_executor("tests.planted:hangs")
+    try:
+        t0 = time.perf_counter()
+        with pytest.raises(TimeoutError):
+            hanging.run(_sdpa_job(), 1.0, lambda: time.sleep(0.6))
+        assert time.perf_counter() - t0 < 1.5  # 1 s from the send, not 0.6 + 1
+    finally:
+        hanging.close()
+
+
+def test_work_that_fails_meanwhile_ends_the_worker_so_no_reply_is_left_behind() -> None:
+    """A reply left unread in the pipe would answer the next job: the worker is ended
+    and the next job starts a fresh one, whose answer is its own."""
+    from attnref.conformance.worker import start_executor
+
+    worker = start_executor("torch-sdpa")
+    try:
+
+        def fails() -> None:
+            raise KeyError("the judge's own bug")
+
+        with pytest.raises(KeyError):
+            worker.run(_sdpa_job(), 5.0, fails)
+        job = _sdpa_job()
+        out = worker.run(job, 5.0)
+        assert torch.allclose(out, torch.nn.functional.scaled_dot_product_attention(*job.args))
+    finally:
+        worker.close()
+
+
+def test_an_oracle_that_fails_while_the_backend_runs_fails_where_the_check_asks(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`Context.run` computes the oracle while the backend runs and keeps it; an oracle
+    that raises there is not kept (and the call is not lost): `expect` raises it."""
+    from attnref.conformance import Case, checks
+    from attnref.conformance.worker import start_executor
+
+    worker = start_executor("torch-sdpa")
+    try:
+        ctx = checks.Context(worker.backend, torch.float32, "cpu", 10.0, worker)
+        inputs = ctx.build(Case("forward", batch=(2,), h=2, g=2, Tq=3, Tk=4, Dh=8, Dv=8))
+        ctx.run(inputs)
+        assert id(inputs) in ctx._oracles  # computed while the backend ran
+        ctx._oracles.clear()
+
+        def broken(*args: object, **kwargs: object) -> None:
+            raise RuntimeError("the oracle is broken")
+
+        with monkeypatch.context() as m:
+            m.setattr(checks, "expect", broken)
+            out = ctx.run(inputs)
+            assert id(inputs) not in ctx._oracles
+            with pytest.raises(RuntimeError, match="the oracle is broken"):
+                ctx.expect(inputs)
+        assert torch.equal(ctx.expect(inputs).value, ctx.expect(inputs).value)
+        assert out.shape == (2, 2, 3, 8)
+    finally:
+        worker.close()
+
+
+def test_the_input_check_sees_one_changed_element_in_every_layout_and_alignment() -> None:
+    """The worker compares an input's bytes before and after a call as words, reading a
+    contiguous input in place: a change of one element is seen whatever the input's
+    offset, size-1 strides or byte count."""
+    from attnref.conformance.worker import _fingerprint, _same
+
+    base = torch.arange(2 * 3 * 5 * 7, dtype=torch.float16).reshape(2, 3, 5, 7)
+    views = {
+        "contiguous": base.clone(),
+        "offset by one element": base.clone().reshape(-1)[1:].reshape(209, 1),
+        "odd byte count": base.clone()[:1, :1, :1, :3],
+        "size-1 dim with stride 2": base.clone().reshape(-1)[:2].as_strided((1, 2), (2, 1)),
+        "transposed": base.clone().transpose(-1, -2),
+        "bool": (base.clone() > 100)[:, 1],
+        "float64 sliced": base.double()[:, :, 1:],
+    }
+    for name, t in views.items():
+        before = _fingerprint(t)
+        assert _same(_fingerprint(t, copy=False), before), name
+        flat = t.reshape(-1) if t.is_contiguous() else None
+        target = t[(0,) * t.dim()] if flat is None else flat[-1:]
+        target.logical_not_() if t.dtype == torch.bool else target.add_(1)
+        assert not _same(_fingerprint(t, copy=False), before), name
