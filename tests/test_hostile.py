@@ -92,6 +92,7 @@ def test_refusing_everything_is_not_a_pass(tmp_path: Path) -> None:
     assert data["summary"]["passed"] == 0
 
 
+@pytest.mark.slow  # a whole `python -m attnref audit` in a subprocess: 6-10 s
 def test_a_thread_rewriting_the_report_is_stopped_before_the_final_write(
     tmp_path: Path,
 ) -> None:

@@ -69,12 +69,14 @@ attention.capabilities = Capabilities(dtypes=(torch.float32,), gqa=False)
     result.stdout.fnmatch_lines(["*GQA not declared*"])
 
 
+@pytest.mark.slow  # a pytest subprocess that imports torch: 4-7 s
 def test_a_bad_backend_is_a_usage_error(pytester: pytest.Pytester) -> None:
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--attnref-backend=nope")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines(["*--attnref-backend: unknown backend 'nope'*"])
 
 
+@pytest.mark.slow  # 13 s; the default tier audits a flash-convention kernel with the CLI
 def test_a_flash_convention_kernel_with_attnref_api(pytester: pytest.Pytester) -> None:
     result = pytester.runpytest_subprocess(
         "-p",
