@@ -1,4 +1,4 @@
-"""Packed and paged kernels with bugs of classes 25-29, written here on their own (plain
+"""Packed and paged kernels with bugs of classes 25-29 and 32, written here on their own (plain
 torch, none of attnref's references, adapters or mutant switches), importable as
 ``tests.planted_serving:NAME`` with ``--api flash-varlen`` or ``--api flash-kvcache``.
 
@@ -189,7 +189,8 @@ def _kvcache(bug: str) -> Any:
                     r, s = where(b, n + t, row)
                     k_cache[r, s], v_cache[r, s] = new_k[t], v[b, t]
             total = n if bug == "ignores_new_tokens" else n + T_new
-            slots = [where(b, p, row) for p in range(total)]
+            seen = min(total, 4096) if bug == "first_4096_keys" else total
+            slots = [where(b, p, row) for p in range(seen)]
             keys = torch.stack([k_cache[r, s] for r, s in slots]) if slots else k_cache[0, :0]
             values = torch.stack([v_cache[r, s] for r, s in slots]) if slots else v_cache[0, :0]
             lo = 0
@@ -207,7 +208,7 @@ def _kvcache(bug: str) -> Any:
                 slopes = slopes[b]
             o, m = _attend(
                 qb, keys[lo:], values[lo:], softmax_scale, causal, window_size, softcap,
-                slopes, (total - Tq) - lo,
+                slopes, (seen - Tq) - lo,
             )  # fmt: skip
             outs.append(o)
             lses.append(m)
@@ -231,6 +232,7 @@ append_first_page = _kvcache("append_first_page")  # class 27
 window_of_last_query = _kvcache("window_of_last_query")  # class 28
 rotary_backwards = _kvcache("rotary_backwards")  # class 29
 queries_at_cache_len = _kvcache("queries_at_cache_len")  # class 29
+first_4096_keys = _kvcache("first_4096_keys")  # class 32 (flashinfer#4347)
 
 #: each buggy kernel, its API family and the bug class it belongs to
 UNSEEN: dict[str, tuple[str, int]] = {
@@ -243,6 +245,7 @@ UNSEEN: dict[str, tuple[str, int]] = {
     "window_of_last_query": ("flash-kvcache", 28),
     "rotary_backwards": ("flash-kvcache", 29),
     "queries_at_cache_len": ("flash-kvcache", 29),
+    "first_4096_keys": ("flash-kvcache", 32),
 }
 
 

@@ -236,7 +236,7 @@ PROPERTIES: dict[str, Property] = {
         Property(
             "forward",
             "output agrees with the float64 oracle over every kind of case",
-            (1, 2, 4, 5, 9, 10, 14, 15, 16, 17, 20),
+            (1, 2, 4, 5, 9, 10, 14, 15, 16, 17, 20, 32, 33),
             lambda p, c: case_strategy("forward", p, c),
             checks.forward,
             examples=lambda p, c: [
@@ -247,7 +247,7 @@ PROPERTIES: dict[str, Property] = {
         Property(
             "gradient",
             "dQ, dK and dV agree with the float64 oracle's, with the variants declared",
-            (11, 12, 22, 23),
+            (11, 12, 22, 23, 32),
             lambda p, c: case_strategy("gradient", p, c, variants=some_variants(c)),
             checks.gradient,
             requires=_needs("gradients", "gradients"),
@@ -257,7 +257,7 @@ PROPERTIES: dict[str, Property] = {
             "masked_keys",
             "values (finite, or NaN/inf where the backend contains them) at keys no query "
             "sees never change the output",
-            (3, 16),
+            (3, 16, 32, 33),
             lambda p, c: case_strategy(
                 "masked_keys",
                 p,
@@ -290,7 +290,7 @@ PROPERTIES: dict[str, Property] = {
         Property(
             "causality",
             "keys after a query's causal diagonal never change its output",
-            (4, 5),
+            (4, 5, 32),
             lambda p, c: case_strategy("causality", p, c, causal=_alignments(c)),
             checks.causality,
         ),
@@ -318,7 +318,7 @@ PROPERTIES: dict[str, Property] = {
         Property(
             "decode",
             "one query at a time against its visible prefix equals the causal pass",
-            (4, 10, 18),
+            (4, 10, 18, 32),
             lambda p, c: case_strategy(
                 "decode",
                 p,
@@ -332,7 +332,7 @@ PROPERTIES: dict[str, Property] = {
         Property(
             "gqa",
             "grouped-query attention equals attention with the KV heads expanded",
-            (9, 10),
+            (9, 10, 32),
             lambda p, c: case_strategy("gqa", p, c, group=st.sampled_from((2, 3, 4))),
             checks.gqa,
             requires=_needs("gqa", "GQA"),
@@ -340,7 +340,7 @@ PROPERTIES: dict[str, Property] = {
         Property(
             "batch",
             "each sample of a batch gives the same output alone",
-            (6, 7, 17, 21),
+            (6, 7, 17, 21, 32),
             lambda p, c: case_strategy("batch", p, c, batch=st.tuples(st.integers(2, p.max_batch))),
             checks.batch,
         ),
@@ -398,7 +398,7 @@ PROPERTIES: dict[str, Property] = {
         Property(
             "hot",
             "scaled randn queries and keys: peaky softmax, scores far from zero",
-            (8, 13),
+            (8, 13, 33),
             lambda p, c: case_strategy("hot", p, c, amp=st.sampled_from((4.0, 8.0, 16.0, 32.0))),
             checks.forward,
         ),
@@ -418,7 +418,7 @@ PROPERTIES: dict[str, Property] = {
         Property(
             "mask_kinds",
             "a boolean mask and its additive float equivalent (0 / -inf) agree",
-            (16,),
+            (16, 33),
             lambda p, c: case_strategy(
                 "mask_kinds",
                 p,
@@ -489,7 +489,7 @@ PROPERTIES: dict[str, Property] = {
             "lse",
             "the log-sum-exp agrees with the oracle's (natural log, visible keys only, "
             "the declared value for a query that sees none)",
-            (25,),
+            (25, 32, 33),
             lambda p, c: case_strategy("lse", p, c, variants=some_variants(c)),
             checks.lse,
             requires=_needs_lse,

@@ -424,8 +424,9 @@ def cache_strategy(
     name: str, profile: Profile, caps: Capabilities, **fields: Any
 ) -> st.SearchStrategy[Case]:
     """Decode cases (`Case.cached`): 1 to 3 rows with cached lengths from empty to the
-    profile's longest, 0 to 4 new tokens, the cache full or with room to spare,
-    contiguous or paged (shuffled or in order), rotary in both layouts, split-KV."""
+    profile's longest (and, one case in six, a first row against a long cache: the
+    profile's long key lengths), 0 to 4 new tokens, the cache full or with room to
+    spare, contiguous or paged (shuffled or in order), rotary in both layouts, split-KV."""
 
     @st.composite
     def draw(draw: st.DrawFn) -> Case:
@@ -439,6 +440,15 @@ def cache_strategy(
         cached_len = st.one_of(st.sampled_from((0, 1, 3, 7, 16)), st.integers(0, profile.max_len))
         cached = pick("cached", st.tuples(*(cached_len,) * rows))
         new = pick("new", st.sampled_from((0, 1, 2, 4)))
+        if "cached" not in fields and profile.long_keys and draw(st.integers(0, 5)) == 5:
+            # one in six: the first row decodes against a long cache (class 32), each
+            # side of a split or tile boundary, its K and V (as the query heads read
+            # them) within max_kv; 0 shrinks to a short cache
+            long = draw(st.one_of(*_longest(profile.long_keys)))
+            rest = sum(cached[1:]) + new * rows
+            while long > 1 and (long + rest) * case.h * (case.Dh + case.Dv) > profile.max_kv:
+                long = (long + 1) // 2
+            cached = (long, *cached[1:])
         Tq = pick("Tq", st.just(new) if new else st.sampled_from((1, 2, 3)))
         even = case.Dh - case.Dh % 2
         rotary = 0

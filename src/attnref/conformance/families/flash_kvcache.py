@@ -686,7 +686,7 @@ PROPERTIES: tuple[Property, ...] = (
         "each row of a decode call agrees with the oracle of its valid keys (paged, "
         "garbage in unused slots, rotary, split-KV), and the append writes exactly "
         "the new slots",
-        (27, 28, 29),
+        (27, 28, 29, 32),
         lambda p, c: cache_strategy("kvcache", p, c, variants=_cache_variants(c)),
         _kvcache,
         examples=_cache_examples,
@@ -711,7 +711,7 @@ PROPERTIES: tuple[Property, ...] = (
     Property(
         "kvcache_splits",
         "num_splits (split-KV) changes nothing",
-        (25, 27),
+        (25, 27, 32),
         lambda p, c: cache_strategy("kvcache_splits", p, c, variants=_cache_variants(c)),
         _kvcache_splits,
         families=(NAME,),

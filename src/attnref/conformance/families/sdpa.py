@@ -536,6 +536,17 @@ def _index_wraps_16bit(q: Some, k: Some, v: Some, m: SomeMask, s: float | None) 
 
 
 @checked_internal
+def _long_tail_block_dropped(q: Some, k: Some, v: Some, m: SomeMask, s: float | None) -> Inputs4:
+    Tk = k.shape[-2]
+    keep = Tk - Tk % 128
+    if Tk > 2048 and keep < Tk:  # the long-context path tiles keys by 128, tail lost
+        k, v = k[..., :keep, :], v[..., :keep, :]
+        if m is not None and m.shape[-1] > 1:
+            m = m[..., :keep]
+    return q, k, v, m
+
+
+@checked_internal
 def _with_grad_hook(
     t: Float[Tensor, "*shape"], hook: Callable[[Tensor], Tensor]
 ) -> Float[Tensor, "*shape"]:
@@ -642,6 +653,11 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant("index_wraps_16bit", 21, "key rows addressed by a 16-bit flat index that "
            "wraps past 32767 rows (32-bit offset overflow, scaled down to show on a "
            "CPU)", prepare=_index_wraps_16bit),
+    Mutant("long_tail_block_dropped", 32, "past 2048 keys, the last partial block of 128 "
+           "keys is dropped (a long-context path; size-gated)",
+           prepare=_long_tail_block_dropped),
+    Mutant("minus_inf_as_5e4", 33, "hidden keys filled with a finite -5e4 for minus "
+           "infinity: wrong once visible scores fall below it (value-gated)", {"fill": -5e4}),
 )  # fmt: skip
 
 
