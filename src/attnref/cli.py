@@ -9,9 +9,7 @@ import traceback
 from collections.abc import Sequence
 from pathlib import Path
 
-import torch
-
-from attnref import __version__
+from attnref import __version__, _forkserver
 from attnref.conformance.options import add_audit_options
 
 __all__ = ["main"]
@@ -140,6 +138,8 @@ def _demo_reverse(args: argparse.Namespace) -> int:
         f"{result.losses[-1]:.3f}: greedy decoding reverses {result.accuracy:.1%} of 200 "
         "fresh sequences exactly"
     )
+    import torch
+
     src, lens, _ = reverse_batch(3, generator=torch.Generator().manual_seed(args.seed + 2))
     out, weights = greedy_decode_seq2seq(result.model, src, lens, src.shape[1] + 2, 1)
     for b in range(3):
@@ -174,6 +174,8 @@ def _demo_copy(args: argparse.Namespace) -> int:
         f"{result.epochs} epochs, {result.state.step} batches, {result.seconds:.1f} s: "
         f"greedy decoding copies {result.accuracy:.1%} of 200 fresh sequences exactly"
     )
+    import torch
+
     fresh = next(copy_batches(11, 3, 1, generator=torch.Generator().manual_seed(args.seed + 2)))
     decoded = greedy_decode(result.model, fresh.src, fresh.src_mask, fresh.src.shape[1], 1)
     for src, out in zip(fresh.src.tolist(), decoded.tolist(), strict=True):
@@ -325,6 +327,10 @@ def _writable(path: str | None) -> Path | None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``attnref`` command; returns the exit code."""
+    raw = list(sys.argv[1:] if argv is None else argv)
+    if raw[:1] == ["audit"] and not {"-h", "--help"} & set(raw):
+        # before torch is imported here: the workers' parent imports it meanwhile
+        _forkserver.start()
     args = _parser().parse_args(argv)
     if not sys.stdout.isatty():  # CI logs and pipes see each line as it is printed
         with contextlib.suppress(AttributeError, ValueError):

@@ -45,6 +45,7 @@ import torch
 from jaxtyping import Shaped
 from torch import Tensor
 
+from attnref import _forkserver
 from attnref._checking import checked_internal, checking_enabled, set_checking
 from attnref.conformance.declarations import (
     DEFAULT_API,
@@ -648,11 +649,7 @@ def _describe_exit(code: int | None) -> str:
 def _context() -> Any:
     """A forkserver that has imported torch and attnref (a clean process, never a fork of
     the judge); spawn where there is none."""
-    if "forkserver" in multiprocessing.get_all_start_methods():
-        ctx = multiprocessing.get_context("forkserver")
-        ctx.set_forkserver_preload(["attnref.conformance.backends"])
-        return ctx
-    return multiprocessing.get_context("spawn")
+    return _forkserver.context()
 
 
 @contextlib.contextmanager
@@ -674,11 +671,7 @@ def _main_hidden() -> Iterator[None]:
 
 def start_forkserver() -> None:
     """Start the forkserver now, in the background of whatever the judge does next."""
-    if "forkserver" in multiprocessing.get_all_start_methods():
-        from multiprocessing import forkserver
-
-        _context()
-        forkserver.ensure_running()
+    _forkserver.start()
 
 
 class Supervised:
