@@ -322,6 +322,34 @@ def correct_blocked(
     return (acc / den.masked_fill(den == 0, 1.0)).to(q.dtype)
 
 
+def correct_key_by_key(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    attn_mask: Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> Tensor:
+    """A correct kernel that sums over keys one at a time (the softmax's denominator and
+    ``P @ V``, each a running sum in float32: recursive summation, the least accurate
+    order a correct kernel may use; torch's CPU ``cumsum`` would sum in float64); no
+    dropout (declared)."""
+    s, _ = _scores(q, k, scale)
+    s = s + _bias(q, k, attn_mask, is_causal)
+    m = s.amax(dim=-1, keepdim=True)
+    e = torch.exp(s - m.masked_fill(m == -math.inf, 0.0))
+    vv = _values(q, v)
+    den = torch.zeros_like(m)
+    acc = torch.zeros((*s.shape[:-1], vv.shape[-1]), dtype=s.dtype)
+    for j in range(s.shape[-1]):
+        w = e[..., j : j + 1]  # (..., Tq, 1)
+        den = den + w
+        acc = acc + w * vv[..., j : j + 1, :]
+    return (acc / den.masked_fill(den == 0, 1.0)).to(q.dtype)
+
+
 #: every planted kernel, with the class it belongs to
 PLANTED = {
     "split_kv_past_512": 32,
