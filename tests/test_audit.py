@@ -552,6 +552,7 @@ def test_flash_kernels_with_bugs_the_mutants_do_not_plant_are_failed(name: str) 
     assert not report.ok, report.format_table()
 
 
+@pytest.mark.slow  # as the serving kernels' own check: 8-9 s
 def test_the_independent_flash_kernel_itself_passes() -> None:
     backend = resolve_backend("tests.planted_flash:correct", api="flash")
     report = run(backend, properties=FLASH_VARIANT_PROPS, dtypes=(torch.float32,))

@@ -217,6 +217,7 @@ def test_bad_usage_exits_2_with_a_message(
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.slow  # a subprocess that imports torch, then its worker's parent: 7-14 s
 def test_python_m_attnref_bench_runs(tmp_path: Path) -> None:
     done = subprocess.run(
         [

@@ -54,10 +54,9 @@ LONG_SUMS = Case("long_sums", batch=(1,), h=1, g=1, Tq=129, Tk=2047, Dh=16, Dv=1
 def test_correct_sums_over_thousands_of_keys_of_a_v_far_from_zero_pass(spec: str) -> None:
     """The floor counts the rounding of two sums over the keys a row sees (in the compute
     precision), which a correct kernel cannot avoid: key by key in float32 included."""
-    for dtype in (torch.float32, torch.bfloat16):
-        for seed in (0, 1, 2):
-            case = replace(LONG_SUMS, seed=seed)
-            assert check_case("forward", spec, case, dtype) == "pass", (spec, dtype, seed)
+    for seed in (0, 1):  # float32: half precision's atol is far above the term
+        case = replace(LONG_SUMS, seed=seed)
+        assert check_case("forward", spec, case, torch.float32) == "pass", (spec, seed)
 
 
 @SLOW

@@ -328,7 +328,7 @@ def _writable(path: str | None) -> Path | None:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``attnref`` command; returns the exit code."""
     raw = list(sys.argv[1:] if argv is None else argv)
-    if raw[:1] == ["audit"] and not {"-h", "--help"} & set(raw):
+    if raw[:1] in (["audit"], ["bench"]) and not {"-h", "--help"} & set(raw):
         # before torch is imported here: the workers' parent imports it meanwhile
         _forkserver.start()
     args = _parser().parse_args(argv)

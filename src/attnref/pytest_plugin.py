@@ -94,6 +94,11 @@ _EXECUTORS: list[Any] = []
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "attnref: a property audited by attnref's plugin")
+    if config.getoption("attnref_backend"):
+        from attnref import _forkserver
+
+        # the workers' parent imports torch while pytest collects and imports the rest
+        _forkserver.start()
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
