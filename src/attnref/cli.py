@@ -231,9 +231,9 @@ def _audit(args: argparse.Namespace) -> int:
     if args.list_families:
         _list_families()
         return 0
-    from attnref.conformance.worker import start_executor, start_forkserver
+    # the workers' forkserver: started by main, else on the first worker's start
+    from attnref.conformance.worker import start_executor
 
-    start_forkserver()  # the worker's clean parent starts while the options are read
     try:
         settings = audit_settings(lambda dest: getattr(args, dest))
         json_path = _writable(args.json)

@@ -169,7 +169,9 @@ def attention_atol(
         v = v.masked_fill(~seen.unsqueeze(-1), 0.0)
     kappa = score_condition(query, key, scale, visible)
     u = torch.finfo(query.dtype).eps / 2
-    # the sums over n keys (the softmax's denominator, P @ V) in the compute precision
-    n = key.shape[-2] if visible is None else int(visible.sum(dim=-1).max())
-    sums = 2 * math.sqrt(n) * score_eps(query.dtype) / 2
+    # the two sums over the n keys a row sees (the softmax's denominator, P @ V), in the
+    # compute precision
+    Tk = key.shape[-2]
+    n = Tk if visible is None else int(visible.expand(*query.shape[:-1], Tk).sum(-1).max())
+    sums = 2 * math.sqrt(n) * score_eps(query.dtype) / 2  # 2 sqrt(n) u_c
     return max(atol, (score_eps(query.dtype) * kappa + 2 * u + sums) * float(v.max()))

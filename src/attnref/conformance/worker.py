@@ -221,14 +221,13 @@ def _fingerprint(t: Shaped[Tensor, "..."], copy: bool = True) -> tuple[Any, ...]
     word (the fingerprint taken after a call, compared at once with the copy taken
     before)."""
     data = t.detach().cpu()
-    size = _word(data.numel() * data.element_size()).itemsize
-    aligned = data.storage_offset() * data.element_size() % size == 0
+    word = _word(data.numel() * data.element_size())
+    aligned = data.storage_offset() * data.element_size() % word.itemsize == 0
     if copy or not data.is_contiguous() or not aligned:
         data = data.clone(memory_format=torch.contiguous_format)
     # contiguous: its elements lie in order from its offset (a size-1 dim may have any
     # stride, which a reshape would keep)
-    raw = data.as_strided((data.numel(),), (1,)).view(torch.uint8)
-    words = raw.view(_word(raw.numel()))
+    words = data.as_strided((data.numel(),), (1,)).view(torch.uint8).view(word)
     return (tuple(t.shape), t.stride(), t.storage_offset(), t.dtype, words)
 
 
@@ -646,12 +645,6 @@ def _describe_exit(code: int | None) -> str:
     return f"the backend ended its process with exit code {code}"
 
 
-def _context() -> Any:
-    """A forkserver that has imported torch and attnref (a clean process, never a fork of
-    the judge); spawn where there is none."""
-    return _forkserver.context()
-
-
 @contextlib.contextmanager
 def _main_hidden() -> Iterator[None]:
     """The judge's ``__main__`` hidden while a worker starts: the worker needs only
@@ -724,7 +717,7 @@ class Supervised:
         self.backend = declared if isinstance(backend, str) else backend
 
     def _start(self) -> Backend:
-        ctx = _context()
+        ctx = _forkserver.context()  # a clean parent, never a fork of the judge
         parent, child = ctx.Pipe()
         _widen(parent, child)
         process = ctx.Process(
