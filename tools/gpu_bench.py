@@ -3,10 +3,10 @@
 bf16 and fp16, causal and not, sequence 512 to 16384 at 16k tokens per batch, head dim
 64 and 128 at a model width of 2048 (FlashAttention's benchmark shapes), every backend:
 the reference, torch SDPA with MATH, FLASH, EFFICIENT and CUDNN forced, and compiled
-FlexAttention. The denominator of the fraction of peak is the device's measured bf16
-matmul rate. It writes ``bench.csv``, ``bench.json``, ``bench.png`` and a ``README.md``
-table to ``--out`` (default ``docs/gpu-bench``), after every row, so a run cut short
-still leaves its rows.
+FlexAttention. The denominator of the fraction of peak is the device's fastest measured
+matmul rate (bf16 on a GPU; `attnref.bench.timing.measure_device_peak`). It writes
+``bench.csv``, ``bench.json``, ``bench.png`` and a ``README.md`` table to ``--out``
+(default ``docs/gpu-bench``), after every row, so a run cut short still leaves its rows.
 
 It needs nothing but this repository and an environment with torch (the GPU machine has
 no network): ``python tools/gpu_bench.py`` or ``nox -s bench_gpu``. ``--tiny`` runs the
@@ -30,7 +30,7 @@ from attnref.bench import (
     BenchResult,
     environment,
     format_table,
-    measure_matmul_peak,
+    measure_device_peak,
     plot_results,
     run_benchmarks,
     sweep_cases,
@@ -56,7 +56,7 @@ def _summary(results: list[BenchResult], meta: dict[str, Any]) -> str:
         f"`{meta['command']}`, torch {meta['environment']['torch']}. Medians of "
         f"{meta['runs']} timed calls after {meta['warmup']} warm-up calls, CUDA events, "
         "inputs rotated; FLOPs for the visible pairs only. Fraction of peak against the "
-        + (f"measured bf16 matmul rate, {peak:.0f} TFLOP/s." if peak else "(no peak).")
+        + (f"{meta['peak_source']} rate, {peak:.0f} TFLOP/s." if peak else "(no peak).")
         + " The plot is `bench.png`; every row is in `bench.csv` / `bench.json`.",
         "",
         "| backend | dtype | causal | Dh | T | B x h | ms | TFLOP/s | of peak | peak MiB | note |",
@@ -105,13 +105,13 @@ def main(argv: list[str] | None = None) -> int:
     # the cases go by sequence length inside (dtype, Dh, causal): long sequences last,
     # so a spent budget costs the longest (and most reference-heavy) rows first
     cases.sort(key=lambda c: (c.Tk, c.dtype, c.Dh, c.causal or ""))
-    peak = measure_matmul_peak("bfloat16", args.device, n=256 if tiny else 8192)
-    print(f"measured bf16 matmul peak: {peak:.2f} TFLOP/s", flush=True)
+    peak, peak_dtype = measure_device_peak(args.device, n=256 if tiny else 8192)
+    print(f"measured matmul peak: {peak:.2f} TFLOP/s ({peak_dtype})", flush=True)
     meta = {
         "device": args.device,
         "environment": environment(args.device),
         "peak_tflops": peak,
-        "peak_source": "measured bf16 matmul",
+        "peak_source": f"measured {peak_dtype} matmul",
         "warmup": args.warmup,
         "runs": args.runs,
         "command": "python tools/gpu_bench.py " + " ".join(argv or sys.argv[1:]),

@@ -10,7 +10,7 @@ import torch
 from attnref.bench.cases import MASKS, sweep_cases
 from attnref.bench.output import format_table, plot_results, write_results
 from attnref.bench.runner import environment, run_benchmarks
-from attnref.bench.timing import measure_matmul_peak
+from attnref.bench.timing import measure_device_peak
 from attnref.conformance.backends import BackendError, resolve_backend
 from attnref.conformance.families import FAMILIES, get_family
 from attnref.devices import DTYPES
@@ -184,8 +184,8 @@ def run_cli(args: argparse.Namespace) -> int:
         return _fail(str(e))
     peak = args.peak_tflops
     if args.measure_peak:
-        peak = measure_matmul_peak(dtypes[0], device, n=8192 if gpu else 1024)
-        print(f"measured {dtypes[0]} matmul peak on {device}: {peak:.2f} TFLOP/s")
+        peak, peak_dtype = measure_device_peak(device, n=8192 if gpu else 1024)
+        print(f"measured matmul peak on {device}: {peak:.2f} TFLOP/s ({peak_dtype})")
     results = run_benchmarks(
         backends,
         cases,
@@ -200,7 +200,9 @@ def run_cli(args: argparse.Namespace) -> int:
         "device": device,
         "environment": environment(device),
         "peak_tflops": peak,
-        "peak_source": "measured matmul" if args.measure_peak else ("given" if peak else None),
+        "peak_source": (
+            f"measured {peak_dtype} matmul" if args.measure_peak else ("given" if peak else None)
+        ),
         "warmup": args.warmup,
         "runs": args.runs,
         "command": " ".join(sys.argv),

@@ -20,7 +20,7 @@ from attnref.conformance.calls import invoke
 from attnref.conformance.verdicts import Failure, Skip
 from attnref.conformance.worker import Executor
 
-__all__ = ["SAMPLES", "Measured", "clocks", "measure"]
+__all__ = ["RETRIES", "SAMPLES", "Measured", "clocks", "measure"]
 
 #: how many timed calls' outputs the judge checks, besides the first call's
 SAMPLES = 2
@@ -48,6 +48,13 @@ class Measured:
 #: a few ms up to its latency target of 6-24 ms). Measured: a 2-call loop of 2.2 ms took
 #: 12.4 ms on the judge's clock with the default test tier running on both cores
 SCHEDULER_NOISE = 10e-3
+
+#: how many times a batch whose clocks disagree is timed again before the row is flagged.
+#: A core taken from the worker outside its loop (on a machine running other jobs, as CI
+#: runs two test workers on two cores) makes one batch disagree now and then; a worker
+#: whose clock lies disagrees on every try. Measured: CI flagged one of 16 toy rows of the
+#: GPU sweep on the CPU (tests/test_bench.py) with the slow tier running beside it
+RETRIES = 2
 
 
 def clocks(
@@ -99,16 +106,35 @@ def measure(
 
     started = time.perf_counter()
     timed_seed = seed + warmup + 1
+    suspect: str | None = None
     try:
         prepare = BenchJob("prepare", case, seed, warmup=warmup, memory=memory)
         prepared = invoke(backend, prepare, timeout, executor)
-        t0 = time.perf_counter()
-        timed = invoke(backend, BenchJob("time", case, timed_seed, runs=runs), timeout, executor)
-        wall = time.perf_counter() - t0
-        read = float(getattr(executor, "last_read", 0.0))
-        t0 = time.perf_counter()
-        invoke(backend, BenchJob("dry", case, timed_seed, runs=runs), timeout, executor)
-        dry_wall = time.perf_counter() - t0
+        for attempt in range(1 + RETRIES):
+            t0 = time.perf_counter()
+            timed = invoke(
+                backend, BenchJob("time", case, timed_seed, runs=runs), timeout, executor
+            )
+            wall = time.perf_counter() - t0
+            read = float(getattr(executor, "last_read", 0.0))
+            t0 = time.perf_counter()
+            invoke(backend, BenchJob("dry", case, timed_seed, runs=runs), timeout, executor)
+            dry_wall = time.perf_counter() - t0
+            try:
+                suspect = clocks(
+                    [float(t) for t in timed["times"]],
+                    wall,
+                    dry_wall,
+                    runs,
+                    float(timed["loop"]),
+                    read,
+                )
+            except (KeyError, TypeError, ValueError):
+                break  # judged below, as a malformed reply
+            if suspect is None:
+                break
+            if attempt == RETRIES:
+                suspect += f" (on each of {1 + RETRIES} tries)"
     except (Failure, Skip) as e:
         message = str(e)
         refused = isinstance(e, Skip) or any(r in message for r in backend.capabilities.refuses)
@@ -121,11 +147,11 @@ def measure(
         times = [float(t) for t in timed["times"]]
         outputs = list(timed["outputs"])
         peak = prepared["peak"]
-        loop = float(timed["loop"])
         if len(times) != runs or len(outputs) != runs or not all(t >= 0 for t in times):
             raise ValueError("a reply of the wrong length")
         if not (peak is None or type(peak) is int):
             raise ValueError("a peak memory that is not a number")
+        float(timed["loop"])
     except (KeyError, TypeError, ValueError) as e:
         return Measured("wrong", f"the worker sent a malformed timing reply ({e})")
     # the sample is drawn after every output came back: the worker could not know it
@@ -139,7 +165,6 @@ def measure(
         if wrong is not None:
             return Measured("wrong", wrong[:300])
     verify_s = time.perf_counter() - t0
-    suspect = clocks(times, wall, dry_wall, runs, loop, read)
     note = suspect or f"verified: the first call and {len(picks)} of {runs} timed calls"
     return Measured(
         "flagged" if suspect else "ok",
