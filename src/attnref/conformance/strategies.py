@@ -312,8 +312,8 @@ def case_strategy(
         if kind == "small":
             return _fits(case, profile)
         if kind == "wide":  # the grid is what matters: its programs stay small
-            narrow = min(budget, profile.max_grad_work)
-            return _fits_work(case, narrow, 2**22, profile.max_kv, wide=True)
+            narrow = min(budget, profile.max_wide_work)
+            return _fits_work(case, narrow, narrow // 4, profile.max_kv, wide=True)
         scores = profile.max_long_scores
         if case.mask not in _NARROW_MASKS:
             scores = min(scores, profile.max_mask_scores)
