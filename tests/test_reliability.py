@@ -15,6 +15,7 @@ import torch
 from attnref.cli import main
 from attnref.conformance import PROPERTIES, Capabilities, audit, resolve_backend
 from attnref.conformance.backends import Backend
+from attnref.conformance.wire import decode
 from attnref.conformance.worker import Job
 
 pytestmark = pytest.mark.usefixtures("unchecked")
@@ -288,6 +289,61 @@ def test_an_oracle_that_fails_while_the_backend_runs_fails_where_the_check_asks(
         assert out.shape == (2, 2, 3, 8)
     finally:
         worker.close()
+
+
+def test_large_jobs_cross_in_a_sealed_file_the_worker_cannot_write() -> None:
+    """A job whose tensors hold `SHARED_FROM` bytes or more sends them in a sealed memory
+    file: each tensor arrives whole, in its layout, on a 64-byte boundary; the file
+    refuses writes (and writable shared mappings), and the worker's copy-on-write pages
+    change only its own view."""
+    import mmap
+    import os
+
+    from attnref.conformance.wire import SHARED, SHARED_FROM, can_share, encode_shared, map_shared
+
+    if not can_share():
+        pytest.skip("no sealed memory files on this platform")
+    big = torch.randn(SHARED_FROM // 4 + 3)
+    tree = {"q": big, "t": torch.arange(15, dtype=torch.float16).reshape(3, 5).t(), "n": 3}
+    assert encode_shared({"q": torch.randn(8)}) is None  # small: through the pipe
+    shared = encode_shared(tree)
+    assert shared is not None
+    message, fd = shared
+    try:
+        assert message.startswith(SHARED)
+        with pytest.raises(PermissionError):
+            os.pwrite(fd, b"x", 0)
+        with pytest.raises(PermissionError):
+            mmap.mmap(fd, 64, flags=mmap.MAP_SHARED, prot=mmap.PROT_WRITE)
+        back = decode(message[len(SHARED) :], shared=map_shared(os.dup(fd)))
+        assert torch.equal(back["q"], big)
+        assert torch.equal(back["t"], tree["t"])
+        assert back["t"].stride() == (1, 5)
+        assert back["n"] == 3
+        assert all(back[k].data_ptr() % 64 == 0 for k in ("q", "t"))
+        back["q"].mul_(2)  # the worker's own pages
+        again = decode(message[len(SHARED) :], shared=map_shared(os.dup(fd)))
+        assert torch.equal(again["q"], big)
+    finally:
+        os.close(fd)
+
+
+def test_a_kernel_that_writes_its_large_inputs_is_still_caught() -> None:
+    """Through a sealed file, an input the kernel changes in place changes in the
+    worker's copy-on-write pages, which the worker's input check reads (the worker's
+    side, run here: every audit's long cases cross this way through a real worker)."""
+    from attnref.conformance.wire import SHARED, SHARED_FROM, can_share, encode_shared, map_shared
+    from attnref.conformance.worker import handle, read_reply
+
+    if not can_share():
+        pytest.skip("no sealed memory files on this platform")
+    q = torch.randn(1, 2, SHARED_FROM // 32, 8)
+    shared = encode_shared(Job((q, q.clone(), q.clone()), {}).message())
+    assert shared is not None
+    message, fd = shared
+    job = decode(message[len(SHARED) :], shared=map_shared(fd))
+    with pytest.raises(Exception, match="modified its inputs: query"):
+        read_reply(handle(resolve_backend("tests.planted:scales_query_in_place"), job))
 
 
 def test_the_input_check_sees_one_changed_element_in_every_layout_and_alignment() -> None:

@@ -13,7 +13,10 @@ The same codec carries jobs the other way, so no pickle is used in either direct
 """
 
 import ctypes
+import fcntl
 import json
+import mmap
+import os
 import re
 import struct
 from typing import Any
@@ -24,7 +27,18 @@ from torch import Tensor
 
 from attnref._checking import checked_internal
 
-__all__ = ["DTYPES", "MAX_DEPTH", "Rejected", "decode", "encode"]
+__all__ = [
+    "DTYPES",
+    "MAX_DEPTH",
+    "SHARED",
+    "SHARED_FROM",
+    "Rejected",
+    "can_share",
+    "decode",
+    "encode",
+    "encode_shared",
+    "map_shared",
+]
 
 #: the tensor dtypes that may cross, by name
 DTYPES: dict[str, torch.dtype] = {
@@ -71,9 +85,9 @@ def _storage(t: Shaped[Tensor, "..."]) -> torch.UntypedStorage:
     return storage
 
 
-def encode(obj: Any) -> bytearray:
-    """``obj`` as a message. Tensors travel as their storage's bytes and how they view it;
-    anything the codec cannot carry becomes an ``unsupported`` node naming its type."""
+def _parts(obj: Any) -> tuple[bytes, list[torch.UntypedStorage], list[int]]:
+    """``obj``'s message up to its tensors' bytes, the storages whose bytes follow, and
+    their lengths."""
     blobs: list[torch.UntypedStorage] = []
 
     def node(x: Any, depth: int) -> Any:
@@ -105,7 +119,17 @@ def encode(obj: Any) -> bytearray:
     head = json.dumps(node(obj, 0)).encode()
     lengths = [b.nbytes() for b in blobs]
     sizes = struct.pack(f"<{len(blobs)}Q", *lengths)
-    start = b"".join([_HEADER.pack(len(head)), head, _HEADER.pack(len(blobs)), sizes])
+    return (
+        b"".join([_HEADER.pack(len(head)), head, _HEADER.pack(len(blobs)), sizes]),
+        blobs,
+        lengths,
+    )
+
+
+def encode(obj: Any) -> bytearray:
+    """``obj`` as a message. Tensors travel as their storage's bytes and how they view it;
+    anything the codec cannot carry becomes an ``unsupported`` node naming its type."""
+    start, blobs, lengths = _parts(obj)
     # one buffer, each storage copied into it once (megabytes at the long sizes)
     out = bytearray(len(start) + sum(lengths))
     out[: len(start)] = start
@@ -117,9 +141,81 @@ def encode(obj: Any) -> bytearray:
     return out
 
 
-def decode(data: bytes | bytearray, device: str | None = None) -> Any:
+#: what starts a message whose tensors' bytes are in a shared memory file (`encode_shared`)
+SHARED = b"ATTNSHM\x00"
+#: the tensor bytes from which a job is sent through a shared memory file, where it can
+SHARED_FROM = 2**20
+_SEALS = ("F_SEAL_SEAL", "F_SEAL_SHRINK", "F_SEAL_GROW", "F_SEAL_WRITE")
+
+
+def _aligned(lengths: list[int] | tuple[int, ...]) -> list[int]:
+    """Where each tensor's bytes start in a shared file (each on a 64-byte boundary, as
+    kernels may need), and, last, where the file ends."""
+    offsets, at = [], 0
+    for n in lengths:
+        at = -(-at // 64) * 64
+        offsets.append(at)
+        at += n
+    return [*offsets, at]
+
+
+def can_share() -> bool:
+    """Whether this platform has sealed memory files (Linux 3.17 and later)."""
+    return hasattr(os, "memfd_create") and all(hasattr(fcntl, s) for s in (*_SEALS, "F_ADD_SEALS"))
+
+
+def encode_shared(obj: Any) -> tuple[bytes, int] | None:
+    """``obj`` as a short message (`SHARED`, then `encode`'s message up to the tensors'
+    bytes) and a sealed memory file that holds those bytes: one copy of each storage
+    (a pipe copies each byte several times, in chunks of its buffer). None where the
+    platform has no sealed memory files, or the tensors hold less than `SHARED_FROM`
+    bytes: then `encode`.
+
+    The file is sealed before it is sent: neither side can write it again, so the
+    worker maps it copy-on-write (a kernel that writes its inputs writes its own
+    pages), and nothing it does reaches the judge's tensors, which the file only copies.
+    """
+    start, blobs, lengths = _parts(obj)
+    offsets = _aligned(lengths)
+    if sum(lengths) < SHARED_FROM or not can_share():
+        return None
+    fd = os.memfd_create("attnref-job", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, offsets[-1])
+        for blob, n, at in zip(blobs, lengths, offsets, strict=False):
+            view = memoryview((ctypes.c_char * n).from_address(blob.data_ptr())) if n else b""
+            done = 0
+            while done < n:
+                done += os.pwrite(fd, view[done:], at + done)
+        seals = 0
+        for name in _SEALS:
+            seals |= getattr(fcntl, name)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, seals)
+    except BaseException:
+        os.close(fd)
+        raise
+    return SHARED + start, fd
+
+
+def map_shared(fd: int) -> "mmap.mmap | bytes":
+    """The bytes of a sealed memory file from `encode_shared`, mapped copy-on-write (the
+    worker's side); ``fd`` is closed."""
+    try:
+        size = os.fstat(fd).st_size
+        if not size:
+            return b""
+        return mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fd)
+
+
+def decode(
+    data: bytes | bytearray, device: str | None = None, shared: "mmap.mmap | bytes | None" = None
+) -> Any:
     """The tree ``data`` holds, built only of ``None``, ``bool``, ``int``, ``float``,
     ``str``, tuples, lists, dicts and plain strided tensors (on ``device`` if given).
+    ``shared``: the tensors' bytes, where ``data`` came from `encode_shared` (its
+    `SHARED` prefix removed); the tensors are views of it.
 
     Raises:
         Rejected: the message is malformed, or names something the audit does not accept.
@@ -137,7 +233,11 @@ def decode(data: bytes | bytearray, device: str | None = None) -> Any:
     starts = [at]
     for size in sizes:
         starts.append(starts[-1] + size)
-    if starts[-1] != len(data):
+    if shared is not None:  # the tensors' bytes are shared's, each 64-byte aligned
+        starts = _aligned(sizes)
+        if starts[-1] != len(shared):
+            raise Rejected(f"a malformed message ({len(shared)} bytes, {starts[-1]} announced)")
+    elif starts[-1] != len(data):
         raise Rejected(f"a malformed message ({len(data)} bytes, {starts[-1]} announced)")
 
     def tensor(x: dict[str, Any]) -> Tensor:
@@ -167,10 +267,14 @@ def decode(data: bytes | bytearray, device: str | None = None) -> Any:
             numel *= s
         if numel > 2**32:
             raise Rejected(f"a tensor of {numel} elements, more than the audit reads")
-        raw = bytearray(view[starts[index] : starts[index + 1]])
-        flat = (
-            torch.frombuffer(raw, dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
-        )
+        if not size:
+            flat = torch.empty(0, dtype=torch.uint8)
+        elif shared is not None:  # a view of the mapping, copy-on-write
+            flat = torch.frombuffer(shared, dtype=torch.uint8, count=size, offset=starts[index])
+        else:
+            flat = torch.frombuffer(
+                bytearray(view[starts[index] : starts[index + 1]]), dtype=torch.uint8
+            )
         out = flat.view(dtype).as_strided(shape, stride, offset)
         where = device or x.get("device", "cpu")
         if not (where == "cpu" or (type(where) is str and _CUDA.fullmatch(where))):

@@ -30,6 +30,7 @@ import contextlib
 import faulthandler
 import multiprocessing
 import multiprocessing.connection
+import multiprocessing.reduction
 import os
 import signal
 import socket
@@ -55,7 +56,7 @@ from attnref.conformance.declarations import (
     from_declaration,
 )
 from attnref.conformance.family import FAMILIES
-from attnref.conformance.wire import Rejected, decode, encode
+from attnref.conformance.wire import SHARED, Rejected, decode, encode, encode_shared, map_shared
 
 __all__ = [
     "BackendDied",
@@ -477,9 +478,14 @@ def _serve(
     while True:
         try:
             message = conn.recv_bytes()
+            shared = None
+            if message[: len(SHARED)] == SHARED:  # the tensors' bytes in a sealed file
+                shared = map_shared(multiprocessing.reduction.recv_handle(conn))
+                message = message[len(SHARED) :]
         except EOFError:
             return
-        conn.send_bytes(handle(backend, decode(message)))
+        conn.send_bytes(handle(backend, decode(message, shared=shared)))
+        del shared  # unmapped once the job's tensors are gone
         sys.stdout.flush()
 
 
@@ -782,7 +788,12 @@ class Supervised:
         self._conn = None
 
     def run(self, job: Any, timeout: float, meanwhile: Meanwhile = None) -> Any:
-        data = self.exchange(encode(job.message()), timeout, meanwhile)
+        message = job.message()
+        shared = encode_shared(message)
+        if shared is None:
+            data = self.exchange(encode(message), timeout, meanwhile)
+        else:  # a short message, then the file that holds its tensors' bytes
+            data = self.exchange(shared[0], timeout, meanwhile, fd=shared[1])
         t1 = time.perf_counter()
         try:
             return read_reply(data)
@@ -790,12 +801,18 @@ class Supervised:
             self.last_read += time.perf_counter() - t1
 
     def exchange(
-        self, message: bytes | bytearray, timeout: float, meanwhile: Meanwhile = None
+        self,
+        message: bytes | bytearray,
+        timeout: float,
+        meanwhile: Meanwhile = None,
+        fd: int | None = None,
     ) -> bytes:
         """An encoded job in, the worker's reply out as it came: untrusted bytes, for
         `attnref.conformance.wire.decode` (``run`` decodes them; a relay forwards them).
         ``meanwhile`` runs here while the worker computes; ``timeout`` counts from the
-        send, and a reply that came while ``meanwhile`` ran is read at once.
+        send, and a reply that came while ``meanwhile`` ran is read at once. ``fd``: the
+        sealed file of `attnref.conformance.wire.encode_shared`, sent after the message
+        and closed here.
 
         Raises:
             TimeoutError: no answer within ``timeout`` seconds (the worker was killed).
@@ -808,8 +825,13 @@ class Supervised:
         t0 = time.perf_counter()
         try:
             conn.send_bytes(message)
+            if fd is not None:
+                multiprocessing.reduction.send_handle(conn, fd, 0)  # (a pid: Windows')
         except OSError:  # the pipe broke: the worker is gone
             raise self._died() from None
+        finally:
+            if fd is not None:
+                os.close(fd)
         if meanwhile is not None:
             try:
                 meanwhile()
