@@ -15,7 +15,7 @@ import torch
 from attnref.cli import main
 from attnref.conformance import PROPERTIES, Capabilities, audit, resolve_backend
 from attnref.conformance.backends import Backend
-from attnref.conformance.wire import decode
+from attnref.conformance.wire import decode, encode
 from attnref.conformance.worker import Job
 
 pytestmark = pytest.mark.usefixtures("unchecked")
@@ -306,10 +306,10 @@ def test_large_jobs_cross_in_a_sealed_file_the_worker_cannot_write() -> None:
     big = torch.randn(SHARED_FROM // 4 + 3)
     t = torch.arange(15, dtype=torch.float16).reshape(3, 5).t()
     tree = {"q": big, "t": t, "n": 3}
-    assert encode_shared({"q": torch.randn(8)}) is None  # small: through the pipe
-    shared = encode_shared(tree)
-    assert shared is not None
-    message, fd = shared
+    small = {"q": torch.randn(8)}
+    assert encode_shared(small) == (encode(small), None)  # small: through the pipe
+    message, fd = encode_shared(tree)
+    assert fd is not None
     try:
         assert message.startswith(SHARED)
         with pytest.raises(PermissionError):
@@ -339,9 +339,8 @@ def test_a_kernel_that_writes_its_large_inputs_is_still_caught() -> None:
     if not can_share():
         pytest.skip("no sealed memory files on this platform")
     q = torch.randn(1, 2, SHARED_FROM // 32, 8)
-    shared = encode_shared(Job((q, q.clone(), q.clone()), {}).message())
-    assert shared is not None
-    message, fd = shared
+    message, fd = encode_shared(Job((q, q.clone(), q.clone()), {}).message())
+    assert fd is not None
     job = decode(message[len(SHARED) :], shared=map_shared(fd))
     with pytest.raises(Exception, match="modified its inputs: query"):
         read_reply(handle(resolve_backend("tests.planted:scales_query_in_place"), job))

@@ -129,8 +129,12 @@ def _parts(obj: Any) -> tuple[bytes, list[torch.UntypedStorage], list[int]]:
 def encode(obj: Any) -> bytearray:
     """``obj`` as a message. Tensors travel as their storage's bytes and how they view it;
     anything the codec cannot carry becomes an ``unsupported`` node naming its type."""
-    start, blobs, lengths = _parts(obj)
-    # one buffer, each storage copied into it once (megabytes at the long sizes)
+    return _join(*_parts(obj))
+
+
+def _join(start: bytes, blobs: list[torch.UntypedStorage], lengths: list[int]) -> bytearray:
+    """One buffer: ``start``, then each storage copied into it once (megabytes at the long
+    sizes)."""
     out = bytearray(len(start) + sum(lengths))
     out[: len(start)] = start
     at, base = len(start), ctypes.addressof(ctypes.c_char.from_buffer(out))
@@ -164,21 +168,22 @@ def can_share() -> bool:
     return hasattr(os, "memfd_create") and all(hasattr(fcntl, s) for s in (*_SEALS, "F_ADD_SEALS"))
 
 
-def encode_shared(obj: Any) -> tuple[bytes, int] | None:
-    """``obj`` as a short message (`SHARED`, then `encode`'s message up to the tensors'
-    bytes) and a sealed memory file that holds those bytes: one copy of each storage
-    (a pipe copies each byte several times, in chunks of its buffer). None where the
-    platform has no sealed memory files, or the tensors hold less than `SHARED_FROM`
-    bytes: then `encode`.
+def encode_shared(obj: Any) -> tuple[bytes | bytearray, int | None]:
+    """``obj`` as a message for the worker, and the sealed memory file that holds its
+    tensors' bytes, or None. Where the tensors hold `SHARED_FROM` bytes or more and the
+    platform has sealed memory files, the message is short (`SHARED`, then `encode`'s
+    message up to the tensors' bytes) and the file holds those bytes: one copy of each
+    storage (a pipe copies each byte several times, in chunks of its buffer). Otherwise
+    it is `encode`'s message, and no file.
 
     The file is sealed before it is sent: neither side can write it again, so the
     worker maps it copy-on-write (a kernel that writes its inputs writes its own
     pages), and nothing it does reaches the judge's tensors, which the file only copies.
     """
     start, blobs, lengths = _parts(obj)
-    offsets = _aligned(lengths)
     if sum(lengths) < SHARED_FROM or not can_share():
-        return None
+        return _join(start, blobs, lengths), None
+    offsets = _aligned(lengths)  # one more than the blobs: where the file ends
     fd = os.memfd_create("attnref-job", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     try:
         os.ftruncate(fd, offsets[-1])

@@ -788,12 +788,9 @@ class Supervised:
         self._conn = None
 
     def run(self, job: Any, timeout: float, meanwhile: Meanwhile = None) -> Any:
-        message = job.message()
-        shared = encode_shared(message)
-        if shared is None:
-            data = self.exchange(encode(message), timeout, meanwhile)
-        else:  # a short message, then the file that holds its tensors' bytes
-            data = self.exchange(shared[0], timeout, meanwhile, fd=shared[1])
+        # large tensors in a sealed file sent after the message, small ones in it
+        message, fd = encode_shared(job.message())
+        data = self.exchange(message, timeout, meanwhile, fd=fd)
         t1 = time.perf_counter()
         try:
             return read_reply(data)
