@@ -329,6 +329,54 @@ def test_large_jobs_cross_in_a_sealed_file_the_worker_cannot_write() -> None:
         os.close(fd)
 
 
+def test_a_workers_reused_memory_file_is_sealed_against_it_and_carries_each_job() -> None:
+    """An executor's `Arena` carries job after job in one file (a new, larger one when a
+    job outgrows it): each decodes to its own tensors, and the worker's descriptor can
+    neither write the file, map it writable and shared, nor change its size."""
+    import mmap
+    import os
+
+    from attnref.conformance.wire import (
+        SHARED,
+        SHARED_FROM,
+        Arena,
+        can_share,
+        encode_shared,
+        map_shared,
+    )
+
+    if not can_share():
+        pytest.skip("no sealed memory files on this platform")
+    arena = Arena()
+    try:
+        for n in (SHARED_FROM // 4, SHARED_FROM, 3 * SHARED_FROM, SHARED_FROM // 4 + 1):
+            tree = {"q": torch.randn(n), "k": torch.arange(7.0)}
+            message, fd = encode_shared(tree, arena)
+            assert fd is not None
+            assert message.startswith(SHARED)
+            if arena.off:
+                os.close(fd)
+                pytest.skip("no F_SEAL_FUTURE_WRITE here: one-off files instead")
+            try:
+                with pytest.raises(PermissionError):
+                    os.pwrite(fd, b"x", 0)
+                with pytest.raises(PermissionError):
+                    os.write(fd, b"x")
+                with pytest.raises(PermissionError):
+                    mmap.mmap(fd, 64, flags=mmap.MAP_SHARED, prot=mmap.PROT_WRITE)
+                for size in (64, 2**34):
+                    with pytest.raises(PermissionError):
+                        os.ftruncate(fd, size)
+                back = decode(message[len(SHARED) :], shared=map_shared(os.dup(fd)))
+                assert torch.equal(back["q"], tree["q"])
+                assert torch.equal(back["k"], tree["k"])
+                back["q"].mul_(2)  # the worker's own pages: the next job is unaffected
+            finally:
+                os.close(fd)
+    finally:
+        arena.close()
+
+
 def test_a_kernel_that_writes_its_large_inputs_is_still_caught() -> None:
     """Through a sealed file, an input the kernel changes in place changes in the
     worker's copy-on-write pages, which the worker's input check reads (the worker's

@@ -166,3 +166,42 @@ def test_the_sampled_oracle_is_the_whole_one_row_for_row(
     sampled, full = empty_row_causes(inputs, native, at), empty_row_causes(inputs, native)
     for cause, sel in full.items():
         assert torch.equal(sampled[cause], sel[..., at, :]), cause
+
+
+@settings(max_examples=150, deadline=None, database=None)
+@given(data=st.data())
+def test_a_small_case_of_wide_head_dims_keeps_to_the_work_of_head_dim_128(
+    data: st.DataObject,
+) -> None:
+    """Small cases draw every head dim, up to 576/512, but their work stays under what a
+    small case of head dim 128 may do (`SMALL_WORK_PER_SCORE` times the profile's
+    scores); a square case stays square."""
+    from attnref.conformance.strategies import SMALL_WORK_PER_SCORE, case_strategy, work
+
+    profile = PROFILES["quick"]
+    caps = resolve_backend("torch-sdpa").capabilities
+    case = data.draw(
+        case_strategy("c", profile, caps, sizes=("small",), Dh=st.sampled_from((128, 576)))
+    )
+    batch = 1
+    for b in case.batch:
+        batch *= b
+    assert batch * case.h * case.Tq * case.Tk <= profile.max_scores
+    assert work(case) <= profile.max_scores * SMALL_WORK_PER_SCORE, case
+
+
+def test_a_small_case_cut_to_its_work_keeps_its_keys_and_squares() -> None:
+    from attnref.conformance.strategies import SMALL_WORK_PER_SCORE, _fits, work
+
+    profile = PROFILES["quick"]
+    most = profile.max_scores * SMALL_WORK_PER_SCORE
+    wide = Case("c", batch=(3,), h=4, g=2, Tq=40, Tk=257, Dh=576, Dv=512)
+    cut = _fits(wide, profile)
+    assert (cut.Tk, cut.Dh, cut.Dv) == (257, 576, 512)
+    assert work(cut) <= most
+    square = _fits(replace(wide, Tq=257), profile)
+    assert square.Tq == square.Tk
+    assert (square.Dh, square.Dv) == (576, 512)
+    assert work(square) <= most
+    narrow = Case("c", batch=(3,), h=4, g=2, Tq=40, Tk=33, Dh=128, Dv=128)
+    assert _fits(narrow, profile) == narrow  # head dim 128: as before

@@ -95,6 +95,14 @@ def fresh_values(ctx: Context, case: Case) -> None:
     # failure is reported: a later call's right output may be what a later case replays
     outs: list[tuple[Tensor | None, bool]] = []
     verdicts: list[Failure | Skip | None] = []
+    digests: dict[int, str] = {}  # one per value set: its calls share V's values
+
+    def v_digest(i: int) -> str:
+        which = SERIES[i][0]
+        if which not in digests:
+            digests[which] = digest(calls[i])
+        return digests[which]
+
     for i, ((which, _, _), raw) in enumerate(zip(SERIES, replies, strict=True)):
         inputs = sets[which]
         try:
@@ -107,7 +115,7 @@ def fresh_values(ctx: Context, case: Case) -> None:
         outs.append((out, failure is None))
         verdicts.append(failure)
         if failure is None:
-            history.append((out, digest(calls[i])))  # a right output: evidence
+            history.append((out, v_digest(i)))  # a right output: evidence
     for i, ((which, _, what), verdict) in enumerate(zip(SERIES, verdicts, strict=True)):
         if verdict is None:
             continue
@@ -115,7 +123,7 @@ def fresh_values(ctx: Context, case: Case) -> None:
         if wrong is None or isinstance(verdict, Skip):
             raise verdict
         out, failure = wrong, verdict
-        own = digest(calls[i])
+        own = v_digest(i)
         if not bool(torch.isfinite(out).all()) or _distinct(out) < _DISTINCT:
             # NaN equals nothing, and an output of a few values (zeros, one policy's
             # value everywhere) may equal another call's by itself: no replay to name

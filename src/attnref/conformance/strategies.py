@@ -6,6 +6,7 @@ Every choice lists its simplest option first (no mask, not causal, contiguous, a
 1), because that is where Hypothesis shrinks to.
 """
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any, Literal, TypeVar, get_args
@@ -59,16 +60,35 @@ def _product(dims: Sequence[int]) -> int:
     return n
 
 
+#: a small case's work, ``batch * h * Tq * Tk * (Dh + Dv)``, stays under this many times
+#: the profile's ``max_scores``: the most a small case of head dim 128 does. Wider dims
+#: (up to 576/512) test the kernel's path for that dim, not a larger problem; at their
+#: full scores they were a third of the quick audit's small cases and half their cost
+SMALL_WORK_PER_SCORE = 256
+
+
 def _fits(case: Case, profile: Profile) -> Case:
-    """Shrink the batch, then the heads, until the score matrix fits the profile."""
+    """Shrink the batch, then the heads, until the score matrix fits the profile, and a
+    case of wide head dims its work (`SMALL_WORK_PER_SCORE`): then its queries, keeping
+    its keys, where tiles and splits are (both, in a square case)."""
+    max_work = profile.max_scores * SMALL_WORK_PER_SCORE
     while True:
         batch = _product(case.batch)
-        if batch * case.h * case.Tq * case.Tk <= profile.max_scores:
+        scores = batch * case.h * case.Tq * case.Tk
+        if scores <= profile.max_scores and work(case) <= max_work:
             return case
         if batch > 1:
             case = replace(case, batch=tuple(1 for _ in case.batch))
         elif case.h > 1:
             case = replace(case, h=case.h // case.g, g=1) if case.g > 1 else replace(case, h=1)
+        elif scores <= profile.max_scores and case.Tq == case.Tk > 1:  # stays square
+            n = max(1, math.isqrt(max_work // max(1, case.Dh + case.Dv)))
+            case = replace(case, Tq=min(n, case.Tq - 1), Tk=min(n, case.Tk - 1))
+        elif scores <= profile.max_scores and case.Tq > 1:
+            Tq = max(1, max_work // (case.Tk * max(1, case.Dh + case.Dv)))
+            case = replace(case, Tq=min(Tq, case.Tq - 1))
+        elif scores <= profile.max_scores:
+            return replace(case, Tk=max(1, max_work // max(1, case.Dh + case.Dv)))
         else:
             return replace(case, Tq=min(case.Tq, 64), Tk=min(case.Tk, 64))
 

@@ -56,7 +56,15 @@ from attnref.conformance.declarations import (
     from_declaration,
 )
 from attnref.conformance.family import FAMILIES
-from attnref.conformance.wire import SHARED, Rejected, decode, encode, encode_shared, map_shared
+from attnref.conformance.wire import (
+    SHARED,
+    Arena,
+    Rejected,
+    decode,
+    encode,
+    encode_shared,
+    map_shared,
+)
 
 __all__ = [
     "BackendDied",
@@ -719,6 +727,7 @@ class Supervised:
         self.last_read = 0.0  # seconds the last reply took to receive and decode
         self._process: multiprocessing.process.BaseProcess | None = None
         self._conn: multiprocessing.connection.Connection | None = None
+        self._arena = Arena()  # the file large jobs' tensors cross in, reused
         declared = self._start()
         self.backend = declared if isinstance(backend, str) else backend
 
@@ -789,7 +798,7 @@ class Supervised:
 
     def run(self, job: Any, timeout: float, meanwhile: Meanwhile = None) -> Any:
         # large tensors in a sealed file sent after the message, small ones in it
-        message, fd = encode_shared(job.message())
+        message, fd = encode_shared(job.message(), self._arena)
         data = self.exchange(message, timeout, meanwhile, fd=fd)
         t1 = time.perf_counter()
         try:
@@ -863,10 +872,11 @@ class Supervised:
 
     def close(self) -> None:
         self._stop()
+        self._arena.close()
 
     def __del__(self) -> None:
         with contextlib.suppress(Exception):
-            self._stop()
+            self.close()
 
 
 def start_executor(
