@@ -519,6 +519,8 @@ def _values_block(
     hidden_for_all = hidden.all(dim=-2).unsqueeze(-1)  # (..., block, 1)
     if not hidden_for_all.any():
         return v  # e.g. causal: every key is seen by some query; no copy of V needed
+    if bool(torch.isfinite(v.detach().sum())):
+        return v  # every value is finite (a NaN or inf makes the sum so): 0 * v is 0
     return v.masked_fill(hidden_for_all, 0.0)
 
 

@@ -110,18 +110,24 @@ def score_condition(
     Rounding a dot product in precision ``eps`` moves a score by up to ``eps * kappa``.
     Keys nobody sees (and NaN or inf planted there) do not count.
     """
-    q, k = (
-        torch.nan_to_num(t.detach().to(torch.float64), nan=0.0, posinf=0.0, neginf=0.0).abs()
-        for t in (query, key)
-    )
-    if q.numel() == 0 or k.numel() == 0:
+    if query.numel() == 0 or key.numel() == 0:
         return 0.0
+    q, k = (_finite_abs(t, torch.float64) for t in (query, key))
     terms = _grouped(q, k.shape[-3]) @ k.transpose(-2, -1)  # (*batch, g, group * Tq, Tk)
     terms = terms.reshape(*q.shape[:-1], k.shape[-2])  # (*batch, h, Tq, Tk)
     if visible is not None:
         terms = terms.masked_fill(~visible, 0.0)
     s = default_scale(q.shape[-1]) if scale is None else scale
     return float(terms.max()) * abs(s)
+
+
+@checked_internal
+def _finite_abs(t: Float[Tensor, "*shape"], dtype: torch.dtype) -> Float[Tensor, "*shape"]:
+    """``|t|`` in ``dtype``, its NaN and infinities 0: one copy, then in place (K and V
+    of a long case are tens of MB, and each new buffer costs its pages)."""
+    out = t.detach().to(dtype, copy=True)
+    out.abs_()
+    return out.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
 
 
 @checked_internal
@@ -158,15 +164,14 @@ def attention_atol(
     non-finite entries (NaN planted in padding) never do.
     """
     atol = tolerance(query.dtype).atol
-    # |V| in its own dtype (taking the largest rounds nothing)
-    v = torch.nan_to_num(value.detach().abs(), nan=0.0, posinf=0.0)
-    if query.numel() == 0 or key.numel() == 0 or v.numel() == 0:
+    if query.numel() == 0 or key.numel() == 0 or value.numel() == 0:
         return atol
+    v = _finite_abs(value, value.dtype)  # |V| in its own dtype (its largest rounds nothing)
     if visible is not None:  # the keys some query of a KV head's group sees
         g, Tk = key.shape[-3], key.shape[-2]
         seen = visible.expand(*query.shape[:-1], Tk).any(dim=-2)  # (*batch, h, Tk)
         seen = seen.reshape(*seen.shape[:-2], g, -1, Tk).any(dim=-2)  # (*batch, g, Tk)
-        v = v.masked_fill(~seen.unsqueeze(-1), 0.0)
+        v.masked_fill_(~seen.unsqueeze(-1), 0.0)
     kappa = score_condition(query, key, scale, visible)
     u = torch.finfo(query.dtype).eps / 2
     # the two sums over the n keys a row sees (the softmax's denominator, P @ V), in the

@@ -476,12 +476,14 @@ def _unseen_keys(
 ) -> None:
     """Fresh K and V at keys ``start:stop`` leave every row that sees none of them as
     it was (the causal diagonal, a window, a mask)."""
-    k, v = inputs.key, inputs.value
-    Tk = k.shape[-2]
-    block = ((torch.arange(Tk) >= start) & (torch.arange(Tk) < stop)).to(k.device).unsqueeze(-1)
-    new_k = torch.where(block, torch.randn(k.shape, generator=gen).to(k), k)
-    new_v = torch.where(block, torch.randn(v.shape, generator=gen).to(v), v)
-    changed = _with(inputs, key=new_k, value=new_v)
+
+    def fresh(t: Tensor) -> Tensor:  # new values drawn for the block's keys alone
+        out = t.clone(memory_format=torch.contiguous_format)
+        block = (*t.shape[:-2], stop - start, t.shape[-1])
+        out[..., start:stop, :] = torch.randn(block, generator=gen).to(t)
+        return out
+
+    changed = _with(inputs, key=fresh(inputs.key), value=fresh(inputs.value))
     blind = ~inputs.visible()[..., start:stop].any(dim=-1)  # rows that see none of them
     law(ctx, ctx.run(changed), changed, ctx.run(inputs), inputs, what, sel=_rows(blind))
 
