@@ -4,7 +4,8 @@
 
 Runs ``attnref audit --backend timed_sdpa:sdpa`` (torch's SDPA, timing its own calls in
 its worker: `tools/timed_sdpa.py`) with one torch thread, and prints the wall time, the
-time the audit reports, the backend's calls and their summed time, and the ratio of the
+CPU time of the audit's processes (steadier on a shared machine), the time the audit
+reports, the backend's calls and their summed time, and the ratio of the
 rest (the judge's own work: drawing, the oracle, the round trips) to the backend's.
 ``--src`` runs another checkout's ``src`` (a baseline) with the same backend, so that
 two versions can be timed side by side, alternating.
@@ -14,6 +15,7 @@ import argparse
 import glob
 import json
 import os
+import resource
 import subprocess
 import sys
 import tempfile
@@ -36,9 +38,14 @@ def split(src: str | None, extra: list[str], keep: str | None = None) -> dict[st
         }
         cmd = [sys.executable, "-m", "attnref", "audit", "--backend", "timed_sdpa:sdpa"]
         cmd += ["--json", report, "--no-progress", *extra]
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
         t0 = time.perf_counter()
         done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
         wall = time.perf_counter() - t0
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        # the CPU time of the audit's processes (judge, forkserver, workers: each reaped
+        # by its parent), steadier than the wall time on a shared machine
+        cpu = sum(getattr(after, f) - getattr(before, f) for f in ("ru_utime", "ru_stime"))
         calls = backend = 0.0
         for name in glob.glob(stem + ".*"):
             n, s = Path(name).read_text().split()
@@ -50,6 +57,7 @@ def split(src: str | None, extra: list[str], keep: str | None = None) -> dict[st
     return {
         "exit": done.returncode,
         "wall": wall,
+        "cpu": cpu,
         "reported": reported,
         "calls": calls,
         "backend": backend,
