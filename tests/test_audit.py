@@ -446,18 +446,25 @@ def test_json_report_and_reproducer_files(tmp_path: Path) -> None:
     path = tmp_path / "report.json"
     written = report.write_json(path)
     data = json.loads(path.read_text())
-    assert data["schema_version"] == 6
+    assert data["schema_version"] == 7
     assert data["api"] == "sdpa"
     assert data["backend"] == "mutant.gqa_tiled"
     assert data["profile"] == "quick"
     assert data["seed"] == 0
     assert data["capabilities"]["empty_row"] == "zero"
+    results = data["results"]
     assert data["summary"] == {
         "passed": 1,
         "failed": 2,
         "skipped": 0,
+        "thin": 0,
         "ok": False,
-        "checks": sum(r["checks"] for r in data["results"]),
+        "checks": sum(r["checks"] for r in results),
+        "judged": sum(r["checked"] for r in results),
+        "cases_skipped": sum(r["skipped"] for r in results),
+        "cases_refused": sum(r["refused"] for r in results),
+        "floor": 5,
+        "min_judged": None,
     }
     failing = [r for r in data["results"] if r["status"] == "fail"]
     assert {r["property"] for r in failing} == {"forward", "gqa"}
@@ -707,3 +714,34 @@ def test_serving_kernels_with_bugs_the_mutants_do_not_plant_are_failed(name: str
     aimed = [p.id for p in PROPERTIES.values() if bug_class in p.classes and p.applies_to(api)]
     report = run(backend, properties=aimed, dtypes=(torch.float32,), fail_fast=True, profile=KILL)
     assert not report.ok, report.format_table()
+
+
+def test_a_pass_on_few_judged_cases_is_thin_and_fails_only_under_min_judged() -> None:
+    """Thin: a pass judged on fewer cases than the floor, or than it drew when its cases
+    ran out first (one explicit case); a pass that judged nothing is always thin. Shown in the
+    table and the summary; with ``min_judged`` the audit is not OK."""
+    from attnref.conformance.declarations import Capabilities
+    from attnref.conformance.report import AuditReport, PropertyResult
+
+    report = AuditReport.start("b", "cpu", ["float32"], "quick", 0, Capabilities())
+    report.floor, report.examples = 5, 25
+    f32 = torch.float32
+    rows = [
+        PropertyResult("mostly_skipped", f32, "pass", checks=25, skipped=20, refused=2),
+        PropertyResult("one_case", f32, "pass", checks=1),
+        PropertyResult("nothing", f32, "pass", checks=0),
+        PropertyResult("plenty", f32, "pass", checks=25, skipped=3),
+        PropertyResult("failed", f32, "fail", checks=2, message="x"),
+    ]
+    report.results = [report.mark_thin(r) for r in rows]
+    assert [r.thin for r in report.results] == [True, False, True, False, False]
+    report.results.pop()  # no failure: thinness alone decides
+    assert report.verdict() == "OK"
+    table = report.format_table()
+    assert "thin 3 s20 r2" in table
+    assert "2 thin" in table
+    assert "26 cases judged (23 skipped, 2 refused of 51 drawn)" in table
+    assert table.rstrip().endswith("OK")
+    report.min_judged = 5
+    assert not report.ok
+    assert report.verdict().startswith("THIN (not OK: 2 passes judged on fewer than 5 cases")

@@ -230,3 +230,21 @@ def test_the_option_tables_in_the_docs_are_written_from_the_parsers() -> None:
     assert render(text) == text, "run: python tools/options_doc.py"
     assert "`--attnref-api`" in text
     assert "`--api`" in text
+
+
+def test_min_judged_fails_a_thin_audit(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """With --min-judged, a pass judged on fewer cases is thin and the audit not OK; the
+    summary line counts judged cases, not drawn ones."""
+    path = tmp_path / "r.json"
+    args = ["audit", "--no-progress", "--dtype", "float32", "--property", "forward"]
+    assert main([*args, "--min-judged", "100000", "--json", str(path)]) == 1
+    out = capsys.readouterr().out
+    assert "thin " in out
+    assert "1 thin" in out
+    assert "cases judged" in out
+    assert "THIN (not OK: 1 pass judged on fewer than 100000 cases, --min-judged)" in out
+    summary = json.loads(path.read_text())["summary"]
+    assert (summary["thin"], summary["min_judged"], summary["ok"]) == (1, 100000, False)
+    assert summary["judged"] == summary["checks"] > 0
+    assert main([*args, "--min-judged", "0"]) == 2
+    assert "--min-judged must be >= 1" in capsys.readouterr().err

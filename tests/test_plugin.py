@@ -87,3 +87,20 @@ def test_a_flash_convention_kernel_with_attnref_api(pytester: pytest.Pytester) -
         "--attnref-dtype=float32",
     )
     result.assert_outcomes(passed=1)
+
+
+def test_min_judged_fails_a_thin_property(pytester: pytest.Pytester) -> None:
+    result = pytester.runpytest_subprocess(
+        "-p",
+        "no:cacheprovider",
+        "--attnref-backend=torch-sdpa",
+        "--attnref-dtype=float32",
+        "--attnref-property=scale",
+        "--attnref-property=settled_output",
+        "--attnref-min-judged=10000",
+    )
+    # scale drew its 25 cases and judged fewer than 10000; settled_output has one case
+    result.assert_outcomes(passed=1, failed=1)
+    result.stdout.fnmatch_lines(
+        ["*thin: judged on 25 of 25 drawn cases*--attnref-min-judged 10000*"]
+    )

@@ -58,6 +58,7 @@ class AuditItem(pytest.Item):
     def runtest(self) -> None:
         from attnref.conformance import run_property
         from attnref.conformance.calls import availability
+        from attnref.conformance.report import is_thin
 
         s = self.settings
         reason = availability(self.backend, s.device, s.timeout, self.executor)
@@ -74,11 +75,18 @@ class AuditItem(pytest.Item):
             executor=self.executor,
         )
         self.user_properties.append(("checks", result.checks))
+        self.user_properties.append(("judged", result.judged))
         if result.status == "skip":
             pytest.skip(result.message)
         if result.status == "fail":
             assert result.finding is not None
             raise AuditFailure(f"{result.message}\n\n{result.finding.reproducer}")
+        if s.min_judged is not None and is_thin(result, s.min_judged, s.profile.examples):
+            raise AuditFailure(
+                f"thin: judged on {result.judged} of {result.checks} drawn cases "
+                f"({result.skipped} skipped, {result.refused} refused), fewer than "
+                f"--attnref-min-judged {s.min_judged}"
+            )
 
     def repr_failure(self, excinfo: pytest.ExceptionInfo[BaseException], style: Any = None) -> str:
         if isinstance(excinfo.value, AuditFailure):  # the failure first: the short summary

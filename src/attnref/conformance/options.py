@@ -110,6 +110,15 @@ def add_audit_options(add: Callable[..., Any], prefix: str = "", *, choices: boo
         "harness can forge the result; the report says so",
     )
     option("no-grad", action="store_true", help="leave out the gradient property")
+    option(
+        "min-judged",
+        type=int,
+        default=None,
+        metavar="N",
+        help="a pass judged on fewer than N cases (per property and dtype) is thin, and "
+        "the audit then not OK (default: thin below a fifth of the profile's examples, "
+        "shown but not failed)",
+    )
 
 
 @dataclass(frozen=True)
@@ -129,6 +138,7 @@ class AuditSettings:
     memory_limit: float | None = None  # GiB
     api: str | None = None  # the API family of a module:function backend (None: sdpa)
     world_size: int | None = None  # processes per call (None: the family's default)
+    min_judged: int | None = None  # a thin pass fails the audit (None: shown only)
 
     @property
     def memory_limit_bytes(self) -> int | None:
@@ -149,6 +159,7 @@ class AuditSettings:
             "isolate": self.isolate,
             "memory_limit": self.memory_limit,
             "world_size": self.world_size,
+            "min_judged": self.min_judged,
         }
 
 
@@ -190,6 +201,9 @@ def audit_settings(get: Callable[[str], Any]) -> AuditSettings:
     world_size = get("world_size")
     if world_size is not None and not 1 <= world_size <= 64:
         raise OptionError(f"--world-size must be between 1 and 64, got {world_size}")
+    min_judged = get("min_judged")
+    if min_judged is not None and min_judged < 1:
+        raise OptionError(f"--min-judged must be >= 1, got {min_judged}")
     memory_limit = get("memory_limit")
     if memory_limit is not None and not memory_limit > 0:
         raise OptionError(f"--memory-limit must be > 0 GiB, got {memory_limit}")
@@ -213,4 +227,5 @@ def audit_settings(get: Callable[[str], Any]) -> AuditSettings:
         memory_limit=memory_limit,
         api=api,
         world_size=world_size,
+        min_judged=min_judged,
     )

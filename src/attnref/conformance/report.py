@@ -1,10 +1,11 @@
 """Audit reports: a verdict per (property, dtype), a terminal table, a versioned JSON document.
 
-JSON schema (``schema_version`` 6; 3 added ``api``, 4 ``trusted``, 5 ``checked``,
-``cause`` and ``findings``, 6 ``world_size``)::
+JSON schema (``schema_version`` 7; 3 added ``api``, 4 ``trusted``, 5 ``checked``,
+``cause`` and ``findings``, 6 ``world_size``, 7 the coverage: ``judged``, ``thin``,
+``floor``, ``min_judged``)::
 
     {
-      "schema_version": 6,
+      "schema_version": 7,
       "attnref_version": str, "torch_version": str,
       "backend": str, "api": an API family ("sdpa", "flash", ...), "device": str,
       "dtypes": [str], "world_size": int | null (the processes each call ran on),
@@ -13,7 +14,14 @@ JSON schema (``schema_version`` 6; 3 added ``api``, 4 ``trusted``, 5 ``checked``
       "started": ISO-8601 str, "seconds": float, "stopped_early": bool,
       "trusted": bool,             # the backend ran in the judge's process (--in-process)
       "incomplete": null | str,    # why the audit did not finish (then "ok" is false)
-      "summary": {"passed": int, "failed": int, "skipped": int, "checks": int, "ok": bool},
+      "summary": {"passed": int, "failed": int, "skipped": int,  # (property, dtype) verdicts
+                  "thin": int,     # passes judged on fewer cases than the floor
+                  "checks": int,   # cases drawn, shrinking included
+                  "judged": int,   # of which judged; the rest skipped or refused:
+                  "cases_skipped": int, "cases_refused": int,
+                  "floor": int,    # the fewest judged cases a pass may have and not be thin
+                  "min_judged": int | null,  # --min-judged: then a thin pass is not OK
+                  "ok": bool},
       "findings": [                # the failures grouped by cause, most frequent first
         {"cause": str, "count": int, "results": ["property [dtype]"], "message": str}
       ],
@@ -23,6 +31,7 @@ JSON schema (``schema_version`` 6; 3 added ``api``, 4 ``trusted``, 5 ``checked``
          "checked": int,           # of which judged (checks - skipped - refused)
          "skipped": int,           # of which outside the backend's declaration
          "refused": int,           # of which refused with an error declared as a refusal
+         "thin": bool,             # a pass judged on fewer cases than the floor
          "seconds": float,
          "message": str,           # the failure's one-line summary, or why it was skipped
          "failure": null | {
@@ -38,6 +47,7 @@ JSON schema (``schema_version`` 6; 3 added ``api``, 4 ``trusted``, 5 ``checked``
     }
 """
 
+import builtins
 import datetime
 import json
 import math
@@ -53,9 +63,22 @@ from attnref.conformance.cases import Case
 from attnref.conformance.declarations import DEFAULT_API, Capabilities
 from attnref.devices import dtype_name
 
-__all__ = ["SCHEMA_VERSION", "AuditReport", "Finding", "PropertyResult", "Status", "reproducer"]
+__all__ = [
+    "FLOOR_SHARE",
+    "SCHEMA_VERSION",
+    "AuditReport",
+    "Finding",
+    "PropertyResult",
+    "Status",
+    "is_thin",
+    "reproducer",
+]
 
-SCHEMA_VERSION = 6
+SCHEMA_VERSION = 7
+
+#: a pass judged on fewer than this share of the profile's examples (per property and
+#: dtype) is thin, unless ``--min-judged`` sets the floor
+FLOOR_SHARE = 0.2
 
 #: the verdict on one (property, dtype)
 Status = Literal["pass", "fail", "skip"]
@@ -103,6 +126,14 @@ class PropertyResult:
     seconds: float = 0.0
     message: str = ""
     finding: Finding | None = None
+    #: a pass judged on fewer cases than the audit's floor (`AuditReport.floor`)
+    thin: bool = False
+
+    @builtins.property  # (``property`` is a field's name here)
+    def judged(self) -> int:
+        """The drawn cases that were judged: neither skipped (outside the declaration)
+        nor refused (with an error declared as a refusal)."""
+        return self.checks - self.skipped - self.refused
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -110,13 +141,22 @@ class PropertyResult:
             "dtype": dtype_name(self.dtype),
             "status": self.status,
             "checks": self.checks,
-            "checked": self.checks - self.skipped - self.refused,
+            "checked": self.judged,
             "skipped": self.skipped,
             "refused": self.refused,
+            "thin": self.thin,
             "seconds": round(self.seconds, 4),
             "message": self.message,
             "failure": None if self.finding is None else self.finding.to_dict(),
         }
+
+
+def is_thin(result: PropertyResult, floor: int, examples: int) -> bool:
+    """Whether ``result`` passed on fewer judged cases than ``floor``. A property whose
+    cases ran out before the profile's ``examples`` (one explicit case, say) needs only
+    as many as it drew; a pass that judged nothing is always thin."""
+    need = floor if result.checks >= examples else min(floor, result.checks)
+    return result.status == "pass" and result.judged < max(1, need)
 
 
 def reproducer(
@@ -177,6 +217,13 @@ class AuditReport:
     trusted: bool = False
     #: the processes each call ran on, for a family that spreads one over several
     world_size: int | None = None
+    #: a pass judged on fewer cases than this is thin (`mark_thin`): the profile's
+    #: `FLOOR_SHARE` of its examples, or ``min_judged``
+    floor: int = 1
+    #: ``--min-judged``: the floor the user asked for, and a thin pass then is not OK
+    min_judged: int | None = None
+    #: the cases Hypothesis draws per property and dtype (the profile's ``examples``)
+    examples: int = 0
     _t0: float = 0.0
 
     @classmethod
@@ -209,20 +256,51 @@ class AuditReport:
     def count(self, status: Status) -> int:
         return sum(r.status == status for r in self.results)
 
+    def mark_thin(self, result: PropertyResult) -> PropertyResult:
+        """Mark ``result`` thin (`is_thin`) under this audit's floor."""
+        result.thin = is_thin(result, self.floor, self.examples)
+        return result
+
+    def thin(self) -> list[PropertyResult]:
+        return [r for r in self.results if r.thin]
+
     @property
     def ok(self) -> bool:
         """True when the audit finished, checked something, and nothing failed (an audit
         whose every property was skipped vouches for nothing: a backend that calls itself
-        unavailable, or refuses every call, does not pass)."""
-        return self.count("fail") == 0 and self.count("pass") > 0 and not self.incomplete
+        unavailable, or refuses every call, does not pass), and, with ``min_judged``, no
+        pass is thin."""
+        thin_fails = self.min_judged is not None and bool(self.thin())
+        return (
+            self.count("fail") == 0
+            and self.count("pass") > 0
+            and not self.incomplete
+            and not thin_fails
+        )
 
     def verdict(self) -> str:
-        """``OK``, ``FAILED``, or ``NOTHING CHECKED`` (every property skipped)."""
+        """``OK``, ``FAILED``, ``THIN`` (passes judged on too few cases, with
+        ``min_judged``) or ``NOTHING CHECKED`` (every property skipped)."""
         if self.ok:
             return "OK"
         if not self.count("fail") and not self.count("pass") and not self.incomplete:
             return "NOTHING CHECKED (not OK: every property was skipped)"
+        if not self.count("fail") and not self.incomplete and self.thin():
+            n = len(self.thin())
+            return (
+                f"THIN (not OK: {n} {'pass' if n == 1 else 'passes'} judged on fewer than "
+                f"{self.min_judged} cases, --min-judged)"
+            )
         return "FAILED"
+
+    def coverage(self) -> dict[str, int]:
+        """Cases drawn, judged, skipped and refused, over every result."""
+        return {
+            "checks": sum(r.checks for r in self.results),
+            "judged": sum(r.judged for r in self.results),
+            "cases_skipped": sum(r.skipped for r in self.results),
+            "cases_refused": sum(r.refused for r in self.results),
+        }
 
     def findings(self) -> list[tuple[str, list[PropertyResult]]]:
         """The failures grouped by cause, most frequent first (then in audit order)."""
@@ -265,7 +343,10 @@ class AuditReport:
                 "passed": self.count("pass"),
                 "failed": self.count("fail"),
                 "skipped": self.count("skip"),
-                "checks": sum(r.checks for r in self.results),
+                "thin": len(self.thin()),
+                **self.coverage(),
+                "floor": self.floor,
+                "min_judged": self.min_judged,
                 "ok": self.ok,
             },
             "findings": [
@@ -329,8 +410,15 @@ class AuditReport:
             lines.append("  ".join(row))
         if any(r.status == "pass" and (r.skipped or r.refused) for r in self.results):
             lines.append(
-                "(ok N sK rJ: N drawn cases checked, K skipped as outside what the backend "
+                "(ok N sK rJ: N drawn cases judged, K skipped as outside what the backend "
                 "declares, J refused with an error it declares: -v lists why)"
+            )
+        thin = self.thin()
+        if thin:
+            fails = " (--min-judged: not OK)" if self.min_judged is not None else ""
+            lines.append(
+                f"(thin N: a pass judged on fewer than {self.floor} of the cases it drew"
+                f"{fails}: {len(thin)} of them)"
             )
         groups = self.findings()
         if groups:
@@ -357,12 +445,20 @@ class AuditReport:
                 "TRUSTED: the backend ran in the judge's own process (--in-process); a "
                 "backend that attacks the harness could have forged this verdict",
             ]
-        checks = sum(r.checks for r in self.results)
+        cov = self.coverage()
+        unjudged = [
+            f"{n} {what}"
+            for n, what in ((cov["cases_skipped"], "skipped"), (cov["cases_refused"], "refused"))
+            if n
+        ]
+        judged = f"{cov['judged']} cases judged" + (
+            f" ({', '.join(unjudged)} of {cov['checks']} drawn)" if unjudged else ""
+        )
+        thin_part = f", {len(thin)} thin" if thin else ""
         lines += [
             "",
-            f"{self.count('pass')} passed, {self.count('fail')} failed, "
-            f"{self.count('skip')} skipped ({checks} cases checked) in {self.seconds:.1f} s: "
-            + self.verdict(),
+            f"{self.count('pass')} passed{thin_part}, {self.count('fail')} failed, "
+            f"{self.count('skip')} skipped; {judged} in {self.seconds:.1f} s: " + self.verdict(),
         ]
         return "\n".join(lines)
 
@@ -382,7 +478,7 @@ def _cell(r: PropertyResult | None) -> str:
         return "skip"
     if r.status == "fail":
         return "FAIL"
-    cell = f"ok {r.checks - r.skipped - r.refused}"
+    cell = f"{'thin' if r.thin else 'ok'} {r.judged}"
     if r.skipped:  # some drawn cases were outside the declaration
         cell += f" s{r.skipped}"
     if r.refused:  # some were refused as declared

@@ -8,6 +8,7 @@ backend never crashes or hangs the audit: its code runs in a supervised worker
 into a verdict.
 """
 
+import math
 import os
 import secrets
 import time
@@ -26,7 +27,14 @@ from attnref.conformance.cases import Case
 from attnref.conformance.declarations import Backend
 from attnref.conformance.profiles import Profile, get_profile
 from attnref.conformance.properties import PROPERTIES, Context, Property, get_property
-from attnref.conformance.report import AuditReport, Finding, PropertyResult, Status, reproducer
+from attnref.conformance.report import (
+    FLOOR_SHARE,
+    AuditReport,
+    Finding,
+    PropertyResult,
+    Status,
+    reproducer,
+)
 from attnref.conformance.strategies import inside, narrowed
 from attnref.conformance.verdicts import Failure, Skip, cause_of
 from attnref.conformance.worker import Executor, start_executor
@@ -209,6 +217,7 @@ def audit(
     on_result: Callable[[AuditReport], None] | None = None,
     report: AuditReport | None = None,
     world_size: int | None = None,
+    min_judged: int | None = None,
 ) -> AuditReport:
     """Audit ``backend`` against the float64 oracle: every property in every dtype.
 
@@ -239,7 +248,13 @@ def audit(
     interrupts the audit (which then raises ``KeyboardInterrupt``, the report marked
     incomplete). ``report``: an empty report to fill (default: a new one), so that a
     caller keeps what was found when the audit is interrupted.
+
+    A pass judged on fewer cases than a floor (`FLOOR_SHARE` of the profile's examples,
+    at least one) is *thin*, shown as such; ``min_judged`` sets the floor, and a thin
+    pass then makes the audit not OK (verdict ``THIN``).
     """
+    if min_judged is not None and min_judged < 1:
+        raise ValueError(f"min_judged must be >= 1, got {min_judged}")
     prof = get_profile(profile) if isinstance(profile, str) else profile
     device = device or best_device()
     limit = None if memory_limit is None else int(memory_limit * 2**30)
@@ -276,6 +291,9 @@ def audit(
     )
     report.trusted = executor.trusted
     report.world_size = getattr(executor, "world_size", None)
+    report.min_judged = min_judged
+    report.examples = prof.examples
+    report.floor = min_judged or max(1, math.ceil(prof.examples * FLOOR_SHARE))
     work = [(p, d) for p in chosen for d in dtype_list]
     stop_at = None if deadline is None else time.perf_counter() + deadline
     threads_before = torch.get_num_threads()
@@ -306,7 +324,7 @@ def audit(
                 executor=executor,
                 stop_at=stop_at,
             )
-            report.results.append(result)
+            report.results.append(report.mark_thin(result))
             if result.message.startswith(TIMED_OUT) and wait == timeout:
                 wait = min(timeout, max(1.0, 10 * executor.slowest))
                 bar.write(
