@@ -7,17 +7,21 @@ import pytest
 pytest_plugins = ["pytester"]
 
 
+def plugin_run(pytester: pytest.Pytester, *options: str) -> pytest.RunResult:
+    """pytest in a subprocess with these options (and no cache)."""
+    return pytester.runpytest_subprocess("-p", "no:cacheprovider", *options)
+
+
 def test_without_the_option_the_plugin_adds_nothing(pytester: pytest.Pytester) -> None:
     pytester.makepyfile("def test_one(): pass")
-    result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
+    result = plugin_run(pytester)
     result.assert_outcomes(passed=1)
 
 
 @pytest.mark.slow
 def test_one_test_per_property_and_dtype_with_junit(pytester: pytest.Pytester) -> None:
-    result = pytester.runpytest_subprocess(
-        "-p",
-        "no:cacheprovider",
+    result = plugin_run(
+        pytester,
         "--attnref-backend=mutant.gqa_tiled",
         "--attnref-dtype=float32",
         "--attnref-dtype=float16",
@@ -57,9 +61,8 @@ def attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=Non
 attention.capabilities = Capabilities(dtypes=(torch.float32,), gqa=False)
 """
     )
-    result = pytester.runpytest_subprocess(
-        "-p",
-        "no:cacheprovider",
+    result = plugin_run(
+        pytester,
         "--attnref-backend=mykernel:attention",
         "--attnref-property=forward",
         "--attnref-property=gqa",
@@ -71,16 +74,15 @@ attention.capabilities = Capabilities(dtypes=(torch.float32,), gqa=False)
 
 @pytest.mark.slow  # a pytest subprocess that imports torch: 4-7 s
 def test_a_bad_backend_is_a_usage_error(pytester: pytest.Pytester) -> None:
-    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--attnref-backend=nope")
+    result = plugin_run(pytester, "--attnref-backend=nope")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines(["*--attnref-backend: unknown backend 'nope'*"])
 
 
 @pytest.mark.slow  # 13 s; the default tier audits a flash-convention kernel with the CLI
 def test_a_flash_convention_kernel_with_attnref_api(pytester: pytest.Pytester) -> None:
-    result = pytester.runpytest_subprocess(
-        "-p",
-        "no:cacheprovider",
+    result = plugin_run(
+        pytester,
         "--attnref-backend=attnref.conformance.families.flash:flash_reference",
         "--attnref-api=flash",
         "--attnref-property=window_none",
@@ -90,9 +92,8 @@ def test_a_flash_convention_kernel_with_attnref_api(pytester: pytest.Pytester) -
 
 
 def test_min_judged_fails_a_thin_property(pytester: pytest.Pytester) -> None:
-    result = pytester.runpytest_subprocess(
-        "-p",
-        "no:cacheprovider",
+    result = plugin_run(
+        pytester,
         "--attnref-backend=torch-sdpa",
         "--attnref-dtype=float32",
         "--attnref-property=scale",
