@@ -258,6 +258,21 @@ def allocates_without_bound(*args: Any, **kwargs: Any) -> Tensor:
     return scratch[:1]
 
 
+def leaks_in_one_row(
+    q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None = None, **kw: Any
+) -> Tensor:
+    """Causal (top-left) except that the middle query also sees the key just past its
+    diagonal: a leak in one row, whatever the lengths."""
+    if kw.get("is_causal") and attn_mask is None:
+        Tq, Tk = q.shape[-2], k.shape[-2]
+        attn_mask = torch.ones(Tq, Tk, dtype=torch.bool, device=q.device).tril()
+        row = Tq // 2
+        if row + 1 < Tk:
+            attn_mask[row, row + 1] = True
+        kw["is_causal"] = False
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask, **kw)
+
+
 def _declare() -> None:
     from attnref.conformance import Capabilities, EmptyRows
 

@@ -745,3 +745,12 @@ def test_a_pass_on_few_judged_cases_is_thin_and_fails_only_under_min_judged() ->
     report.min_judged = 5
     assert not report.ok
     assert report.verdict().startswith("THIN (not OK: 2 passes judged on fewer than 5 cases")
+
+
+@pytest.mark.parametrize("spec", ["mutant.causal_leaks_next", "tests.planted:leaks_in_one_row"])
+def test_causality_finds_a_leak_past_the_diagonal_in_any_row(spec: str) -> None:
+    """`causality` cuts just past every row's diagonal (one copy of the inputs per cut,
+    in one call): a diagonal off by one, or one row that sees one key too many, fails
+    it. One random cut per case passed both on all 25 cases."""
+    report = run(spec, dtypes=(torch.float32,), properties=["causality"])
+    assert not report.ok, report.format_table()
