@@ -754,3 +754,17 @@ def test_causality_finds_a_leak_past_the_diagonal_in_any_row(spec: str) -> None:
     it. One random cut per case passed both on all 25 cases."""
     report = run(spec, dtypes=(torch.float32,), properties=["causality"])
     assert not report.ok, report.format_table()
+
+
+def test_a_partial_report_has_the_time_so_far() -> None:
+    """Each partial report (written after every property, and the one a killed run
+    leaves) says how long the audit had run, not 0."""
+    seen: list[float] = []
+    run(
+        "torch-sdpa",
+        dtypes=(torch.float32,),
+        properties=["scale", "layouts"],
+        on_result=lambda r: seen.append(r.seconds),
+    )
+    assert len(seen) == 2
+    assert 0 < seen[0] < seen[1]

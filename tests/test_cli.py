@@ -248,3 +248,26 @@ def test_min_judged_fails_a_thin_audit(tmp_path: Path, capsys: pytest.CaptureFix
     assert summary["judged"] == summary["checks"] > 0
     assert main([*args, "--min-judged", "0"]) == 2
     assert "--min-judged must be >= 1" in capsys.readouterr().err
+
+
+def test_a_property_budget_an_estimate_and_the_start_up_in_the_time(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--property-budget ends each property's search (it passes on what it judged, thin
+    here); after the first property the command estimates the whole audit; the time it
+    reports counts its start-up, in the summary line and the JSON."""
+    path = tmp_path / "r.json"
+    args = ["audit", "--no-progress", "--dtype", "float32", "--dtype", "float64"]
+    args += ["--property", "forward", "--property-budget", "0.01", "--json", str(path)]
+    assert main(args) == 0
+    out, err = capsys.readouterr()
+    assert "attnref audit: forward [float32] took" in err
+    assert "2 (property, dtype) pairs in all" in err
+    assert "s of it start-up): OK" in out
+    data = json.loads(path.read_text())
+    for r in data["results"]:
+        assert r["status"] == "pass"
+        assert "its budget of 0.01 s ran out" in r["message"]
+        assert 1 <= r["checked"] < 67
+    assert 0 < data["startup_seconds"] < data["seconds"]
+    assert main([*args[:-2], "--property-budget", "0"]) == 2

@@ -5,14 +5,22 @@ import argparse
 import contextlib
 import os
 import sys
+import time
 import traceback
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from attnref import __version__, _forkserver
 from attnref.conformance.options import add_audit_options
 
+if TYPE_CHECKING:  # imported where used: the command starts without torch
+    from attnref.conformance.report import AuditReport
+
 __all__ = ["main"]
+
+#: when `main` began (the start-up's fallback where ``/proc`` is absent)
+_MAIN_STARTED = time.perf_counter()
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -265,9 +273,12 @@ def _audit(args: argparse.Namespace) -> int:
         settings.seed,
         backend.capabilities,
         backend.api,
+        startup=_process_age(),
     )
 
     def save(partial: AuditReport) -> None:  # after every property: a crash loses nothing
+        if len(partial.results) == 1 and partial.planned > 1:
+            print(_estimate(partial), file=sys.stderr)
         if json_path is None:
             return
         reason = partial.incomplete
@@ -304,6 +315,32 @@ def _audit(args: argparse.Namespace) -> int:
     return 0 if report.ok else 1
 
 
+def _process_age() -> float:
+    """Seconds since this process started (from Linux's ``/proc``; else since `main`):
+    the start-up the audit's own clock does not see."""
+    try:
+        stat = Path("/proc/self/stat").read_text()
+        ticks = int(stat.rsplit(")", 1)[1].split()[19])  # field 22, starttime
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        return max(0.0, uptime - ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return time.perf_counter() - _MAIN_STARTED
+
+
+def _estimate(report: "AuditReport") -> str:
+    """What the first (property, dtype) took, and the whole audit at that rate."""
+    from attnref.devices import dtype_name
+
+    first = report.results[0]
+    total = first.seconds * report.planned
+    at_rate = f"{total / 60:.1f} min" if total >= 90 else f"{total:.0f} s"
+    return (
+        f"attnref audit: {first.property} [{dtype_name(first.dtype)}] took "
+        f"{first.seconds:.1f} s; {report.planned} (property, dtype) pairs in all: about "
+        f"{at_rate} at that rate (--deadline and --property-budget bound it)"
+    )
+
+
 def _writable(path: str | None) -> Path | None:
     """``path`` as a ``Path`` if a report can be written there, before the audit runs.
 
@@ -327,6 +364,8 @@ def _writable(path: str | None) -> Path | None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``attnref`` command; returns the exit code."""
+    global _MAIN_STARTED
+    _MAIN_STARTED = time.perf_counter()
     raw = list(sys.argv[1:] if argv is None else argv)
     if raw[:1] in (["audit"], ["bench"]) and not {"-h", "--help"} & set(raw):
         # before torch is imported here: the workers' parent imports it meanwhile

@@ -73,6 +73,7 @@ class AuditItem(pytest.Item):
             seed=s.seed,
             timeout=s.timeout,
             executor=self.executor,
+            budget=s.property_budget,
         )
         self.user_properties.append(("checks", result.checks))
         self.user_properties.append(("judged", result.judged))

@@ -111,6 +111,14 @@ def add_audit_options(add: Callable[..., Any], prefix: str = "", *, choices: boo
     )
     option("no-grad", action="store_true", help="leave out the gradient property")
     option(
+        "property-budget",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="seconds each property may search in each dtype; then it passes on the cases "
+        "it judged (a failure found in time is still shrunk; default: no budget)",
+    )
+    option(
         "min-judged",
         type=int,
         default=None,
@@ -139,6 +147,7 @@ class AuditSettings:
     api: str | None = None  # the API family of a module:function backend (None: sdpa)
     world_size: int | None = None  # processes per call (None: the family's default)
     min_judged: int | None = None  # a thin pass fails the audit (None: shown only)
+    property_budget: float | None = None  # seconds per (property, dtype)
 
     @property
     def memory_limit_bytes(self) -> int | None:
@@ -160,6 +169,7 @@ class AuditSettings:
             "memory_limit": self.memory_limit,
             "world_size": self.world_size,
             "min_judged": self.min_judged,
+            "property_budget": self.property_budget,
         }
 
 
@@ -201,6 +211,9 @@ def audit_settings(get: Callable[[str], Any]) -> AuditSettings:
     world_size = get("world_size")
     if world_size is not None and not 1 <= world_size <= 64:
         raise OptionError(f"--world-size must be between 1 and 64, got {world_size}")
+    budget = get("property_budget")
+    if budget is not None and not budget > 0:
+        raise OptionError(f"--property-budget must be > 0 seconds, got {budget}")
     min_judged = get("min_judged")
     if min_judged is not None and min_judged < 1:
         raise OptionError(f"--min-judged must be >= 1, got {min_judged}")
@@ -228,4 +241,5 @@ def audit_settings(get: Callable[[str], Any]) -> AuditSettings:
         api=api,
         world_size=world_size,
         min_judged=min_judged,
+        property_budget=budget,
     )

@@ -2,7 +2,7 @@
 
 JSON schema (``schema_version`` 7; 3 added ``api``, 4 ``trusted``, 5 ``checked``,
 ``cause`` and ``findings``, 6 ``world_size``, 7 the coverage: ``judged``, ``thin``,
-``floor``, ``min_judged``)::
+``floor``, ``min_judged``, and ``startup_seconds``)::
 
     {
       "schema_version": 7,
@@ -11,7 +11,9 @@ JSON schema (``schema_version`` 7; 3 added ``api``, 4 ``trusted``, 5 ``checked``
       "dtypes": [str], "world_size": int | null (the processes each call ran on),
       "profile": "quick" | "ci" | "thorough", "seed": int,
       "capabilities": {field of Capabilities: value},
-      "started": ISO-8601 str, "seconds": float, "stopped_early": bool,
+      "started": ISO-8601 str, "stopped_early": bool,
+      "seconds": float,            # wall time so far (a partial write's too), start-up included
+      "startup_seconds": float,    # of which the command's start-up, before the audit
       "trusted": bool,             # the backend ran in the judge's process (--in-process)
       "incomplete": null | str,    # why the audit did not finish (then "ok" is false)
       "summary": {"passed": int, "failed": int, "skipped": int,  # (property, dtype) verdicts
@@ -224,6 +226,10 @@ class AuditReport:
     min_judged: int | None = None
     #: the cases Hypothesis draws per property and dtype (the profile's ``examples``)
     examples: int = 0
+    #: seconds of start-up counted in ``seconds`` (the command's, before the audit)
+    startup: float = 0.0
+    #: the (property, dtype) pairs the audit set out to judge
+    planned: int = 0
     _t0: float = 0.0
 
     @classmethod
@@ -236,7 +242,10 @@ class AuditReport:
         seed: int,
         capabilities: Capabilities,
         api: str = DEFAULT_API,
+        startup: float = 0.0,
     ) -> "AuditReport":
+        """A report whose clock starts now, or ``startup`` seconds ago (the command's
+        start-up before it: the interpreter, torch, the worker importing the backend)."""
         now = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
         return cls(
             backend,
@@ -247,10 +256,12 @@ class AuditReport:
             capabilities,
             now,
             api=api,
-            _t0=time.perf_counter(),
+            startup=startup,
+            _t0=time.perf_counter() - startup,
         )
 
     def finish(self) -> None:
+        """Set ``seconds`` to the time so far (again at each partial write)."""
         self.seconds = time.perf_counter() - self._t0
 
     def count(self, status: Status) -> int:
@@ -335,6 +346,7 @@ class AuditReport:
             "capabilities": caps,
             "started": self.started,
             "seconds": round(self.seconds, 3),
+            "startup_seconds": round(self.startup, 3),
             "stopped_early": self.stopped_early,
             "trusted": self.trusted,
             "world_size": self.world_size,
@@ -458,7 +470,10 @@ class AuditReport:
         lines += [
             "",
             f"{self.count('pass')} passed{thin_part}, {self.count('fail')} failed, "
-            f"{self.count('skip')} skipped; {judged} in {self.seconds:.1f} s: " + self.verdict(),
+            f"{self.count('skip')} skipped; {judged} in {self.seconds:.1f} s"
+            + (f" ({self.startup:.1f} s of it start-up)" if self.startup >= 0.05 else "")
+            + ": "
+            + self.verdict(),
         ]
         return "\n".join(lines)
 

@@ -54,6 +54,7 @@ class _Search:
     refused: int = 0
     skip_reason: str = ""
     failure: tuple[Case, Failure] | None = None
+    over_budget: bool = False  # the property's own budget ran out (not a failure)
     shrink_until: float | None = None
     stop: bool = False
     late: bool = False  # stopped by the audit's deadline
@@ -74,13 +75,16 @@ def run_property(
     timeout: float = 60.0,
     executor: Executor | None = None,
     stop_at: float | None = None,
+    budget: float | None = None,
 ) -> PropertyResult:
     """Search for a case on which ``backend`` breaks ``prop`` in ``dtype``; shrink it.
 
     ``executor`` runs the backend's code (default: a thread of this process; `audit`
     passes a supervised worker). Past ``stop_at`` (a `time.perf_counter` reading) no
     more cases are checked: what was found stands, and a property with no failure by
-    then is a skip, not a pass.
+    then is a skip, not a pass. ``budget``: seconds this property may search for a
+    failure; after them (and one judged case) it passes on the cases it judged (thin,
+    maybe: see `AuditReport.mark_thin`), while a failure found in time is still shrunk.
     """
     start = time.perf_counter()
     caps = backend.capabilities
@@ -109,9 +113,14 @@ def run_property(
     # the sample of a long case's rows is drawn with a secret of this search's own
     ctx = Context(backend, dtype, device, timeout, executor, secret=secrets.randbits(62))
 
+    budget_at = None if budget is None else start + budget
+
     def body(case: Case) -> None:
         if stop_at is not None and time.perf_counter() > stop_at:
             search.stop = search.late = True
+        spent = budget_at is not None and time.perf_counter() > budget_at
+        if spent and search.checks and search.failure is None:  # at least one case judged
+            search.stop = search.over_budget = True
         if search.stop:
             return  # out of shrink budget (or the backend hangs): keep what we have
         search.checks += 1
@@ -183,6 +192,7 @@ def run_property(
         return done("fail", str(failure), finding)
     if search.late:
         return done("skip", LATE)
+    spent = f"its budget of {budget:g} s ran out" if search.over_budget else ""
     unchecked = search.skipped + search.refused
     if search.checks and unchecked == search.checks:
         return done("skip", search.skip_reason)
@@ -192,8 +202,9 @@ def run_property(
             for n, what in ((search.skipped, "skipped"), (search.refused, "refused"))
             if n
         ]
-        return done("pass", f"{', '.join(counts)}, the last: {search.skip_reason}")
-    return done("pass")
+        note = "; ".join(x for x in (spent, ", ".join(counts)) if x)
+        return done("pass", f"{note}, the last: {search.skip_reason}")
+    return done("pass", spent)
 
 
 def audit(
@@ -218,6 +229,7 @@ def audit(
     report: AuditReport | None = None,
     world_size: int | None = None,
     min_judged: int | None = None,
+    property_budget: float | None = None,
 ) -> AuditReport:
     """Audit ``backend`` against the float64 oracle: every property in every dtype.
 
@@ -251,7 +263,8 @@ def audit(
 
     A pass judged on fewer cases than a floor (`FLOOR_SHARE` of the profile's examples,
     at least one) is *thin*, shown as such; ``min_judged`` sets the floor, and a thin
-    pass then makes the audit not OK (verdict ``THIN``).
+    pass then makes the audit not OK (verdict ``THIN``). ``property_budget``: seconds
+    each (property, dtype) may search (`run_property`'s ``budget``).
     """
     if min_judged is not None and min_judged < 1:
         raise ValueError(f"min_judged must be >= 1, got {min_judged}")
@@ -295,6 +308,7 @@ def audit(
     report.examples = prof.examples
     report.floor = min_judged or max(1, math.ceil(prof.examples * FLOOR_SHARE))
     work = [(p, d) for p in chosen for d in dtype_list]
+    report.planned = len(work)
     stop_at = None if deadline is None else time.perf_counter() + deadline
     threads_before = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -323,6 +337,7 @@ def audit(
                 timeout=wait,
                 executor=executor,
                 stop_at=stop_at,
+                budget=property_budget,
             )
             report.results.append(report.mark_thin(result))
             if result.message.startswith(TIMED_OUT) and wait == timeout:
@@ -333,6 +348,7 @@ def audit(
                 )
             if result.message == LATE:
                 report.incomplete = f"the deadline of {deadline:g} s passed"
+            report.finish()  # the time so far, in a partial report too
             if on_result is not None:
                 on_result(report)
             if fail_fast and result.status == "fail":
