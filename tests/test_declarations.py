@@ -23,7 +23,7 @@ from attnref.conformance.backends import declaration, from_declaration
 from attnref.conformance.checks import Context
 from attnref.conformance.oracle import expect
 from attnref.conformance.strategies import inside
-from attnref.conformance.verdicts import Failure, cause_of
+from attnref.conformance.verdicts import Failure, cause_key, cause_of
 
 pytestmark = pytest.mark.usefixtures("unchecked")
 
@@ -243,10 +243,33 @@ def test_causes_tell_precision_from_wrong_values_and_name_the_policy() -> None:
         "NaN/inf where the oracle is finite in rows that see no key (declared policy 'zero')"
     )
     raised = Failure("RuntimeError: shape '[1, 3, -1, 0]' is invalid for input of size 0")
+    assert cause_of(raised, "float32") == str(raised)  # its numbers as they are
     assert (
-        cause_of(raised, "float32")
+        cause_key(str(raised))
         == "RuntimeError: shape '[N, N, N, N]' is invalid for input of size N"
     )
+
+
+def test_one_cause_in_several_dtypes_and_ranks_is_one_finding_named_exactly() -> None:
+    """Causes that differ only in numbers and dtype names are one finding, named by its
+    first failure's own text (the 32 of float32 is not a number to take out)."""
+    from attnref.conformance.declarations import Capabilities
+    from attnref.conformance.report import AuditReport, Finding, PropertyResult
+
+    report = AuditReport.start("b", "cpu", ["float32", "float64"], "quick", 0, Capabilities())
+    texts = [
+        ("float32", "returned dtype torch.float16, expected torch.float32 (then rank 0)"),
+        ("float64", "returned dtype torch.float16, expected torch.float64 (then rank 1)"),
+    ]
+    for dtype, text in texts:
+        finding = Finding(Case("x"), text, None, None, None, "", cause_of(Failure(text), dtype))
+        report.results.append(
+            PropertyResult("forward", getattr(torch, dtype), "fail", message=text, finding=finding)
+        )
+    ((cause, results),) = report.findings()
+    assert cause == texts[0][1]
+    assert len(results) == 2
+    assert cause_key(texts[1][1]) == "returned dtype <dtype>, expected <dtype> (then rank N)"
 
 
 def test_a_law_failure_names_both_calls_and_the_oracle() -> None:

@@ -314,13 +314,17 @@ class AuditReport:
         }
 
     def findings(self) -> list[tuple[str, list[PropertyResult]]]:
-        """The failures grouped by cause, most frequent first (then in audit order)."""
-        groups: dict[str, list[PropertyResult]] = {}
+        """The failures grouped by cause (`cause_key`: causes that differ only in their
+        numbers and dtypes are one), most frequent first (then in audit order); each
+        group is named by its first failure's cause, numbers as they are."""
+        from attnref.conformance.verdicts import cause_key
+
+        groups: dict[str, tuple[str, list[PropertyResult]]] = {}
         for r in self.results:
             if r.status == "fail":
                 cause = r.finding.cause if r.finding is not None and r.finding.cause else r.message
-                groups.setdefault(cause, []).append(r)
-        return sorted(groups.items(), key=lambda item: -len(item[1]))
+                groups.setdefault(cause_key(cause), (cause, []))[1].append(r)
+        return sorted(groups.values(), key=lambda item: -len(item[1]))
 
     def failed_properties(self) -> set[str]:
         """The ids of the properties that failed in at least one dtype."""

@@ -6,7 +6,7 @@ escapes as anything else (`attnref.conformance.calls`).
 
 import re
 
-__all__ = ["Failure", "Skip", "cause_of", "one_line"]
+__all__ = ["Failure", "Skip", "cause_key", "cause_of", "one_line"]
 
 
 class Failure(Exception):  # noqa: N818 (a verdict on the backend, not an error of ours)
@@ -56,7 +56,9 @@ def cause_of(failure: Failure, dtype: str) -> str:
     (those that see keys, or those that see none and under which declared policy) and,
     for small errors (the size of a precision loss), in which dtype. Failures of
     different properties with one cause (a softmax in half precision, an empty-row
-    policy) share it; anything else is its message with the numbers taken out."""
+    policy) share it; anything else is its message, up to where it names the first
+    element, its numbers as they are (`cause_key` groups those that differ only in
+    numbers and dtypes)."""
     text = str(failure)
     row = ""
     if "sees no key" in text:
@@ -71,7 +73,20 @@ def cause_of(failure: Failure, dtype: str) -> str:
         return f"errors above the bound but under 5% of the output's size{row}, in {dtype}"
     if failure.kind == "error":
         return "wrong values (errors of 5% of the output's size or more)" + row
-    return re.sub(r"-?\d+(\.\d+)?(e[-+]?\d+)?", "N", text.split("; first at")[0])[:200]
+    return text.split("; first at")[0][:200]
+
+
+#: a number standing alone (not a part of a name, such as the 32 of float32)
+_NUMBER = re.compile(r"(?<![\w.])-?\d+(\.\d+)?(e[-+]?\d+)?(?!\w)")
+#: a dtype's name
+_DTYPE = re.compile(r"\b(torch\.)?(b?float|u?int|complex)\d+\b")
+
+
+def cause_key(cause: str) -> str:
+    """What failures of one cause share: ``cause`` with its standalone numbers (sizes,
+    ranks, values) and dtype names taken out, so that one bug seen in several dtypes,
+    ranks or shapes is one finding."""
+    return _DTYPE.sub("<dtype>", _NUMBER.sub("N", cause))
 
 
 def _policy(text: str) -> str:
