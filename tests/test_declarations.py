@@ -302,3 +302,24 @@ def test_a_nan_spread_across_heads_is_explained() -> None:
     verdict = check_case("forward", "tests.narrow:mixes_heads", case, torch.float32)
     assert "NaN/inf values where a finite value is expected" in verdict
     assert "at the same position sees no key: if the backend mixes heads" in verdict
+
+
+def test_what_a_declaration_leaves_untested_is_listed_with_why() -> None:
+    """The report names each call the declaration rules out, and the declaration that
+    does (an OK says nothing of them); a full declaration lists nothing."""
+    from attnref.conformance.declarations import not_tested
+    from attnref.conformance.report import AuditReport
+
+    full = Capabilities(causal_with_mask=True, causal_alignments=("top_left", "bottom_right"))
+    assert not_tested(full) == []
+    narrow = replace(full, causal_with_mask=False, gqa=False, dtypes=(torch.float32,))
+    listed = not_tested(narrow)
+    assert any(
+        x.startswith("causal attention with a mask passed together (causal_with_mask=False")
+        for x in listed
+    )
+    assert "grouped-query attention (gqa=False)" in listed
+    assert listed[0] == "dtypes float64, float16, bfloat16 (not in dtypes)"
+    report = AuditReport.start("b", "cpu", ["float32"], "quick", 0, narrow)
+    assert "not tested, as declared:\n  - dtypes float64" in report.format_table()
+    assert report.to_dict()["not_tested"] == listed

@@ -296,6 +296,66 @@ def _check_by_dtype(pairs: object) -> None:
 PRESETS: dict[str, Capabilities] = {}
 
 
+#: the standard dtypes: one a declaration leaves out is not audited
+_STANDARD_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
+
+
+def not_tested(caps: Capabilities) -> list[str]:
+    """What a backend's declaration leaves untested, each with the declaration that
+    does: the calls its signature might take that the audit never makes (so an "OK"
+    says nothing of them). The family's own variants it does not declare are left out
+    (a plain SDPA backend takes no window)."""
+    out: list[str] = []
+
+    def add(off: bool, what: str, why: str) -> None:
+        if off:
+            out.append(f"{what} ({why})")
+
+    missing = [str(d).removeprefix("torch.") for d in _STANDARD_DTYPES if d not in caps.dtypes]
+    add(bool(missing), f"dtypes {', '.join(missing)}", "not in dtypes")
+    masks = caps.bool_mask or caps.float_mask
+    add(
+        masks and not caps.causal_with_mask,
+        "causal attention with a mask passed together",
+        "causal_with_mask=False: the diagonal reaches the backend folded into the mask",
+    )
+    add(not caps.bool_mask, "boolean masks", "bool_mask=False")
+    add(not caps.float_mask, "float (additive) masks", "float_mask=False")
+    add(not caps.gqa, "grouped-query attention", "gqa=False")
+    others = [a for a in ("top_left", "bottom_right") if a not in caps.causal_alignments]
+    add(
+        bool(others),
+        f"the {' and '.join(others)} causal alignment computed by the backend",
+        f"causal_alignments={caps.causal_alignments!r}: "
+        + ("it reaches the backend as a mask" if masks else "never drawn"),
+    )
+    add(not caps.distinct_value_dim, "Dv != Dqk", "distinct_value_dim=False")
+    add(
+        caps.max_head_dim is not None,
+        f"head dims above {caps.max_head_dim}",
+        f"max_head_dim={caps.max_head_dim}",
+    )
+    add(bool(caps.head_dims), "head dims other than those listed", f"head_dims={caps.head_dims}")
+    add(not caps.zero_head_dim, "Dqk = 0", "zero_head_dim=False")
+    add(not caps.gradients, "gradients", "gradients=False")
+    add(not caps.explicit_scale, "an explicit scale", "explicit_scale=False")
+    add(caps.self_attention_only, "Tq != Tk", "self_attention_only=True")
+    add(caps.causal_only, "non-causal calls", "causal_only=True")
+    add(caps.window_required, "calls without a window", "window_required=True")
+    variants = sum((caps.window, caps.softcap, caps.alibi, caps.sinks))
+    add(
+        variants > 1 and not caps.combined_variants,
+        "several variants in one call",
+        "combined_variants=False",
+    )
+    add(
+        bool(caps.refuses),
+        "inputs the backend refuses with an error it names",
+        f"refuses={caps.refuses!r}: each such case is counted as refused",
+    )
+    return out
+
+
 def register_preset(name: str, preset: Capabilities) -> None:
     """Make ``preset`` family ``name``'s (what installing a family does)."""
     if preset.family != name:

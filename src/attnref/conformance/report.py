@@ -2,7 +2,7 @@
 
 JSON schema (``schema_version`` 7; 3 added ``api``, 4 ``trusted``, 5 ``checked``,
 ``cause`` and ``findings``, 6 ``world_size``, 7 the coverage: ``judged``, ``thin``,
-``floor``, ``min_judged``, and ``startup_seconds``)::
+``floor``, ``min_judged``, ``startup_seconds`` and ``not_tested``)::
 
     {
       "schema_version": 7,
@@ -24,6 +24,7 @@ JSON schema (``schema_version`` 7; 3 added ``api``, 4 ``trusted``, 5 ``checked``
                   "floor": int,    # the fewest judged cases a pass may have and not be thin
                   "min_judged": int | null,  # --min-judged: then a thin pass is not OK
                   "ok": bool},
+      "not_tested": [str],         # what the declaration leaves untested, and why
       "findings": [                # the failures grouped by cause, most frequent first
         {"cause": str, "count": int, "results": ["property [dtype]"], "message": str}
       ],
@@ -62,7 +63,7 @@ from typing import Any, Literal
 import torch
 
 from attnref.conformance.cases import Case
-from attnref.conformance.declarations import DEFAULT_API, Capabilities
+from attnref.conformance.declarations import DEFAULT_API, Capabilities, not_tested
 from attnref.devices import dtype_name
 
 __all__ = [
@@ -374,6 +375,7 @@ class AuditReport:
                 }
                 for cause, rs in self.findings()
             ],
+            "not_tested": not_tested(self.capabilities),
             "results": [r.to_dict() for r in self.results],
         }
 
@@ -451,6 +453,9 @@ class AuditReport:
         if skips and verbose:
             lines += ["", "skipped:"]
             lines += [f"  {r.property} [{dtype_name(r.dtype)}]: {r.message}" for r in skips]
+        untested = not_tested(self.capabilities)
+        if untested:
+            lines += ["", "not tested, as declared:"] + [f"  - {u}" for u in untested]
         if self.stopped_early:
             lines += ["", "stopped at the first failure (--fail-fast)"]
         if self.incomplete:
