@@ -166,3 +166,15 @@ softcap_adds_bool_mask.capabilities = Capabilities(  # type: ignore[attr-defined
 mixes_heads.capabilities = Capabilities(  # type: ignore[attr-defined]
     dtypes=(torch.float32,), float_mask=False, gqa=False, causal_alignments=(), empty_row="nan"
 )
+
+
+def at_most_keys(query: Tensor, key: Tensor, value: Tensor, *args: Any, **kw: Any) -> Tensor:
+    """torch SDPA for calls with no more queries than keys (a prefill of a whole
+    sequence, or decode against a cache); it raises on any other."""
+    if query.shape[-2] > key.shape[-2]:
+        raise ValueError(f"{query.shape[-2]} queries against {key.shape[-2]} keys")
+    out: Tensor = torch.nn.functional.scaled_dot_product_attention(query, key, value, *args, **kw)
+    return out
+
+
+at_most_keys.capabilities = Capabilities(queries_at_most_keys=True)  # type: ignore[attr-defined]

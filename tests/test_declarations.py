@@ -323,3 +323,23 @@ def test_what_a_declaration_leaves_untested_is_listed_with_why() -> None:
     report = AuditReport.start("b", "cpu", ["float32"], "quick", 0, narrow)
     assert "not tested, as declared:\n  - dtypes float64" in report.format_table()
     assert report.to_dict()["not_tested"] == listed
+
+
+def test_queries_at_most_keys_keeps_every_call_inside_it() -> None:
+    """Declared, no call has more queries than keys (the backend raises on one: the
+    audit passes, every property judged); without it, the same backend fails; a call
+    outside it is skipped with the reason."""
+    props = ["forward", "decode", "causality", "empty_rows", "masked_keys"]
+    report = audit(
+        "tests.narrow:at_most_keys", dtypes=[torch.float32], properties=props, progress=False
+    )
+    assert report.ok, report.format_table()
+    assert all(r.status == "pass" and r.judged and not r.skipped for r in report.results)
+    assert "Tq > Tk (queries_at_most_keys=True)" in report.format_table()
+    plain = Backend("plain", resolve_backend("tests.narrow:at_most_keys").fn, "undeclared")
+    assert not audit(
+        plain, dtypes=[torch.float32], properties=["forward"], progress=False, isolate=False
+    ).ok
+    case = Case("x", Tq=5, Tk=3)
+    verdict = check_case("forward", "tests.narrow:at_most_keys", case, torch.float32)
+    assert verdict == "skip: Tq = 5 > Tk = 3: queries at most keys declared"

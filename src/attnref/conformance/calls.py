@@ -96,6 +96,8 @@ def skip_reason(backend: Backend, inputs: Inputs, kwargs: dict[str, Any]) -> str
     Tq, Tk = inputs.query.shape[-2], inputs.key.shape[-2]
     if caps.self_attention_only and Tq != Tk:
         return f"Tq = {Tq} != Tk = {Tk}: self-attention only declared"
+    if caps.queries_at_most_keys and Tq > Tk:
+        return f"Tq = {Tq} > Tk = {Tk}: queries at most keys declared"
     if caps.causal_only and not native_causal(caps, inputs, backend.api):
         return "a call that is not causal: causal only declared"
     if not caps.explicit_scale and inputs.scale is not None:

@@ -157,6 +157,9 @@ class Capabilities:
     #: only self-attention: queries and keys of one length (Tq = Tk); cases are drawn so,
     #: and a property that needs Tq != Tk (decode, merge) is skipped
     self_attention_only: bool = False
+    #: queries never outnumber keys (Tq <= Tk: prefill of a whole sequence, or decode
+    #: against a cache); cases are drawn so, a longer query side cut to the keys'
+    queries_at_most_keys: bool = False
     #: only causal calls (its causal alignments, `causal_alignments`); cases are drawn
     #: causal, and a property that needs a non-causal call is skipped
     causal_only: bool = False
@@ -264,6 +267,7 @@ class Capabilities:
         inside them; a declaration without one draws as it always has)."""
         return (
             self.self_attention_only
+            or self.queries_at_most_keys
             or self.causal_only
             or not self.explicit_scale
             or self.window_required
@@ -340,6 +344,11 @@ def not_tested(caps: Capabilities) -> list[str]:
     add(not caps.gradients, "gradients", "gradients=False")
     add(not caps.explicit_scale, "an explicit scale", "explicit_scale=False")
     add(caps.self_attention_only, "Tq != Tk", "self_attention_only=True")
+    add(
+        caps.queries_at_most_keys and not caps.self_attention_only,
+        "Tq > Tk",
+        "queries_at_most_keys=True",
+    )
     add(caps.causal_only, "non-causal calls", "causal_only=True")
     add(caps.window_required, "calls without a window", "window_required=True")
     variants = sum((caps.window, caps.softcap, caps.alibi, caps.sinks))

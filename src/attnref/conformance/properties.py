@@ -174,6 +174,11 @@ def _can_empty_a_row(caps: Capabilities) -> str | None:
             "no declared call leaves a query without keys: self-attention only (a query "
             "always sees its own position) and no masks"
         )
+    if caps.queries_at_most_keys and not (caps.bool_mask or caps.float_mask):
+        return (
+            "no declared call leaves a query without keys: no more queries than keys (a "
+            "query always sees the key at its own position) and no masks"
+        )
     return None
 
 
@@ -181,8 +186,8 @@ def _empty_row_cases(p: Profile, c: Capabilities) -> st.SearchStrategy[Case]:
     masked = case_strategy(
         "empty_rows", p, c, mask=st.sampled_from(masks_for(c, ("empty_rows", "float_empty_rows")))
     )
-    if c.self_attention_only:  # bottom-right with Tq > Tk is not declared
-        return masked
+    if c.self_attention_only or c.queries_at_most_keys:  # bottom-right with Tq > Tk is not
+        return masked  # declared
     return st.one_of(
         masked,
         case_strategy(

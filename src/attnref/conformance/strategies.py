@@ -508,13 +508,19 @@ def _first(options: Sequence[_T]) -> _T:
 
 def inside(case: Case, caps: Capabilities, pick: Callable[[Sequence[Any]], Any] = _first) -> Case:
     """``case`` moved inside what a narrow backend declares (`Capabilities.narrow`):
-    self-attention (``Tq = Tk``: the keys' length is kept), causal at a declared
+    self-attention (``Tq = Tk``: the keys' length is kept), no more queries than keys,
+    causal at a declared
     alignment (and no mask, where it cannot take both), the default scale, one shared or
     declared sink. ``pick`` chooses among options (a draw; default: the first)."""
     if caps.self_attention_only:
         if case.seqlens:
             case = replace(case, seqlens=tuple((tk, tk) for _, tk in case.seqlens))
         elif not case.cached and case.Tq != case.Tk:
+            case = replace(case, Tq=case.Tk)
+    if caps.queries_at_most_keys:
+        if case.seqlens:
+            case = replace(case, seqlens=tuple((min(tq, tk), tk) for tq, tk in case.seqlens))
+        elif not case.cached and case.Tq > case.Tk:
             case = replace(case, Tq=case.Tk)
     if caps.causal_only and case.causal not in caps.causal_alignments:
         case = replace(case, causal=pick(caps.causal_alignments))
