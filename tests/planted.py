@@ -303,3 +303,9 @@ def _declare() -> None:
 
 
 _declare()
+
+
+def bare_assert(q: Tensor, k: Tensor, v: Tensor, *args: Any, **kw: Any) -> Tensor:
+    """A library's assertion with no message."""
+    assert q.shape[-1] == 12345  # the planted bug
+    return q

@@ -768,3 +768,12 @@ def test_a_partial_report_has_the_time_so_far() -> None:
     )
     assert len(seen) == 2
     assert 0 < seen[0] < seen[1]
+
+
+def test_an_assertion_with_no_message_is_shown_with_its_source_line() -> None:
+    """A library's bare ``assert`` crosses from the worker as a type and a traceback: the
+    finding names the file, the line and its source, not ``AssertionError:`` alone."""
+    report = run("tests.planted:bare_assert", dtypes=(torch.float32,), properties=["forward"])
+    (result,) = report.results
+    assert "AssertionError with no message, raised at planted.py, line" in result.message
+    assert result.message.endswith("assert q.shape[-1] == 12345  # the planted bug")

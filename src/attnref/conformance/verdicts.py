@@ -4,7 +4,9 @@ Every check of the audit returns (a pass) or raises one of these; nothing a back
 escapes as anything else (`attnref.conformance.calls`).
 """
 
+import os
 import re
+import traceback
 
 __all__ = ["Failure", "Skip", "cause_key", "cause_of", "one_line"]
 
@@ -104,7 +106,30 @@ class Skip(Exception):  # noqa: N818 (a signal, like pytest.skip)
 
 
 def one_line(e: BaseException) -> str:
-    """``Type: first line of the message``."""
+    """``Type: first line of the message``; for an exception with no message (a bare
+    ``assert`` in a library), where it was raised: its file, line and source."""
     text = str(e).strip().splitlines()
     name = getattr(e, "type_name", type(e).__name__)  # a RemoteError: the backend's type
-    return f"{name}: {text[0] if text else ''}"
+    if text:
+        return f"{name}: {text[0]}"
+    where = _raised_at(e)
+    return f"{name} with no message" + (f", raised at {where}" if where else "")
+
+
+#: a frame of a traceback's text: its file, its line and the source line under it
+_FRAME = re.compile(r'File "([^"\n]+)", line (\d+), in [^\n]*\n[ \t]+(\S[^\n]*)')
+
+
+def _raised_at(e: BaseException) -> str:
+    """``file, line N: source`` of the frame that raised ``e`` (from the traceback's
+    text for an exception that crossed from the worker: the backend's word), or ""."""
+    text = getattr(e, "traceback_text", "")
+    frames = _FRAME.findall(text) if text else []
+    if frames:
+        path, line, source = frames[-1]
+    elif e.__traceback__ is not None:
+        last = traceback.extract_tb(e.__traceback__)[-1]
+        path, line, source = last.filename, str(last.lineno), (last.line or "").strip()
+    else:
+        return ""
+    return f"{os.path.basename(path)}, line {line}: {source}"[:200]
