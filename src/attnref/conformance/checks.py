@@ -341,7 +341,7 @@ def law(
     usable = torch.isfinite(diff) if sel is None else torch.isfinite(diff) & sel.expand_as(diff)
     delta = float(diff[usable].max()) if usable.any() else 0.0
     gmax, gmean = eg.bounds(sel)
-    bmax, bmean = eb.bounds(sel if base_sel is None else eb.sel(base_sel))
+    bmax, bmean = eb.bounds(sel if base_sel is None else base_sel)
     with ctx.naming_the_row(got_inputs):
         close(
             got.to(torch.float64),
@@ -480,16 +480,21 @@ def _unseen_keys(
 ) -> None:
     """Fresh K and V at keys ``start:stop`` leave every row that sees none of them as
     it was (the causal diagonal, a window, a mask)."""
-
-    def fresh(t: Tensor) -> Tensor:  # new values drawn for the block's keys alone
-        out = t.clone(memory_format=torch.contiguous_format)
-        block = (*t.shape[:-2], stop - start, t.shape[-1])
-        out[..., start:stop, :] = torch.randn(block, generator=gen).to(t)
-        return out
-
-    changed = _with(inputs, key=fresh(inputs.key), value=fresh(inputs.value))
+    key, value = (_fresh_keys(t, start, stop, gen) for t in (inputs.key, inputs.value))
+    changed = _with(inputs, key=key, value=value)
     blind = ~inputs.visible()[..., start:stop].any(dim=-1)  # rows that see none of them
     law(ctx, ctx.run(changed), changed, ctx.run(inputs), inputs, what, sel=_rows(blind))
+
+
+@checked_internal
+def _fresh_keys(
+    t: Float[Tensor, "*batch g Tk D"], start: int, stop: int, gen: torch.Generator
+) -> Float[Tensor, "*batch g Tk D"]:
+    """A contiguous copy of K or V ``t`` with new values at keys ``start:stop`` alone."""
+    out = t.clone(memory_format=torch.contiguous_format)
+    block = (*t.shape[:-2], stop - start, t.shape[-1])
+    out[..., start:stop, :] = torch.randn(block, generator=gen).to(t)
+    return out
 
 
 #: the most cuts one `causality` check makes (one copy of the inputs each, in one call)
@@ -525,15 +530,10 @@ def causality(ctx: Context, case: Case) -> None:
         pick = torch.randperm(len(cuts), generator=gen)[:room]
         cuts = sorted(cuts[int(i)] for i in pick)
 
-    def fresh(t: Tensor, cut: int) -> Tensor:  # new values for the keys from the cut on
-        out = t.clone(memory_format=torch.contiguous_format)
-        out[..., cut:, :] = torch.randn((*t.shape[:-2], Tk - cut, t.shape[-1]), generator=gen)
-        return out
-
     copies, rep = _copies(
         inputs,
-        [fresh(inputs.key, c) for c in cuts],
-        [fresh(inputs.value, c) for c in cuts],
+        [_fresh_keys(inputs.key, c, Tk, gen) for c in cuts],
+        [_fresh_keys(inputs.value, c, Tk, gen) for c in cuts],
     )
     blind = [~seen[..., c:].any(dim=-1) for c in cuts]  # rows that see no key from c on
     sel = torch.cat(blind) if inputs.query.dim() > 3 else torch.stack(blind)
@@ -552,8 +552,11 @@ def causality(ctx: Context, case: Case) -> None:
     )
 
 
+@checked_internal
 def _copies(
-    inputs: Inputs, keys: list[Tensor], values: list[Tensor]
+    inputs: Inputs,
+    keys: list[Float[Tensor, "*batch g Tk Dh"]],
+    values: list[Float[Tensor, "*batch g Tk Dv"]],
 ) -> tuple[Inputs, Callable[[Tensor], Tensor]]:
     """``inputs`` repeated once per entry of ``keys`` and ``values`` (each copy's own K
     and V) along the first batch dim, or a new one for unbatched inputs; and the map
