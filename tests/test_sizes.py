@@ -205,3 +205,18 @@ def test_a_small_case_cut_to_its_work_keeps_its_keys_and_squares() -> None:
     assert work(square) <= most
     narrow = Case("c", batch=(3,), h=4, g=2, Tq=40, Tk=33, Dh=128, Dv=128)
     assert _fits(narrow, profile) == narrow  # head dim 128: as before
+
+
+@settings(max_examples=60, deadline=None, database=None)
+@given(data=st.data())
+def test_the_gradient_property_keeps_its_long_cases_to_its_own_work(data: st.DataObject) -> None:
+    """Its oracle (a float64 backward of the whole case) is not row-sampled: its long
+    cases keep to ``max_grad_work``, not to the forward's ``max_work``."""
+    from attnref.conformance.properties import PROPERTIES
+    from attnref.conformance.strategies import work
+
+    profile = PROFILES["quick"]
+    caps = resolve_backend("torch-sdpa").capabilities
+    gradient = PROPERTIES["gradient"]
+    case = data.draw(gradient.cases(profile, caps))
+    assert work(case) <= max(profile.max_grad_work, profile.max_scores * 256), case

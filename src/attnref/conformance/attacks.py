@@ -88,8 +88,21 @@ def fresh_values(ctx: Context, case: Case) -> None:
     series = Series(tuple(calls), tuple(into for _, into, _ in SERIES))
     history: list[tuple[Tensor, str]] = getattr(ctx.executor, "history", [])
     earlier_right = list(history)  # right outputs of earlier cases, with their digests
+    oracles = [ctx.prefetch(inputs) for inputs in sets]  # both, while the series runs
+
+    def meanwhile() -> None:
+        for oracle in oracles:
+            oracle()
+
     replies = series_outcomes(
-        invoke(ctx.backend, series, ctx.timeout * len(calls), ctx.executor), len(calls)
+        invoke(
+            ctx.backend,
+            series,
+            ctx.timeout * len(calls),
+            ctx.executor,
+            meanwhile,
+        ),
+        len(calls),
     )
     # every call is judged first, and each right output kept as evidence, before any
     # failure is reported: a later call's right output may be what a later case replays
@@ -157,7 +170,8 @@ def settled_output(ctx: Context, case: Case) -> None:
     a moment later (`Job.recheck`)."""
     inputs = ctx.build(case)
     args, kwargs = arguments(ctx.backend, inputs)
-    raw = invoke(ctx.backend, Job(args, kwargs, recheck=0.2), ctx.timeout + 1.0, ctx.executor)
+    job = Job(args, kwargs, recheck=0.2)
+    raw = invoke(ctx.backend, job, ctx.timeout + 1.0, ctx.executor, ctx.prefetch(inputs))
     out = _output(ctx, raw, inputs)
     failure = _agrees(ctx, out, inputs)
     if failure is not None:

@@ -60,17 +60,22 @@ class Profile:
     long_queries: tuple[int, ...] = ()
     #: batch * heads of the wide cases: grids past 64, 128 and 1024 programs
     programs: tuple[int, ...] = (65, 129, 1025)
-    #: a long or wide case's work, ``batch * h * Tq * Tk * (Dh + Dv)``, stays under this
-    max_work: int = 2**30
+    #: a long or wide case's work, ``batch * h * Tq * Tk * (Dh + Dv)``, stays under this.
+    #: The lengths are what a long case tests: at 2**30 its head dims were kept too
+    #: (1024 queries of 576/512 in float64), and the kernel's calls took 6 to 8 s of the
+    #: quick audit; at 2**28, 4 to 5 s, every planted size-gated kernel still caught
+    max_work: int = 2**28
     #: and its score matrix under this many elements (what the judge's masks cost)
     max_long_scores: int = 5 * 2**19
     #: and, with a mask of its own per query and key (every kind but ``columns`` and
     #: ``padding``), its scores under this many: such a mask is made, sent to the
     #: backend and read by the judge in full, whatever the row sample
     max_mask_scores: int = 2**19
-    #: and K and V as the query heads read them, ``batch * h * Tk * (Dh + Dv)``
-    max_kv: int = 2**23
-    #: the work of a long case for the gradient property (whose oracle is not sampled)
+    #: and K and V as the query heads read them, ``batch * h * Tk * (Dh + Dv)``: head dim
+    #: 256 at 4097 keys, 576/512 at 2049 (at quick)
+    max_kv: int = 5 * 2**19
+    #: the work of a long case for the gradient property (whose oracle is not sampled:
+    #: the float64 backward of the whole case)
     max_grad_work: int = 2**24
     #: the work of a wide case (whose oracle is not sampled: a bug of the grid may be in
     #: one program of 1025), and its scores under a quarter of it. What a wide case tests
