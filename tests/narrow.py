@@ -101,7 +101,8 @@ def softmax_one(
 
 #: diffusers' fill declared as what it is: a row the mask empties attends the keys it hid
 additive_fill.capabilities = Capabilities(  # type: ignore[attr-defined]
-    empty_row=EmptyRows(bool_mask="unmasked")
+    empty_row=EmptyRows(bool_mask="unmasked"),
+    causal_with_mask=False,  # torch's SDPA underneath
 )
 
 
@@ -177,4 +178,6 @@ def at_most_keys(query: Tensor, key: Tensor, value: Tensor, *args: Any, **kw: An
     return out
 
 
-at_most_keys.capabilities = Capabilities(queries_at_most_keys=True)  # type: ignore[attr-defined]
+at_most_keys.capabilities = Capabilities(  # type: ignore[attr-defined]
+    queries_at_most_keys=True, causal_with_mask=False
+)

@@ -273,21 +273,36 @@ def leaks_in_one_row(
     return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask, **kw)
 
 
+def drops_causal_with_a_mask(
+    q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None = None, **kw: Any
+) -> Tensor:
+    """Causal as asked, except when a mask is passed too: then the mask alone (the
+    diagonal dropped, as a library does that expects the mask to carry it). Future keys
+    leak only in calls with both."""
+    if attn_mask is not None:
+        kw["is_causal"] = False
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask, **kw)
+
+
 def _declare() -> None:
     from attnref.conformance import Capabilities, EmptyRows
 
     refuses_masks.capabilities = Capabilities(  # type: ignore[attr-defined]
         refuses=("not supported by this kernel",)
     )
+    # torch's SDPA underneath, which takes no mask with is_causal=True
     nan_row_spreads.capabilities = Capabilities(  # type: ignore[attr-defined]
-        empty_row="nan", dropout=False, gqa=True
+        empty_row="nan", dropout=False, gqa=True, causal_with_mask=False
     )
+    # a diagonal and a mask each add a finite minimum: a row hidden by both would not
+    # average V, so the diagonal comes folded into the mask
     uniform_empty_rows.capabilities = Capabilities(  # type: ignore[attr-defined]
-        empty_row="uniform", dropout=False
+        empty_row="uniform", dropout=False, causal_with_mask=False
     )
     empty_rows_by_cause.capabilities = Capabilities(  # type: ignore[attr-defined]
         empty_row=EmptyRows(bool_mask="zero", float_mask="nan", causal="uniform"),
         causal_alignments=("top_left", "bottom_right"),
+        causal_with_mask=False,
         dropout=False,
     )
     for fn in (sinks_detached, sinks_gradient_doubled):

@@ -362,7 +362,13 @@ def test_empty_row_causes_follow_the_call_the_backend_gets() -> None:
 
 
 def test_undeclared_capabilities_are_skipped_and_counted() -> None:
-    caps = Capabilities(dtypes=(torch.float32,), gqa=False, float_mask=False, gradients=False)
+    caps = Capabilities(
+        dtypes=(torch.float32,),
+        gqa=False,
+        float_mask=False,
+        gradients=False,
+        causal_with_mask=False,
+    )
     backend = Backend(
         "narrow", torch.nn.functional.scaled_dot_product_attention, "", caps, spec="torch-sdpa"
     )
@@ -754,6 +760,36 @@ def test_causality_finds_a_leak_past_the_diagonal_in_any_row(spec: str) -> None:
     it. One random cut per case passed both on all 25 cases."""
     report = run(spec, dtypes=(torch.float32,), properties=["causality"])
     assert not report.ok, report.format_table()
+
+
+def test_a_leak_only_with_a_mask_fails_the_default_declaration() -> None:
+    """A backend that drops the diagonal when a mask is passed too fails an audit with
+    no declaration at all: the default tests every combination the signature takes, a
+    causal call with a mask included. Declared away, it passes, and the report says
+    what was not tested."""
+    from attnref.conformance.declarations import not_tested
+
+    report = run("tests.planted:drops_causal_with_a_mask", dtypes=(torch.float32,))
+    assert not report.ok, report.format_table()
+    failed = {r.property for r in report.results if r.status == "fail"}
+    assert {"causality", "forward"} & failed, report.format_table()
+    narrow = replace(
+        resolve_backend("tests.planted:drops_causal_with_a_mask"),
+        capabilities=Capabilities(causal_with_mask=False),
+    )
+    report = run(narrow, dtypes=(torch.float32,))
+    assert report.ok, report.format_table()
+    assert any("causal_with_mask=False" in x for x in not_tested(narrow.capabilities))
+
+
+def test_a_backend_that_raises_on_causal_with_a_mask_is_told_what_to_declare() -> None:
+    """torch's own SDPA raises on is_causal=True with an attn_mask: under the default
+    declaration the finding names the declaration that keeps such calls out."""
+    plain = replace(resolve_backend("torch-sdpa"), capabilities=Capabilities())
+    report = run(plain, dtypes=(torch.float32,), properties=["forward"])
+    assert not report.ok
+    (result,) = report.results
+    assert "declares causal_with_mask=False" in result.message, result.message
 
 
 def test_a_partial_report_has_the_time_so_far() -> None:

@@ -58,7 +58,8 @@ def attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=Non
     return torch.nn.functional.scaled_dot_product_attention(
         q, k, v, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
 
-attention.capabilities = Capabilities(dtypes=(torch.float32,), gqa=False)
+# torch's SDPA takes no mask together with is_causal=True
+attention.capabilities = Capabilities(dtypes=(torch.float32,), gqa=False, causal_with_mask=False)
 """
     )
     result = plugin_run(

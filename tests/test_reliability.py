@@ -149,7 +149,7 @@ def test_a_deadline_ends_the_audit_incomplete_and_not_ok() -> None:
         "sdpa",
         torch.nn.functional.scaled_dot_product_attention,
         "",
-        Capabilities(),
+        Capabilities(causal_with_mask=False),
         spec="torch-sdpa",  # what its worker resolves
     )
     report = audit(backend, dtypes=(torch.float32,), device="cpu", progress=False, deadline=0.5)

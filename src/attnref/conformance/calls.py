@@ -124,13 +124,28 @@ def _sink_reason(caps: Capabilities, sinks: Float[Tensor, " h"] | None) -> str |
     return None
 
 
-def raise_for_error(backend: Backend, error: BaseException) -> None:
-    """Turn what the backend raised into `Skip` (a declared refusal) or `Failure`."""
+def raise_for_error(backend: Backend, error: BaseException, job: object = None) -> None:
+    """Turn what the backend raised into `Skip` (a declared refusal) or `Failure`;
+    ``job``: the call it raised on, for the declaration that would have kept it out."""
     if isinstance(error, ModifiedInputs | LateWrite | Unaccepted):
         raise Failure(str(error))
     if any(pattern in str(error) for pattern in backend.capabilities.refuses):
         raise Skip(f"refused: {one_line(error)}", refused=True)
-    raise Failure(one_line(error))
+    raise Failure(one_line(error) + _declaration_hint(backend, job))
+
+
+def _declaration_hint(backend: Backend, job: object) -> str:
+    """What to declare if the call ``job`` is one the backend does not take: the
+    combinations a default declaration tests that some libraries refuse."""
+    kwargs = job.kwargs if isinstance(job, Job) else {}
+    both = kwargs.get("is_causal") is True and kwargs.get("attn_mask") is not None
+    if backend.api == DEFAULT_API and both and backend.capabilities.causal_with_mask:
+        return (
+            " (the call passed is_causal=True and an attn_mask together; a backend that "
+            "does not take both declares causal_with_mask=False, and the diagonal then "
+            "reaches it folded into the mask)"
+        )
+    return ""
 
 
 @checked
@@ -184,7 +199,7 @@ def invoke(
     try:
         return executor.run(job, timeout, meanwhile)
     except Raised as e:
-        raise_for_error(backend, e.error)
+        raise_for_error(backend, e.error, job)
     except BackendDied as e:
         raise Failure(str(e)) from None
     except TimeoutError as e:

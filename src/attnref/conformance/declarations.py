@@ -130,7 +130,10 @@ class Capabilities:
     # alignments the backend computes itself through a `causal_alignment` keyword; any
     # other alignment reaches it as an explicit boolean mask
     causal_alignments: tuple[Alignment, ...] = ("top_left",)
-    causal_with_mask: bool = False  # may `is_causal=True` be combined with `attn_mask`?
+    # may `is_causal=True` be combined with `attn_mask`? The signature takes both, so
+    # both are tested unless declared away (torch's own SDPA raises on both: its
+    # built-ins declare False, and the diagonal then reaches it folded into the mask)
+    causal_with_mask: bool = True
     # output for a query with no visible key: one policy, or one per cause (`EmptyRows`)
     empty_row: EmptyRow | EmptyRows = "zero"
     masked_nan: MaskedNaN = "propagates"  # may NaN/inf at hidden keys reach the output?

@@ -524,7 +524,8 @@ def inside(case: Case, caps: Capabilities, pick: Callable[[Sequence[Any]], Any] 
             case = replace(case, Tq=case.Tk)
     if caps.causal_only and case.causal not in caps.causal_alignments:
         case = replace(case, causal=pick(caps.causal_alignments))
-    if caps.causal_only and not caps.causal_with_mask and case.mask != "none":
+    takes_masks = caps.causal_with_mask and (caps.bool_mask or caps.float_mask)
+    if caps.causal_only and not takes_masks and case.mask != "none":
         case = replace(case, mask="none", poison="none")
     if not caps.explicit_scale and case.scale is not None:
         case = replace(case, scale=None)

@@ -48,8 +48,11 @@ __all__ = ["FAMILY", "SDPA_DEFAULTS"]
 #: ALiBi slopes, one per head, or per sample and head
 Slopes = Float[Tensor, " h"] | Float[Tensor, "*batch h"] | None
 
-#: the ``sdpa`` family's preset: torch SDPA's semantics (`Capabilities()`)
+#: the ``sdpa`` family's preset (`Capabilities()`): torch SDPA's signature, every
+#: combination of its arguments tested, a causal call with a mask included
 SDPA_DEFAULTS = Capabilities()
+#: torch's own SDPA: it raises on ``is_causal=True`` with an ``attn_mask``
+TORCH_SDPA_CAPS = Capabilities(causal_with_mask=False)
 
 
 # ----------------------------------------------------------------- the convention
@@ -326,7 +329,7 @@ def _force(
 # a forced kernel may refuse inputs it does not handle ("No available kernel"): a skip
 
 
-FORCED_CAPS = Capabilities(refuses=("No available kernel",))
+FORCED_CAPS = Capabilities(causal_with_mask=False, refuses=("No available kernel",))
 #: every variant, and the log-sum-exp with -inf for a query with no visible key
 ALL_VARIANTS: dict[str, Any] = {
     "window": True,
@@ -378,11 +381,12 @@ def _builtins() -> list[Backend]:
             "attnref's online-softmax chunked attention, blocks of 4 keys",
             REFERENCE_CAPS,
         ),
-        Backend("torch-sdpa", torch_sdpa, "torch SDPA, default dispatch"),
+        Backend("torch-sdpa", torch_sdpa, "torch SDPA, default dispatch", TORCH_SDPA_CAPS),
         Backend(
             "torch-sdpa-math",
             torch_sdpa,
             "torch SDPA with the MATH backend forced",
+            TORCH_SDPA_CAPS,
             context=_force(SDPBackend.MATH),
         ),
         *(
