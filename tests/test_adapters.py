@@ -38,7 +38,7 @@ def test_each_adapter_imports_and_declares_valid_capabilities(spec: str, library
 
 
 def test_the_adapters_helpers_keep_batch_dimensions() -> None:
-    from examples.adapters import as_4d, expand_mask, unflatten
+    from attnref.adapters import as_4d, expand_mask, unflatten
 
     q = torch.randn(2, 3, 4, 5, 8)
     assert as_4d(q).shape == (6, 4, 5, 8)
@@ -50,6 +50,35 @@ def test_the_adapters_helpers_keep_batch_dimensions() -> None:
     assert full.shape == (6, 1, 5, 7)
     empty = torch.randn(0, 4, 5, 0)  # no element: the batch size is not inferred
     assert as_4d(empty).shape == (0, 4, 5, 0)
+
+
+def test_the_adapters_helpers_are_checked_and_say_what_is_wrong() -> None:
+    from attnref.adapters import additive, as_4d, declare, expand_mask, no_dropout
+
+    q, k = torch.randn(2, 3, 5, 8), torch.randn(2, 3, 7, 8)
+    with pytest.raises(ValueError, match=r"attn_mask of shape \(4, 7\) does not broadcast"):
+        expand_mask(torch.ones(4, 7, dtype=torch.bool), q, k)
+    with pytest.raises(Exception, match="parameter 't'"):  # shapes are checked, by name
+        as_4d(torch.randn(5, 8))
+    with pytest.raises(NotImplementedError, match=r"dropout_p = 0 only, got 0\.1"):
+        no_dropout(0.1)
+    mask = torch.tensor([[True, False]])
+    assert additive(mask, torch.float16, -1e4).tolist() == [[0.0, -1e4]]
+    assert additive(mask, torch.float32, float("-inf"))[0, 1] == float("-inf")
+    assert additive(torch.zeros(1, 2), torch.float64, -1.0).dtype == torch.float64
+
+    def fn() -> None: ...
+
+    declare(fn, dropout=False)
+    assert isinstance(fn.capabilities, Capabilities)  # type: ignore[attr-defined]
+    assert fn.capabilities.family == "sdpa"  # type: ignore[attr-defined]
+    assert not fn.capabilities.dropout  # type: ignore[attr-defined]
+    declare(fn, "flash", window=False)
+    assert fn.capabilities.family == "flash"  # type: ignore[attr-defined]
+    with pytest.raises(TypeError):
+        declare(fn, no_such_capability=True)
+    with pytest.raises(ValueError, match="unknown API family 'nope'"):
+        declare(fn, "nope")
 
 
 def test_flashinfer_paged_layout_is_the_block_table_in_csr_form() -> None:

@@ -72,6 +72,19 @@ def hf_sdpa_single_query_is_not_causal() -> bool:
     return several and sees_all and not close(one.transpose(1, 2), v[..., :1, :])
 
 
+def hf_sdpa_drops_causal_with_a_mask() -> bool:
+    """``sdpa_attention_forward(mask, is_causal=True)``: with a mask passed, ``is_causal``
+    is dropped (``is_causal = ... and attention_mask is None``): a mask that hides nothing
+    gives attention over every key, future ones included, not causal attention."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    q, k, v = qkv(1, 1, 3, 3, 8)
+    mask = torch.ones(1, 1, 3, 3, dtype=torch.bool)
+    out, _ = sdpa_attention_forward(_Module(), q, k, v, mask, is_causal=True)
+    out = out.transpose(1, 2)
+    return close(out, oracle(q, k, v)) and not close(out, oracle(q, k, v, top_left(3, 3)))
+
+
 def hf_sdpa_empty_value_dim_raises() -> bool:
     """``Dv = 0`` (and ``Dqk = 0``): its final ``reshape(B, -1, Tq, Dv)`` of an empty
     output cannot infer ``-1`` and raises, where torch's SDPA returns an empty tensor."""
@@ -214,6 +227,25 @@ def jax_float64_softmax_is_float32() -> bool:
     q, k, v = qkv(1, 1, 5, 7, 8)
     err = float((_jax_call(q, k, v) - oracle(q, k, v)).abs().max())
     return 1e-10 < err < 1e-5
+
+
+def jax_causal_fill_overrides_a_minus_inf_bias() -> bool:
+    """``is_causal=True`` with a ``bias`` of ``-inf`` over every key of query 0: the
+    causal mask is applied after the bias with ``where(mask, logits, large_negative)``,
+    which puts a finite value back at every future key, so the query that sees no key
+    gets the mean of V over its *future* keys (neither a softmax of ``-inf``, NaN, nor
+    the mean of every V)."""
+    import jax
+    import numpy as np
+
+    q, k, v = qkv(1, 1, 3, 3, 8)
+    bias = np.zeros((1, 1, 3, 3), dtype=np.float32)
+    bias[..., 0, :] = -np.inf
+    arrays = [np.ascontiguousarray(t.transpose(1, 2).numpy()) for t in (q, k, v)]
+    out = jax.nn.dot_product_attention(*arrays, bias=bias, is_causal=True)
+    row = torch.from_numpy(np.asarray(out, dtype=np.float64).copy()).transpose(1, 2)[0, 0, 0]
+    future = v[0, 0, 1:].double().mean(dim=0)
+    return close(row, future) and not close(row, v[0, 0].double().mean(dim=0))
 
 
 def jax_bfloat16_jit_aborts() -> bool:
@@ -434,6 +466,7 @@ def softmax_n_zero_is_nan_for_low_scores() -> bool:
 
 FINDINGS: list[tuple[str, Callable[[], bool]]] = [
     ("transformers", hf_sdpa_single_query_is_not_causal),
+    ("transformers", hf_sdpa_drops_causal_with_a_mask),
     ("transformers", hf_sdpa_empty_value_dim_raises),
     ("transformers", hf_eager_float64_softmax_is_float32),
     ("transformers", hf_eager_masked_row_is_nan_in_float64),
@@ -443,6 +476,7 @@ FINDINGS: list[tuple[str, Callable[[], bool]]] = [
     ("memory_efficient_attention_pytorch", mea_masked_bucket_gives_nan),
     ("memory_efficient_attention_pytorch", mea_chunked_and_plain_align_differently),
     ("jax", jax_float64_softmax_is_float32),
+    ("jax", jax_causal_fill_overrides_a_minus_inf_bias),
     ("jax", jax_bfloat16_jit_aborts),
     ("litgpt", litgpt_softcap_adds_the_boolean_mask),
     ("litgpt", litgpt_softcap_float64_softmax_is_float32),

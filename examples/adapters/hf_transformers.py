@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from examples.adapters import as_4d, declare, expand_mask, no_dropout, unflatten
+from attnref.adapters import additive, as_4d, declare, expand_mask, no_dropout, unflatten
 
 
 class _Module(torch.nn.Module):
@@ -81,8 +81,7 @@ def eager(
     q, k, v = as_4d(query), as_4d(key), as_4d(value)
     mask = expand_mask(attn_mask, query, key)
     if mask is not None and mask.dtype == torch.bool:
-        hidden = torch.finfo(q.dtype).min
-        mask = torch.zeros(mask.shape, dtype=q.dtype).masked_fill(~mask, hidden)
+        mask = additive(mask, q.dtype, torch.finfo(q.dtype).min)
     s = (q.shape[-1] ** -0.5 if q.shape[-1] else 1.0) if scale is None else scale
     module = _Module(q.shape[1] // k.shape[1], False)
     out: Any
@@ -93,8 +92,11 @@ def eager(
 def _declare() -> None:
     from attnref.conformance import EmptyRows
 
-    # torch's SDPA underneath: its semantics (zeros for an empty row on the CPU)
-    declare(sdpa, dropout=False)
+    # torch's SDPA underneath: its semantics (zeros for an empty row on the CPU). It drops
+    # is_causal when a mask is passed (a model folds the diagonal into its mask): a
+    # causal call with a mask leaks future keys (docs/adapters.md), so the diagonal
+    # reaches it folded into the mask, as a model passes it
+    declare(sdpa, dropout=False, causal_with_mask=False)
     declare(
         eager,
         dropout=False,

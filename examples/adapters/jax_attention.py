@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from examples.adapters import as_4d, declare, expand_mask, no_dropout, unflatten
+from attnref.adapters import as_4d, declare, expand_mask, no_dropout, unflatten
 
 #: the adapter's error for a call JAX's signature cannot express (declared as a refusal)
 REFUSAL = "jax.nn.dot_product_attention needs"

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from examples.adapters import as_4d, declare, expand_mask, no_dropout, unflatten
+from attnref.adapters import as_4d, declare, expand_mask, no_dropout, unflatten
 
 
 def sdpa(
@@ -68,6 +68,9 @@ def _declare() -> None:
         sdpa,
         dropout=False,
         float_mask=False,  # GPT.forward passes boolean masks only
+        # no is_causal: causal without a mask, the mask alone with one (the model folds
+        # the diagonal into it)
+        causal_with_mask=False,
         explicit_scale=False,
         softcap=True,
         zero_head_dim=False,  # 1 / sqrt(head_size)

@@ -15,7 +15,7 @@ import math
 
 from torch import Tensor
 
-from examples.adapters import as_4d, declare, no_dropout, unflatten
+from attnref.adapters import as_4d, declare, no_dropout, unflatten
 
 
 def _buckets(window: tuple[int, int] | None, n: int, causal: bool) -> tuple[int, int, int]:

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from examples.adapters import as_4d, declare, expand_mask, no_dropout, unflatten
+from attnref.adapters import as_4d, declare, expand_mask, no_dropout, unflatten
 
 BUCKET = 4
 #: what the adapter raises for a mask the library cannot take (declared as a refusal)

@@ -14,7 +14,7 @@ from 8 to 512 (``head_dims``). Self-attention only.
 import torch
 from torch import Tensor
 
-from examples.adapters import as_4d, declare, no_dropout, unflatten
+from attnref.adapters import as_4d, declare, no_dropout, unflatten
 
 
 def attend(

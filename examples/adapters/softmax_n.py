@@ -16,7 +16,7 @@ from typing import Any
 
 from torch import Tensor
 
-from examples.adapters import as_4d, declare, expand_mask, no_dropout, unflatten
+from attnref.adapters import as_4d, declare, expand_mask, no_dropout, unflatten
 
 #: the sink logits the adapters take: no sink (n = 0), n = 1 and n = 2
 SINKS = (-math.inf, 0.0, math.log(2.0))

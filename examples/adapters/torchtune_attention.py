@@ -15,10 +15,12 @@ the identity. The module expands KV heads itself (GQA), scales by ``1 / sqrt(hea
   "If no mask is specified, a causal mask is used by default".
 """
 
+from typing import Any
+
 import torch
 from torch import Tensor, nn
 
-from examples.adapters import as_4d, declare, expand_mask, no_dropout, unflatten
+from attnref.adapters import as_4d, declare, expand_mask, no_dropout, unflatten
 
 #: cache slots beyond the sequence in `mha_cached` (a cache with room to spare)
 SPARE = 3
@@ -115,9 +117,17 @@ def mha_cached(
 
 
 def _declare() -> None:
-    common = {"dropout": False, "float_mask": False, "explicit_scale": False}
+    common: dict[str, Any] = {"dropout": False, "float_mask": False, "explicit_scale": False}
     # one head_dim for K, Q and V (the module views V with it)
-    declare(mha, distinct_value_dim=False, refuses=("one mask for every head",), **common)
+    # is_causal applies without a mask only ("If no mask is specified, a causal mask is
+    # used by default"): a mask carries the diagonal
+    declare(
+        mha,
+        distinct_value_dim=False,
+        causal_with_mask=False,
+        refuses=("one mask for every head",),
+        **common,
+    )
     declare(
         mha_cached,
         bool_mask=False,

@@ -16,7 +16,7 @@ from typing import Any
 
 from torch import Tensor
 
-from examples.adapters import as_4d, declare, expand_mask, no_dropout, unflatten
+from attnref.adapters import as_4d, declare, expand_mask, no_dropout, unflatten
 
 
 def _attend(
