@@ -6,6 +6,7 @@ returns the wrong thing, and still finishes with a report and exit code 1.
 """
 
 import ctypes
+import math
 import os
 import sys
 import time
@@ -324,3 +325,65 @@ def bare_assert(q: Tensor, k: Tensor, v: Tensor, *args: Any, **kw: Any) -> Tenso
     """A library's assertion with no message."""
     assert q.shape[-1] == 12345  # the planted bug
     return q
+
+
+def _half_sums(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    attn_mask: Tensor | None,
+    is_causal: bool,
+    scale: float | None,
+    last_key_seen: bool,
+) -> Tensor:
+    Tq, Tk = q.shape[-2], k.shape[-2]
+    acc = torch.promote_types(q.dtype, torch.float32)
+    kk, vv = (t.repeat_interleave(q.shape[-3] // t.shape[-3], dim=-3) for t in (k, v))
+    s = q.shape[-1] ** -0.5 if q.shape[-1] else 1.0
+    scores = (q.to(acc) @ kk.to(acc).transpose(-2, -1)) * (s if scale is None else scale)
+    if is_causal:
+        scores = scores.masked_fill(~torch.ones(Tq, Tk, dtype=torch.bool).tril(), -math.inf)
+    if attn_mask is not None and attn_mask.dtype == torch.bool:
+        seen = attn_mask.expand(*attn_mask.shape[:-1], Tk).clone()
+        if last_key_seen:
+            seen[..., Tk - 1] = True  # the mask bug: the last key is never hidden
+        scores = scores.masked_fill(~seen, -math.inf)
+    elif attn_mask is not None:
+        scores = scores + attn_mask.to(acc)
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        return (probs @ vv.to(acc)).to(q.dtype)
+    out = torch.zeros(*probs.shape[:-1], v.shape[-1], dtype=q.dtype)
+    for start in range(0, Tk, 8):  # half-precision sums: each block's part rounded in
+        out = out + probs[..., start : start + 8].to(q.dtype) @ vv[..., start : start + 8, :]
+    return out
+
+
+def imprecise_and_mask_wrong(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    attn_mask: Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> Tensor:
+    """Two bugs at once, in half precision: its sums over the keys run in the inputs'
+    dtype, blocks of 8 keys at a time (a precision loss that grows with the keys), and a
+    boolean mask never hides the last key (a semantic bug of the masks)."""
+    return _half_sums(q, k, v, attn_mask, is_causal, scale, last_key_seen=True)
+
+
+def imprecise(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    attn_mask: Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> Tensor:
+    """`imprecise_and_mask_wrong` with its masks right: the precision loss alone."""
+    return _half_sums(q, k, v, attn_mask, is_causal, scale, last_key_seen=False)

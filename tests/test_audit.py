@@ -452,7 +452,7 @@ def test_json_report_and_reproducer_files(tmp_path: Path) -> None:
     path = tmp_path / "report.json"
     written = report.write_json(path)
     data = json.loads(path.read_text())
-    assert data["schema_version"] == 7
+    assert data["schema_version"] == 8
     assert data["api"] == "sdpa"
     assert data["backend"] == "mutant.gqa_tiled"
     assert data["profile"] == "quick"
@@ -790,6 +790,38 @@ def test_a_backend_that_raises_on_causal_with_a_mask_is_told_what_to_declare() -
     assert not report.ok
     (result,) = report.results
     assert "declares causal_with_mask=False" in result.message, result.message
+
+
+def test_a_backend_both_imprecise_and_wrong_on_masks_gets_both_findings() -> None:
+    """Precision is judged apart from semantics: a precision miss (an error over the
+    bound, under 5% of the output's size) does not end a property's search, which goes
+    on to the semantic failure a miss met first would hide; a property that finds both
+    reports both (`PropertyResult.also`), each under its own cause. One that finds only
+    misses is searched again, a miss then a failure to shrink."""
+    report = run(
+        "tests.planted:imprecise_and_mask_wrong",
+        dtypes=(torch.float16,),
+        properties=["forward", "tails"],
+    )
+    causes = [cause for cause, _ in report.findings()]
+    assert any(c.startswith("errors above the bound but under 5%") for c in causes), causes
+    assert any(c.startswith("wrong values") for c in causes), causes
+    both = [r for r in report.results if r.also is not None]
+    assert both, report.format_table()
+    data = both[0].to_dict()
+    assert data["also"]["cause"].startswith("errors above the bound but under 5%")
+    assert "reproducer" in data["also"]
+
+
+def test_precision_misses_alone_are_shrunk_as_before() -> None:
+    """A backend whose only fault is precision fails on it, shrunk (the second,
+    strict search), with no second finding."""
+    report = run("tests.planted:imprecise", dtypes=(torch.float16,), properties=["tails"])
+    (result,) = report.results
+    assert result.status == "fail", report.format_table()
+    assert result.also is None
+    assert result.finding is not None
+    assert result.finding.cause.startswith("errors above the bound"), result.finding.cause
 
 
 def test_a_partial_report_has_the_time_so_far() -> None:

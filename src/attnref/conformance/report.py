@@ -1,11 +1,11 @@
 """Audit reports: a verdict per (property, dtype), a terminal table, a versioned JSON document.
 
-JSON schema (``schema_version`` 7; 3 added ``api``, 4 ``trusted``, 5 ``checked``,
+JSON schema (``schema_version`` 8; 3 added ``api``, 4 ``trusted``, 5 ``checked``,
 ``cause`` and ``findings``, 6 ``world_size``, 7 the coverage: ``judged``, ``thin``,
-``floor``, ``min_judged``, ``startup_seconds`` and ``not_tested``)::
+``floor``, ``min_judged``, ``startup_seconds`` and ``not_tested``, 8 ``also``)::
 
     {
-      "schema_version": 7,
+      "schema_version": 8,
       "attnref_version": str, "torch_version": str,
       "backend": str, "api": an API family ("sdpa", "flash", ...), "device": str,
       "dtypes": [str], "world_size": int | null (the processes each call ran on),
@@ -45,7 +45,10 @@ JSON schema (``schema_version`` 7; 3 added ``api``, 4 ``trusted``, 5 ``checked``
             "expected": float | null,  # the oracle's (for a law too, not the other call)
             "where": [int] | null,
             "reproducer": str       # a runnable Python snippet
-         }}
+         },
+         "also": null | {...}       # a second finding, as "failure": a precision miss
+                                    # met while the search went on to a semantic failure
+         }
       ]
     }
 """
@@ -56,7 +59,7 @@ import json
 import math
 import os
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -77,7 +80,7 @@ __all__ = [
     "reproducer",
 ]
 
-SCHEMA_VERSION = 7
+SCHEMA_VERSION = 8
 
 #: a pass judged on fewer than this share of the profile's examples (per property and
 #: dtype) is thin, unless ``--min-judged`` sets the floor
@@ -131,6 +134,10 @@ class PropertyResult:
     finding: Finding | None = None
     #: a pass judged on fewer cases than the audit's floor (`AuditReport.floor`)
     thin: bool = False
+    #: a failure's second finding, of the other kind: the first precision miss (an
+    #: error over the bound, under 5% of the output's size) met on another case while
+    #: the search went on to the semantic failure it reports (`finding`), not shrunk
+    also: Finding | None = None
 
     @builtins.property  # (``property`` is a field's name here)
     def judged(self) -> int:
@@ -151,6 +158,7 @@ class PropertyResult:
             "seconds": round(self.seconds, 4),
             "message": self.message,
             "failure": None if self.finding is None else self.finding.to_dict(),
+            "also": None if self.also is None else self.also.to_dict(),
         }
 
 
@@ -321,8 +329,15 @@ class AuditReport:
         from attnref.conformance.verdicts import cause_key
 
         groups: dict[str, tuple[str, list[PropertyResult]]] = {}
-        for r in self.results:
-            if r.status == "fail":
+        for result in self.results:
+            if result.status != "fail":
+                continue
+            # a second finding (`PropertyResult.also`) is grouped under its own cause
+            second = result.also
+            views = [result]
+            if second is not None:
+                views.append(replace(result, message=second.message, finding=second, also=None))
+            for r in views:
                 cause = r.finding.cause if r.finding is not None and r.finding.cause else r.message
                 groups.setdefault(cause_key(cause), (cause, []))[1].append(r)
         return sorted(groups.values(), key=lambda item: -len(item[1]))

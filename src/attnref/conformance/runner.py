@@ -58,6 +58,17 @@ class _Search:
     shrink_until: float | None = None
     stop: bool = False
     late: bool = False  # stopped by the audit's deadline
+    #: the first precision miss (an error over the bound, under 5% of the output's
+    #: size) met while searching for a semantic failure, and how many cases missed so
+    strict: bool = False  # a precision miss is a failure to shrink (the second search)
+    imprecise: tuple[Case, Failure] | None = None
+    imprecise_cases: int = 0
+
+
+def _precision_miss(f: Failure) -> bool:
+    """Whether ``f`` is what a precision loss looks like (`Failure.small`), not a
+    semantic failure (NaN, a policy, wrong values)."""
+    return f.kind == "error" and f.small and not f.fatal
 
 
 #: the message of a property the audit's deadline cut short
@@ -134,6 +145,13 @@ def run_property(
             search.skip_reason = str(s)
             return
         except Failure as f:
+            if not search.strict and _precision_miss(f):
+                # judged apart: the search goes on for a semantic failure, which a
+                # precision miss met first would otherwise hide (and shrink away)
+                search.imprecise_cases += 1
+                if search.imprecise is None:
+                    search.imprecise = (case, f)
+                return
             search.failure = (case, f)
             now = time.perf_counter()
             if search.shrink_until is None:
@@ -141,37 +159,38 @@ def run_property(
             search.stop = f.fatal or now > search.shrink_until
             raise _Found from None
 
-    test = given(narrowed(prop.cases(profile, caps), caps, profile))(body)
-    test = settings(
-        max_examples=profile.examples,
-        deadline=None,
-        database=None,
-        derandomize=False,
-        phases=(Phase.generate, Phase.shrink),
-        suppress_health_check=list(HealthCheck),
-        report_multiple_bugs=False,
-        verbosity=Verbosity.quiet,
-        print_blob=False,
-    )(test)
-    test = hypothesis_seed(property_seed(seed, prop.id, dtype))(test)
-    try:
-        test()
-    except Exception:
-        # _Found, or Hypothesis' own complaint when a shrink budget made the final replay
-        # pass: either way the failure we recorded is the smallest one found
+    def searched() -> None:
+        test = given(narrowed(prop.cases(profile, caps), caps, profile))(body)
+        test = settings(
+            max_examples=profile.examples,
+            deadline=None,
+            database=None,
+            derandomize=False,
+            phases=(Phase.generate, Phase.shrink),
+            suppress_health_check=list(HealthCheck),
+            report_multiple_bugs=False,
+            verbosity=Verbosity.quiet,
+            print_blob=False,
+        )(test)
+        test = hypothesis_seed(property_seed(seed, prop.id, dtype))(test)
+        try:
+            test()
+        except Exception:
+            # _Found, or Hypothesis' own complaint when a shrink budget made the final
+            # replay pass: either way the failure recorded is the smallest one found
+            if search.failure is None:
+                raise
         if search.failure is None:
-            raise
-    if search.failure is None:
-        for case in prop.examples(profile, caps):
-            if caps.narrow():
-                case = inside(case, caps)
-            try:
-                body(case)
-            except _Found:
-                break
-    if search.failure is not None:
-        case, failure = search.failure
-        finding = Finding(
+            for case in prop.examples(profile, caps):
+                if caps.narrow():
+                    case = inside(case, caps)
+                try:
+                    body(case)
+                except _Found:
+                    break
+
+    def finding_of(case: Case, failure: Failure) -> Finding:
+        return Finding(
             case,
             str(failure),
             failure.got,
@@ -189,7 +208,25 @@ def run_property(
             ),
             cause_of(failure, dtype_name(dtype)),
         )
-        return done("fail", str(failure), finding)
+
+    searched()
+    if search.failure is None and search.imprecise is not None and not search.stop:
+        # only precision misses: searched again, the same cases in the same order, with
+        # a miss a failure to shrink to its smallest case
+        search.strict = True
+        search.checks = search.skipped = search.refused = 0  # counted as the search that reports
+        searched()
+    if search.failure is None and search.imprecise is not None:
+        search.failure = search.imprecise  # (the second search stopped before it)
+    if search.failure is not None:
+        case, failure = search.failure
+        also = None
+        if search.imprecise is not None and not search.strict:
+            # a semantic failure, and precision misses besides: both are findings
+            also = finding_of(*search.imprecise)
+        result = done("fail", str(failure), finding_of(case, failure))
+        result.also = also
+        return result
     if search.late:
         return done("skip", LATE)
     spent = f"its budget of {budget:g} s ran out" if search.over_budget else ""
