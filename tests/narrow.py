@@ -181,3 +181,65 @@ def at_most_keys(query: Tensor, key: Tensor, value: Tensor, *args: Any, **kw: An
 at_most_keys.capabilities = Capabilities(  # type: ignore[attr-defined]
     queries_at_most_keys=True, causal_with_mask=False
 )
+
+
+def causal_bottom_right(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attn_mask: Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    causal_alignment: str = "top_left",
+) -> Tensor:
+    """Causal attention aligned bottom-right only (a prefill against a cache, and its
+    decode steps), no mask: torch's SDPA with that diagonal as a mask."""
+    from attnref.masks import causal_mask
+
+    if attn_mask is not None or not is_causal or causal_alignment != "bottom_right":
+        raise NotImplementedError("causal bottom-right only, no mask")
+    seen = causal_mask(query.shape[-2], key.shape[-2], "bottom_right")
+    out: Tensor = torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, seen, scale=scale, enable_gqa=enable_gqa
+    )
+    return out
+
+
+def decode_step_top_left(*args: Any, **kwargs: Any) -> Tensor:
+    """`causal_bottom_right`, except that a single query is aligned top-left (it sees
+    key 0 only): a decode step that takes the prefill's other convention."""
+    query, key = args[0], args[1]
+    if query.shape[-2] == 1 and kwargs.get("is_causal"):
+        kwargs["causal_alignment"] = "bottom_right"
+        seen = torch.zeros(1, key.shape[-2], dtype=torch.bool)
+        seen[0, 0] = True
+        out: Tensor = torch.nn.functional.scaled_dot_product_attention(
+            query, key, args[2], seen, scale=kwargs.get("scale"), enable_gqa=True
+        )
+        return out
+    return causal_bottom_right(*args, **kwargs)
+
+
+_BOTTOM_RIGHT_ONLY = Capabilities(
+    bool_mask=False, float_mask=False, causal_only=True, causal_alignments=("bottom_right",)
+)
+causal_bottom_right.capabilities = _BOTTOM_RIGHT_ONLY  # type: ignore[attr-defined]
+decode_step_top_left.capabilities = _BOTTOM_RIGHT_ONLY  # type: ignore[attr-defined]
+
+
+def always_sinks(*args: Any, sinks: Tensor | None = None, **kwargs: Any) -> Tensor:
+    """attnref's reference with sink logits, as GPT-OSS's attention always has them: it
+    raises on a call without."""
+    from attnref.functional import scaled_dot_product_attention
+
+    if sinks is None:
+        raise ValueError("sinks are required")
+    out: Tensor = scaled_dot_product_attention(*args, sinks=sinks, **kwargs)
+    return out
+
+
+always_sinks.capabilities = Capabilities(  # type: ignore[attr-defined]
+    sinks=True, sinks_required=True, causal_with_mask=True
+)

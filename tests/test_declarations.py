@@ -343,3 +343,60 @@ def test_queries_at_most_keys_keeps_every_call_inside_it() -> None:
     case = Case("x", Tq=5, Tk=3)
     verdict = check_case("forward", "tests.narrow:at_most_keys", case, torch.float32)
     assert verdict == "skip: Tq = 5 > Tk = 3: queries at most keys declared"
+
+
+@pytest.mark.parametrize(
+    ("spec", "ok"),
+    [("tests.narrow:causal_bottom_right", True), ("tests.narrow:decode_step_top_left", False)],
+)
+def test_a_causal_only_bottom_right_kernel_is_held_to_decode(spec: str, ok: bool) -> None:
+    """A decode step is itself a causal call of a bottom-right kernel (one query, aligned
+    with the last key): `decode` runs it so instead of skipping the property, and a
+    kernel that aligns a single query top-left fails it."""
+    report = audit(
+        resolve_backend(spec),
+        device="cpu",
+        progress=False,
+        dtypes=(torch.float32,),
+        properties=["decode"],
+    )
+    (result,) = report.results
+    assert result.status == ("pass" if ok else "fail"), report.format_table()
+    assert result.judged > 0
+
+
+def test_sinks_on_every_call_are_declared_and_kept_to() -> None:
+    """A library whose attention always has sink logits declares sinks_required: every
+    case is drawn with them, none skipped; without the declaration its raise on a call
+    without sinks is a failure, and a declaration that asks for it without sinks is
+    refused."""
+    backend = resolve_backend("tests.narrow:always_sinks")
+    props = ["forward", "causality", "masked_keys", "sinks"]
+    report = audit(backend, device="cpu", progress=False, dtypes=(torch.float32,), properties=props)
+    assert report.ok, report.format_table()
+    assert all(r.status == "pass" and r.skipped == 0 for r in report.results), report.format_table()
+    plain = replace(backend, capabilities=replace(backend.capabilities, sinks_required=False))
+    report = audit(plain, device="cpu", progress=False, dtypes=(torch.float32,), properties=props)
+    assert not report.ok
+    with pytest.raises(ValueError, match="sinks_required needs sinks=True"):
+        Capabilities(sinks_required=True)
+
+
+def test_a_poisoned_case_keeps_the_sinks_and_slopes_of_its_clean_twin() -> None:
+    """`masked_keys` compares a call with poison at hidden keys against the clean call:
+    the two must differ at the hidden keys alone. The poison once drew from the case's
+    generator, and the sink logits and per-sample ALiBi slopes drawn after it changed
+    (the reference failed masked_keys with sinks, "query 0 sees 1 of 1 keys")."""
+    from attnref.conformance.cases import build
+
+    case = Case(
+        "x", batch=(2,), Tq=3, Tk=5, mask="bool", poison="garbage", sinks=True, alibi="batch_heads"
+    )
+    dirty, clean = (build(c, torch.float32) for c in (case, replace(case, poison="none")))
+    assert dirty.sinks is not None
+    assert clean.sinks is not None
+    assert torch.equal(dirty.sinks, clean.sinks)
+    assert dirty.alibi_slopes is not None
+    assert clean.alibi_slopes is not None
+    assert torch.equal(dirty.alibi_slopes, clean.alibi_slopes)
+    assert torch.equal(dirty.query, clean.query)

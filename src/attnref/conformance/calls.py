@@ -104,6 +104,8 @@ def skip_reason(backend: Backend, inputs: Inputs, kwargs: dict[str, Any]) -> str
         return f"an explicit scale ({inputs.scale:g}): only the default scale declared"
     if caps.window_required and inputs.window is None:
         return "a call without a sliding window: a window on every call declared"
+    if caps.sinks_required and (inputs.sinks is None or inputs.sinks.numel() == 0):
+        return "a call without sink logits: sinks on every call declared"
     return _sink_reason(caps, inputs.sinks)
 
 

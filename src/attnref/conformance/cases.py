@@ -264,7 +264,10 @@ def build(case: Case, dtype: torch.dtype, device: str | torch.device = "cpu") ->
     if case.poison != "none":
         if case.layout.startswith("broadcast"):
             raise ValueError(f"case {case.name}: poison needs K and V of their own per sample")
-        k, v = _plant(case, q, k, v, mask, gen)
+        # its own generator: what is drawn after it (ALiBi's slopes per sample, the sink
+        # logits) must be the same with the poison as without (masked_keys compares them)
+        poison_gen = torch.Generator().manual_seed(case.seed + 104729)
+        k, v = _plant(case, q, k, v, mask, poison_gen)
     q, k, v = (t.to(device=device, dtype=dtype) for t in (q, k, v))
     if case.layout == "sliced":  # a view with a storage offset and a non-unit row stride
         k = torch.cat([torch.zeros_like(k[..., :1]), k, k], dim=-1)[..., 1 : case.Dh + 1]

@@ -45,7 +45,7 @@ from attnref.conformance.oracle import (
 )
 from attnref.conformance.verdicts import Failure, Skip
 from attnref.conformance.worker import Executor, Job
-from attnref.masks import additive_mask, causal_offset
+from attnref.masks import Alignment, additive_mask, causal_offset
 
 __all__ = [
     "Check",
@@ -629,8 +629,16 @@ def value_affine(ctx: Context, case: Case) -> None:
 
 
 def decode(ctx: Context, case: Case) -> None:
-    """Each query alone, against the keys it sees causally (a KV cache), with no mask."""
+    """Each query alone, against the keys it sees causally (a KV cache), with no mask.
+
+    A step is a plain call (one query sees all its keys); to a backend that takes only
+    causal calls and computes the bottom-right alignment, it is that call, causal
+    bottom-right (the one query is then aligned with the last key: the same function),
+    as a decode step through such a kernel is."""
     inputs = ctx.build(case)
+    step_causal: Alignment | None = None
+    if ctx.caps.causal_only and "bottom_right" in ctx.caps.causal_alignments:
+        step_causal = "bottom_right"
     assert inputs.causal is not None
     full = ctx.run(inputs)
     q, k, v, mask = inputs.query, inputs.key, inputs.value, inputs.attn_mask
@@ -647,7 +655,7 @@ def decode(ctx: Context, case: Case) -> None:
             continue  # this query sees nothing: the empty-row property's business
         row_mask = None if mask is None else mask[..., i if mask.shape[-2] > 1 else 0, None, :n]
         step = Inputs(
-            q[..., i : i + 1, :], k[..., :n, :], v[..., :n, :], row_mask, None, inputs.scale
+            q[..., i : i + 1, :], k[..., :n, :], v[..., :n, :], row_mask, step_causal, inputs.scale
         )
         law(
             ctx,
@@ -827,11 +835,17 @@ def _why_hidden(ctx: Context, inputs: Inputs, where: tuple[int, ...]) -> str:
 def sink_law(ctx: Context, case: Case) -> None:
     """``out(sinks) = out(no sinks) * sigmoid(lse - sigma)``, and a sink of ``-inf`` is
     no sink. The factor comes from the oracle's LSE, exactly: the law relates two calls
-    of the backend."""
+    of the backend. To a backend that takes sinks on every call (``sinks_required``),
+    no sink is a sink of ``-inf``."""
     inputs = ctx.build(case)
     assert inputs.sinks is not None
     sinks = inputs.sinks
+    takes_minus_inf = not ctx.caps.sink_values or -math.inf in ctx.caps.sink_values
+    if ctx.caps.sinks_required and not takes_minus_inf:
+        raise Skip("no call without a sink: sinks on every call, and -inf not among them")
     plain = replace(inputs, sinks=None)
+    if ctx.caps.sinks_required:
+        plain = replace(inputs, sinks=torch.full_like(sinks, -math.inf))
     base = ctx.run(plain)
     lse = expect_lse(plain.to(torch.float64), rows=ctx.rows(plain)).value  # (*batch, h, Tq)
     factor = torch.sigmoid(lse - sinks.to(torch.float64)[:, None]).unsqueeze(-1)
@@ -846,8 +860,8 @@ def sink_law(ctx: Context, case: Case) -> None:
         transform=lambda out: out * factor,
         sel=seen,
     )
-    if ctx.caps.sink_values and -math.inf not in ctx.caps.sink_values:
-        return  # a sink of -inf is not among those declared
+    if not takes_minus_inf or ctx.caps.sinks_required:
+        return  # a sink of -inf is not among those declared, or was the base call
     none = replace(inputs, sinks=torch.full_like(sinks, -math.inf))
     law(ctx, ctx.run(none), none, base, plain, "a sink of -inf against no sink")
 

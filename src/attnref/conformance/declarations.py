@@ -174,6 +174,9 @@ class Capabilities:
     #: the only head dims taken (Dqk and Dv), e.g. powers of two; () : any up to
     #: ``max_head_dim``. Cases draw among them
     head_dims: tuple[int, ...] = ()
+    #: every call carries sink logits (a library whose attention always has them, as
+    #: GPT-OSS's): cases are drawn with them (``sinks`` must be declared)
+    sinks_required: bool = False
     #: one sink logit shared by every head (cases draw one value for all heads)
     sink_shared: bool = False
     #: the sink logits taken (() : any); cases draw among them, ``-inf`` is no sink
@@ -205,6 +208,8 @@ class Capabilities:
             raise ValueError(f"Capabilities.head_dims must be ints >= 0, got {self.head_dims!r}")
         if self.window_required and not self.window:
             raise ValueError("Capabilities.window_required needs window=True")
+        if self.sinks_required and not self.sinks:
+            raise ValueError("Capabilities.sinks_required needs sinks=True")
         if self.causal_only and not self.causal_alignments:
             raise ValueError(
                 "Capabilities.causal_only needs the alignment the backend computes in "
@@ -274,6 +279,7 @@ class Capabilities:
             or self.causal_only
             or not self.explicit_scale
             or self.window_required
+            or self.sinks_required
             or bool(self.head_dims)
             or self.sink_shared
             or bool(self.sink_values)
@@ -354,6 +360,7 @@ def not_tested(caps: Capabilities) -> list[str]:
     )
     add(caps.causal_only, "non-causal calls", "causal_only=True")
     add(caps.window_required, "calls without a window", "window_required=True")
+    add(caps.sinks_required, "calls without sink logits", "sinks_required=True")
     variants = sum((caps.window, caps.softcap, caps.alibi, caps.sinks))
     add(
         variants > 1 and not caps.combined_variants,

@@ -509,8 +509,8 @@ def _first(options: Sequence[_T]) -> _T:
 def inside(case: Case, caps: Capabilities, pick: Callable[[Sequence[Any]], Any] = _first) -> Case:
     """``case`` moved inside what a narrow backend declares (`Capabilities.narrow`):
     self-attention (``Tq = Tk``: the keys' length is kept), no more queries than keys,
-    causal at a declared
-    alignment (and no mask, where it cannot take both), the default scale, one shared or
+    causal at a declared alignment (and no mask, where it cannot take both), the
+    default scale, a window and sinks where every call must have them, one shared or
     declared sink. ``pick`` chooses among options (a draw; default: the first)."""
     if caps.self_attention_only:
         if case.seqlens:
@@ -531,6 +531,8 @@ def inside(case: Case, caps: Capabilities, pick: Callable[[Sequence[Any]], Any] 
         case = replace(case, scale=None)
     if caps.window_required and case.window is None:
         case = replace(case, window=pick(_REQUIRED_WINDOWS))
+    if caps.sinks_required and not case.sinks:
+        case = replace(case, sinks=True)
     if caps.head_dims and case.Dh not in caps.head_dims:
         Dh = pick(caps.head_dims)
         case = replace(case, Dh=Dh, rotary=min(case.rotary, Dh - Dh % 2))
