@@ -387,3 +387,40 @@ def imprecise(
 ) -> Tensor:
     """`imprecise_and_mask_wrong` with its masks right: the precision loss alone."""
     return _half_sums(q, k, v, attn_mask, is_causal, scale, last_key_seen=False)
+
+
+def _reference_softcap(
+    q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, drop: bool, **kw: Any
+) -> Tensor:
+    from attnref.functional import scaled_dot_product_attention
+
+    if drop:
+        attn_mask = None
+    out: Tensor = scaled_dot_product_attention(q, k, v, attn_mask, **kw)
+    return out
+
+
+def mask_dropped_always(
+    q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None = None, **kw: Any
+) -> Tensor:
+    """attnref's reference with softcap, a boolean mask never applied (softcap or not)."""
+    drop = attn_mask is not None and attn_mask.dtype == torch.bool
+    return _reference_softcap(q, k, v, attn_mask, drop, **kw)
+
+
+def mask_dropped_under_softcap(
+    q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None = None, **kw: Any
+) -> Tensor:
+    """attnref's reference, a boolean mask dropped only when softcap is on."""
+    drop = attn_mask is not None and attn_mask.dtype == torch.bool and bool(kw.get("softcap"))
+    return _reference_softcap(q, k, v, attn_mask, drop, **kw)
+
+
+def _declare_softcap() -> None:
+    from attnref.conformance import Capabilities
+
+    for fn in (mask_dropped_always, mask_dropped_under_softcap):
+        fn.capabilities = Capabilities(softcap=True, float_mask=False)  # type: ignore[attr-defined]
+
+
+_declare_softcap()

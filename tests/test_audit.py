@@ -845,3 +845,35 @@ def test_an_assertion_with_no_message_is_shown_with_its_source_line() -> None:
     (result,) = report.results
     assert "AssertionError with no message, raised at planted.py, line" in result.message
     assert result.message.endswith("assert q.shape[-1] == 12345  # the planted bug")
+
+
+def test_the_head_hint_is_given_on_unbatched_outputs_too() -> None:
+    """A row that sees keys next to a head that sees none, in an output with no batch
+    dimension (``(h, Tq, Dv)``): the hint that heads may be mixed is given, as for a
+    batched one (it was left out when the output had fewer than four dims)."""
+    from attnref.conformance.cases import Inputs
+    from attnref.conformance.checks import Context
+    from attnref.conformance.declarations import Capabilities
+
+    q, k, v = torch.randn(2, 1, 4), torch.randn(2, 3, 4), torch.randn(2, 3, 4)
+    mask = torch.tensor([[[True, True, False]], [[False, False, False]]])  # head 1: none
+    backend = replace(resolve_backend("reference"), capabilities=Capabilities())
+    ctx = Context(backend, torch.float32, "cpu", 10.0)
+    text = ctx.row(Inputs(q, k, v, mask, None, None), (0, 0, 1))
+    assert text.startswith("query 0 sees 2 of 3 keys; head 1 at the same position sees no key")
+
+
+@pytest.mark.parametrize(
+    ("spec", "culprit"),
+    [
+        ("tests.planted:mask_dropped_always", "is not applied, with or without softcap"),
+        ("tests.planted:mask_dropped_under_softcap", "is not applied under softcap"),
+    ],
+)
+def test_softcap_bound_names_the_culprit(spec: str, culprit: str) -> None:
+    """A hidden key with weight under softcap is blamed on softcap only when the same
+    call without softcap hides it (once, a causal-diagonal bug was blamed on softcap)."""
+    report = run(spec, dtypes=(torch.float32,), properties=["softcap_bound"])
+    (result,) = report.results
+    assert result.status == "fail", report.format_table()
+    assert culprit in result.message, result.message

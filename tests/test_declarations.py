@@ -242,6 +242,13 @@ def test_causes_tell_precision_from_wrong_values_and_name_the_policy() -> None:
     assert cause_of(nan, "float32") == (
         "NaN/inf where the oracle is finite in rows that see no key (declared policy 'zero')"
     )
+    # a hint about another row does not label this one (a group "in rows that see no
+    # key" once held "query 0 sees 1 of 1 keys; head 1 ... sees no key")
+    hinted = Failure(
+        "z; query 0 sees 1 of 1 keys; head 1 at the same position sees no key: if ...",
+        kind="error",
+    )
+    assert cause_of(hinted, "float32").endswith("in rows that see keys")
     raised = Failure("RuntimeError: shape '[1, 3, -1, 0]' is invalid for input of size 0")
     assert cause_of(raised, "float32") == str(raised)  # its numbers as they are
     assert (

@@ -221,7 +221,7 @@ class Context:
                 "a NaN row of P to its neighbours (oneDNN's bfloat16 matmul on some CPUs, "
                 "oneDNN#5717) makes this row NaN too"
             )
-        if len(where) < 4:
+        if len(where) < 3:  # (h, Tq, Dv) at least: unbatched outputs have heads too
             return ""
         index: tuple[int | slice, ...] = (*where[:-3], slice(None), where[-2])
         heads = seen[index]  # (h, Tk)
@@ -787,11 +787,24 @@ def softcap_bound(ctx: Context, case: Case) -> None:
     if bool(hidden.any()):
         where = tuple(int(i) for i in hidden.nonzero()[0])
         w = float(weights[where])
+        why = _why_hidden(ctx, probe, where)
+        hider = {"the causal diagonal hides it": "the causal diagonal"}.get(why, "the mask")
+        hider = "the window" if why.startswith("the window") else hider
+        # the culprit: the same call without softcap and with zero queries (every score
+        # 0, so a key left unhidden has a weight near 1/Tk, however far the scores
+        # were) tells a mask never applied from one that softcap's path drops
+        zero_q = replace(probe, query=torch.zeros_like(probe.query), softcap=0.0)
+        plain = ctx.run(zero_q, oracle=False).to(torch.float64)
+        w0 = float(plain[where])
+        culprit = (
+            f"{hider} is not applied, with or without softcap (weight {w0:.4g} without it)"
+            if abs(w0) > exact.bounds()[0] + eps
+            else f"{hider} is not applied under softcap (weight {w0:.4g} without it)"
+        )
         raise Failure(
             f"softcap {c:g}: key {where[-1]} is hidden from query {where[-2]} "
-            f"({_why_hidden(ctx, probe, where)}) but has weight {w:.4g}: the mask is not "
-            f"applied under softcap; {int(hidden.sum())} hidden (query, key) pairs have "
-            f"weight; first at {where}",
+            f"({why}) but has weight {w:.4g}: {culprit}; {int(hidden.sum())} hidden "
+            f"(query, key) pairs have weight; first at {where}",
             got=w,
             expected=0.0,
             where=where,

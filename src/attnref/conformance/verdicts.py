@@ -63,9 +63,12 @@ def cause_of(failure: Failure, dtype: str) -> str:
     numbers and dtypes)."""
     text = str(failure)
     row = ""
-    if "sees no key" in text:
+    # the failing row as the message names it; a hint after it may speak of another
+    # row ("head 1 at the same position sees no key"), which does not label this one
+    named = _NAMED_ROW.search(text)
+    if named is not None and named.group(1) == "no key":
         row = " in rows that see no key" + _policy(text)
-    elif " sees " in text and " keys" in text:
+    elif named is not None:
         row = " in rows that see keys"
     if failure.kind == "nan":
         return "NaN/inf where the oracle is finite" + row
@@ -78,6 +81,8 @@ def cause_of(failure: Failure, dtype: str) -> str:
     return text.split("; first at")[0][:200]
 
 
+#: how `attnref.conformance.checks.Context.row` names the failing row
+_NAMED_ROW = re.compile(r"query \d+ sees (no key|\d+ of \d+ keys)")
 #: a number standing alone (not a part of a name, such as the 32 of float32)
 _NUMBER = re.compile(r"(?<![\w.])-?\d+(\.\d+)?(e[-+]?\d+)?(?!\w)")
 #: a dtype's name
