@@ -243,3 +243,37 @@ def always_sinks(*args: Any, sinks: Tensor | None = None, **kwargs: Any) -> Tens
 always_sinks.capabilities = Capabilities(  # type: ignore[attr-defined]
     sinks=True, sinks_required=True, causal_with_mask=True
 )
+
+
+def sink_in_the_softmax(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attn_mask: Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    sinks: Tensor | None = None,
+) -> Tensor:
+    """GPT-OSS's eager attention in plain torch: the sink logit joins each row's
+    softmax as one more column, dropped after it; a row that sees no key is then 0, or,
+    with a sink of -inf, a softmax of -inf (NaN). Sinks on every call."""
+    if sinks is None or is_causal:
+        raise ValueError("sinks on every call, causality as a mask")
+    h, Tq = query.shape[-3], query.shape[-2]
+    kk, vv = (t.repeat_interleave(h // t.shape[-3], dim=-3) for t in (key, value))
+    s = (query.shape[-1] ** -0.5 if query.shape[-1] else 1.0) if scale is None else scale
+    scores = (query @ kk.transpose(-2, -1)) * s
+    if attn_mask is not None and attn_mask.dtype == torch.bool:
+        scores = scores.masked_fill(~attn_mask, float("-inf"))
+    elif attn_mask is not None:
+        scores = scores + attn_mask
+    sink = sinks.to(scores.dtype)[:, None, None].expand(*scores.shape[:-1], 1)
+    probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    return probs.to(value.dtype) @ vv
+
+
+sink_in_the_softmax.capabilities = Capabilities(  # type: ignore[attr-defined]
+    sinks=True, sinks_required=True, causal_alignments=(), gradients=False
+)

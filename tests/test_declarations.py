@@ -389,6 +389,21 @@ def test_sinks_on_every_call_are_declared_and_kept_to() -> None:
         Capabilities(sinks_required=True)
 
 
+def test_sinks_on_every_call_as_gpt_oss_computes_them() -> None:
+    """GPT-OSS's way (the sink a column of the softmax): with a sink of -inf as the
+    sink law's call without a sink, a row that sees no key is NaN, which the law leaves
+    to empty_rows (the declared policy is for its sinks); decode steps keep the sinks."""
+    report = audit(
+        resolve_backend("tests.narrow:sink_in_the_softmax"),
+        device="cpu",
+        progress=False,
+        dtypes=(torch.float32,),
+        properties=["sinks", "decode", "empty_rows", "forward"],
+    )
+    assert report.ok, report.format_table()
+    assert all(r.status == "pass" and r.skipped == 0 for r in report.results), report.format_table()
+
+
 def test_a_poisoned_case_keeps_the_sinks_and_slopes_of_its_clean_twin() -> None:
     """`masked_keys` compares a call with poison at hidden keys against the clean call:
     the two must differ at the hidden keys alone. The poison once drew from the case's

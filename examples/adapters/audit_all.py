@@ -16,6 +16,7 @@ from pathlib import Path
 ADAPTERS = [
     ("examples.adapters.hf_transformers:sdpa", "transformers"),
     ("examples.adapters.hf_transformers:eager", "transformers"),
+    ("examples.adapters.hf_transformers:gpt_oss", "transformers"),
     ("examples.adapters.x_transformers:attend", "x_transformers"),
     ("examples.adapters.x_transformers:attend_flash", "x_transformers"),
     ("examples.adapters.memory_efficient:chunked", "memory_efficient_attention_pytorch"),

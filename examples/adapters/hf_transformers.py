@@ -89,6 +89,39 @@ def eager(
     return unflatten(out.transpose(1, 2), query, value.shape[-1])
 
 
+def gpt_oss(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attn_mask: Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    sinks: Tensor | None = None,
+) -> Tensor:
+    """GPT-OSS's ``eager_attention_forward``: a learned sink logit per head (the
+    module's ``sinks``) joins each row's softmax and is dropped after it. The mask is
+    additive, as for Llama's eager path."""
+    from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
+
+    no_dropout(dropout_p)
+    if is_causal:
+        raise NotImplementedError("the eager path takes causality as a mask")
+    if sinks is None:
+        raise NotImplementedError("GPT-OSS's attention always has sink logits")
+    q, k, v = as_4d(query), as_4d(key), as_4d(value)
+    mask = expand_mask(attn_mask, query, key)
+    if mask is not None and mask.dtype == torch.bool:
+        mask = additive(mask, q.dtype, torch.finfo(q.dtype).min)
+    s = (q.shape[-1] ** -0.5 if q.shape[-1] else 1.0) if scale is None else scale
+    module = _Module(q.shape[1] // k.shape[1], False)
+    module.sinks = sinks.to(q.dtype)  # the model's parameter, in the model's dtype
+    out: Any
+    out, _ = eager_attention_forward(module, q, k, v, mask, scaling=s, dropout=0.0)
+    return unflatten(out.transpose(1, 2), query, value.shape[-1])
+
+
 def _declare() -> None:
     from attnref.conformance import EmptyRows
 
@@ -97,6 +130,13 @@ def _declare() -> None:
     # causal call with a mask leaks future keys (docs/adapters.md), so the diagonal
     # reaches it folded into the mask, as a model passes it
     declare(sdpa, dropout=False, causal_with_mask=False)
+    declare(
+        gpt_oss,
+        dropout=False,
+        causal_alignments=(),  # every causal case reaches it as a mask
+        sinks=True,
+        sinks_required=True,  # a sink logit per head on every call
+    )
     declare(
         eager,
         dropout=False,

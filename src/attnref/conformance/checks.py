@@ -312,11 +312,14 @@ def law(
     factor: float = 1.0,
     sel: Bool[Tensor, "*#shape"] | None = None,
     base_sel: Bool[Tensor, "*#base"] | None = None,
+    base_finite: Bool[Tensor, "*#base"] | None = None,
 ) -> None:
     """Fail unless ``got ~ transform(base)`` within both calls' bounds on ``sel``.
 
     ``base_sel``: the rows of ``base`` whose bounds count, where ``transform`` changes
-    the shape (default: ``sel``).
+    the shape (default: ``sel``). ``base_finite``: the rows of ``base`` that must be
+    finite where the oracle is (default: all; a base call whose other rows hold a
+    policy the declaration does not give, such as a sink of -inf's empty rows).
 
     ``factor`` is how much ``transform`` scales an error; ``delta`` covers the change in
     the exact answer that rounding the transformed inputs makes. First, each call must be
@@ -324,8 +327,11 @@ def law(
     never make a law hold, and the message names the call that went wrong.
     """
     eg, eb = ctx.expect(got_inputs), ctx.expect(base_inputs)
+    judged = eb.judged()
+    if base_finite is not None:
+        judged = judged.where(base_finite, math.nan)
     with ctx.naming_the_row(base_inputs):
-        _finite_where_the_oracle_is(base, eb.judged(), f"{what}: the call on the original inputs")
+        _finite_where_the_oracle_is(base, judged, f"{what}: the call on the original inputs")
     # a long case's rows the oracles know (`Context.rows`), as the transform moves them
     sel = eg.sel(sel)
     if eb.known is not None:
@@ -655,7 +661,14 @@ def decode(ctx: Context, case: Case) -> None:
             continue  # this query sees nothing: the empty-row property's business
         row_mask = None if mask is None else mask[..., i if mask.shape[-2] > 1 else 0, None, :n]
         step = Inputs(
-            q[..., i : i + 1, :], k[..., :n, :], v[..., :n, :], row_mask, step_causal, inputs.scale
+            q[..., i : i + 1, :],
+            k[..., :n, :],
+            v[..., :n, :],
+            row_mask,
+            step_causal,
+            inputs.scale,
+            softcap=inputs.softcap,  # a row's own: softcap and sinks apply step by step
+            sinks=inputs.sinks,
         )
         law(
             ctx,
@@ -872,6 +885,10 @@ def sink_law(ctx: Context, case: Case) -> None:
         "output with sinks against out * sigmoid(lse - sink)",
         transform=lambda out: out * factor,
         sel=seen,
+        # a sink of -inf (no sink, to a backend that takes one on every call) leaves a
+        # row that sees no key to a policy the declaration, made for its sinks, does
+        # not give: the empty-row property judges those rows
+        base_finite=seen if ctx.caps.sinks_required else None,
     )
     if not takes_minus_inf or ctx.caps.sinks_required:
         return  # a sink of -inf is not among those declared, or was the base call
