@@ -261,7 +261,7 @@ def sink_in_the_softmax(
     with a sink of -inf, a softmax of -inf (NaN). Sinks on every call."""
     if sinks is None or is_causal:
         raise ValueError("sinks on every call, causality as a mask")
-    h, Tq = query.shape[-3], query.shape[-2]
+    h = query.shape[-3]
     kk, vv = (t.repeat_interleave(h // t.shape[-3], dim=-3) for t in (key, value))
     s = (query.shape[-1] ** -0.5 if query.shape[-1] else 1.0) if scale is None else scale
     scores = (query @ kk.transpose(-2, -1)) * s
