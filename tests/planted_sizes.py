@@ -14,6 +14,8 @@ import math
 import torch
 from torch import Tensor
 
+from tests.torch_sdpa import sdpa
+
 
 def _sdpa(
     q: Tensor,
@@ -25,10 +27,7 @@ def _sdpa(
     scale: float | None = None,
     enable_gqa: bool = False,
 ) -> Tensor:
-    out: Tensor = torch.nn.functional.scaled_dot_product_attention(
-        q, k, v, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa
-    )
-    return out
+    return sdpa(q, k, v, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
 
 
 def _bias(

@@ -3,6 +3,7 @@
 profile; a correct blocked kernel passes; every strawman fails every property that can
 see it."""
 
+import re
 from dataclasses import replace
 
 import pytest
@@ -20,6 +21,8 @@ from attnref.conformance.report import AuditReport
 from tests.planted_sizes import PLANTED, STRAWMEN
 
 SLOW = pytest.mark.slow
+#: the causes of a failure of values (`attnref.conformance.verdicts.cause_of`)
+_VALUES = re.compile(r"(wrong values|errors above the bound|NaN/inf where|finite values where)")
 #: the default profile, shrinking for at most half a second (only the verdict matters)
 KILL = replace(PROFILES["quick"], name="quick-kill", shrink_seconds=0.5)
 #: one of each class runs in the default tier, the others in the slow tier
@@ -40,6 +43,9 @@ def test_kernels_wrong_past_a_size_or_a_value_fail_the_default_audit(name: str) 
     assert not report.ok, report.format_table()
     failed = [r for r in report.results if r.status == "fail"]
     assert failed, report.format_table()
+    # for its values, not for an exception (torch's SDPA raised on is_causal with a mask
+    # once the default declaration tested it, which failed every kernel for that alone)
+    assert all(_VALUES.match(r.finding.cause) for r in failed if r.finding), report.format_table()
 
 
 #: a long row of V far from 0: torch's SDPA was 4.05e-5 off an output near 28 over 2047
@@ -94,6 +100,8 @@ def test_every_strawman_fails_every_property_that_can_see_it(name: str, full: bo
     )
     passed = [r.property for r in report.results if r.status != "fail"]
     assert not passed, report.format_table()
+    failed = [r for r in report.results if r.finding is not None]
+    assert all(_VALUES.match(r.finding.cause) for r in failed if r.finding), report.format_table()
 
 
 # ------------------------------------------------------------ the sampled oracle
