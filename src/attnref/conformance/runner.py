@@ -2,7 +2,9 @@
 
 Each (property, dtype) pair is one Hypothesis search seeded from the audit's seed. The
 first failure Hypothesis finds is shrunk to a minimal case (within the profile's shrink
-budget), then the property's explicit examples run if the search found nothing. The
+budget), then the property's explicit examples run if the search found nothing. A
+precision miss does not end the search (the semantic failure it would hide is looked
+for, and both are reported); one alone is searched for again and shrunk. The
 backend never crashes or hangs the audit: its code runs in a supervised worker
 (`attnref.conformance.worker`), and `attnref.conformance.calls` turns whatever it does
 into a verdict.
@@ -58,11 +60,10 @@ class _Search:
     shrink_until: float | None = None
     stop: bool = False
     late: bool = False  # stopped by the audit's deadline
-    #: the first precision miss (an error over the bound, under 5% of the output's
-    #: size) met while searching for a semantic failure, and how many cases missed so
     strict: bool = False  # a precision miss is a failure to shrink (the second search)
+    #: the first precision miss (an error over the bound, under 5% of the output's
+    #: size) met while searching for a semantic failure
     imprecise: tuple[Case, Failure] | None = None
-    imprecise_cases: int = 0
 
 
 def _precision_miss(f: Failure) -> bool:
@@ -148,7 +149,6 @@ def run_property(
             if not search.strict and _precision_miss(f):
                 # judged apart: the search goes on for a semantic failure, which a
                 # precision miss met first would otherwise hide (and shrink away)
-                search.imprecise_cases += 1
                 if search.imprecise is None:
                     search.imprecise = (case, f)
                 return
