@@ -160,3 +160,16 @@ def hangs_on_rank_3(q: Tensor, k: Tensor, v: Tensor, **kwargs: Any) -> Any:
 
 for _fn in (raises_on_rank_2, dies_on_rank_1, hangs_on_rank_3):
     _fn.capabilities = CAPS  # type: ignore[attr-defined]
+
+
+def full_group_only(q: Tensor, k: Tensor, v: Tensor, **kwargs: Any) -> Any:
+    """The ring reference on the process group of every rank; a call on a subgroup (a
+    smaller world size) raises, as a library that takes only the default group does
+    (or hangs, until gloo's timeout)."""
+    group = kwargs.get("group")
+    if dist.get_world_size(group) != dist.get_world_size():
+        raise RuntimeError("planted: only the default process group")
+    return D.ring_attention(q, k, v, **kwargs)
+
+
+full_group_only.capabilities = replace(CAPS, cp_full_group=True)  # type: ignore[attr-defined]

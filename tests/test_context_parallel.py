@@ -259,3 +259,19 @@ def test_torch_s_own_context_parallel_is_skipped_with_the_reason_off_cuda() -> N
     (result,) = report.results
     assert result.status == "skip", report.format_table()
     assert "flash, memory-efficient and cuDNN kernels, which run on CUDA" in result.message
+
+
+def test_a_kernel_that_takes_only_the_full_group_is_audited_inside_it() -> None:
+    """cp_full_group: every call on the group of every rank started (no subgroup, which
+    hung such a library until gloo's timeout); the world-size law compares the two
+    shardings there. Undeclared, its raise on a subgroup call is a failure."""
+    from attnref.conformance.backends import resolve_backend
+
+    backend = resolve_backend("tests.planted_cp:full_group_only", api="context-parallel")
+    kwargs: dict[str, Any] = {"dtypes": (torch.float32,), "progress": False, "world_size": 2}
+    report = audit(backend, properties=CP, **kwargs)
+    assert report.ok, report.format_table()
+    assert all(r.status == "pass" for r in report.results), report.format_table()
+    plain = replace(backend, capabilities=replace(backend.capabilities, cp_full_group=False))
+    report = audit(plain, properties=CP, **kwargs)
+    assert not report.ok, report.format_table()

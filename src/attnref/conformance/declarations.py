@@ -174,6 +174,9 @@ class Capabilities:
     #: the only head dims taken (Dqk and Dv), e.g. powers of two; () : any up to
     #: ``max_head_dim``. Cases draw among them
     head_dims: tuple[int, ...] = ()
+    #: (context-parallel) only the process group of every rank the audit started: no
+    #: call on a subgroup (a smaller world size), which some libraries hang on
+    cp_full_group: bool = False
     #: every call carries sink logits (a library whose attention always has them, as
     #: GPT-OSS's): cases are drawn with them (``sinks`` must be declared)
     sinks_required: bool = False
@@ -361,6 +364,7 @@ def not_tested(caps: Capabilities) -> list[str]:
     add(caps.causal_only, "non-causal calls", "causal_only=True")
     add(caps.window_required, "calls without a window", "window_required=True")
     add(caps.sinks_required, "calls without sink logits", "sinks_required=True")
+    add(caps.cp_full_group, "calls on a subgroup of the ranks", "cp_full_group=True")
     variants = sum((caps.window, caps.softcap, caps.alibi, caps.sinks))
     add(
         variants > 1 and not caps.combined_variants,

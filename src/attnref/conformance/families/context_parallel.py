@@ -1272,6 +1272,8 @@ def _cases(name: str) -> Callable[[Profile, Capabilities], st.SearchStrategy[Cas
 def _over(ctx: Context, case: Case) -> tuple[dict[str, Any], str]:
     started = int(getattr(ctx.executor, "world_size", 1))
     world = min(int(case.option("world", started)), started)
+    if ctx.caps.cp_full_group:  # declared: every rank's group, never a subgroup
+        world = started
     sharding = str(case.option("sharding", "contiguous"))
     return {"_world": world, "sharding": sharding}, f"world size {world}, {sharding}"
 
@@ -1312,6 +1314,16 @@ def _world_invariance(ctx: Context, case: Case) -> None:
     inputs = ctx.build(case)
     over, where = _over(ctx, case)
     started = int(getattr(ctx.executor, "world_size", 1))
+    if ctx.caps.cp_full_group:
+        # no subgroup of one rank to hold the whole sequence: the two shardings on every
+        # rank, against each other
+        if started == 1:
+            raise Skip("one rank started: no other sharding to compare on a full group")
+        contiguous = ctx.run(inputs, _world=started, sharding="contiguous")
+        zigzag = ctx.run(inputs, _world=started, sharding="zigzag")
+        law(ctx, zigzag, inputs, contiguous, inputs, f"world size {started}, zigzag "
+            "against contiguous")  # fmt: skip
+        return
     if over["_world"] == 1 and over["sharding"] == "contiguous":
         over, where = {"_world": started, "sharding": "zigzag"}, f"world size {started}, zigzag"
     if over["_world"] == 1 and started == 1:
