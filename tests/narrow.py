@@ -212,7 +212,6 @@ def decode_step_top_left(*args: Any, **kwargs: Any) -> Tensor:
     key 0 only): a decode step that takes the prefill's other convention."""
     query, key = args[0], args[1]
     if query.shape[-2] == 1 and kwargs.get("is_causal"):
-        kwargs["causal_alignment"] = "bottom_right"
         seen = torch.zeros(1, key.shape[-2], dtype=torch.bool)
         seen[0, 0] = True
         out: Tensor = torch.nn.functional.scaled_dot_product_attention(

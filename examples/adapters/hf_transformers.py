@@ -60,6 +60,37 @@ def sdpa(
     return unflatten(out.transpose(1, 2), query, value.shape[-1])
 
 
+def _eager(
+    forward: Any,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attn_mask: Tensor | None,
+    dropout_p: float,
+    is_causal: bool,
+    scale: float | None,
+    sinks: Tensor | None = None,
+) -> Tensor:
+    """A model's ``eager_attention_forward`` called as the model calls it: an additive
+    float mask with ``torch.finfo(dtype).min`` at hidden keys (transformers' mask
+    utilities), so a boolean mask is turned into that and a float mask passed as it is;
+    causality only as a mask; ``sinks``: the module's sink logits, in the model's dtype."""
+    no_dropout(dropout_p)
+    if is_causal:
+        raise NotImplementedError("the eager path takes causality as a mask")
+    q, k, v = as_4d(query), as_4d(key), as_4d(value)
+    mask = expand_mask(attn_mask, query, key)
+    if mask is not None and mask.dtype == torch.bool:
+        mask = additive(mask, q.dtype, torch.finfo(q.dtype).min)
+    s = (q.shape[-1] ** -0.5 if q.shape[-1] else 1.0) if scale is None else scale
+    module = _Module(q.shape[1] // k.shape[1], False)
+    if sinks is not None:
+        module.sinks = sinks.to(q.dtype)
+    out: Any
+    out, _ = forward(module, q, k, v, mask, scaling=s, dropout=0.0)
+    return unflatten(out.transpose(1, 2), query, value.shape[-1])
+
+
 def eager(
     query: Tensor,
     key: Tensor,
@@ -70,23 +101,12 @@ def eager(
     scale: float | None = None,
     enable_gqa: bool = False,
 ) -> Tensor:
-    """Llama's ``eager_attention_forward``. A model gives it an additive float mask with
-    ``torch.finfo(dtype).min`` at hidden keys (transformers' mask utilities), so a boolean
-    mask is turned into that; a float mask is passed as it is."""
+    """Llama's ``eager_attention_forward``: the materialised path, softmax in float32."""
     from transformers.models.llama.modeling_llama import eager_attention_forward
 
-    no_dropout(dropout_p)
-    if is_causal:
-        raise NotImplementedError("the eager path takes causality as a mask")
-    q, k, v = as_4d(query), as_4d(key), as_4d(value)
-    mask = expand_mask(attn_mask, query, key)
-    if mask is not None and mask.dtype == torch.bool:
-        mask = additive(mask, q.dtype, torch.finfo(q.dtype).min)
-    s = (q.shape[-1] ** -0.5 if q.shape[-1] else 1.0) if scale is None else scale
-    module = _Module(q.shape[1] // k.shape[1], False)
-    out: Any
-    out, _ = eager_attention_forward(module, q, k, v, mask, scaling=s, dropout=0.0)
-    return unflatten(out.transpose(1, 2), query, value.shape[-1])
+    return _eager(
+        eager_attention_forward, query, key, value, attn_mask, dropout_p, is_causal, scale
+    )
 
 
 def gpt_oss(
@@ -101,25 +121,14 @@ def gpt_oss(
     sinks: Tensor | None = None,
 ) -> Tensor:
     """GPT-OSS's ``eager_attention_forward``: a learned sink logit per head (the
-    module's ``sinks``) joins each row's softmax and is dropped after it. The mask is
-    additive, as for Llama's eager path."""
+    module's ``sinks``) joins each row's softmax and is dropped after it."""
     from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
 
-    no_dropout(dropout_p)
-    if is_causal:
-        raise NotImplementedError("the eager path takes causality as a mask")
     if sinks is None:
         raise NotImplementedError("GPT-OSS's attention always has sink logits")
-    q, k, v = as_4d(query), as_4d(key), as_4d(value)
-    mask = expand_mask(attn_mask, query, key)
-    if mask is not None and mask.dtype == torch.bool:
-        mask = additive(mask, q.dtype, torch.finfo(q.dtype).min)
-    s = (q.shape[-1] ** -0.5 if q.shape[-1] else 1.0) if scale is None else scale
-    module = _Module(q.shape[1] // k.shape[1], False)
-    module.sinks = sinks.to(q.dtype)  # the model's parameter, in the model's dtype
-    out: Any
-    out, _ = eager_attention_forward(module, q, k, v, mask, scaling=s, dropout=0.0)
-    return unflatten(out.transpose(1, 2), query, value.shape[-1])
+    return _eager(
+        eager_attention_forward, query, key, value, attn_mask, dropout_p, is_causal, scale, sinks
+    )
 
 
 def _declare() -> None:

@@ -31,6 +31,7 @@ from jaxtyping import Bool, Float, Shaped
 from torch import Tensor
 
 from attnref._checking import checked
+from attnref.masks import additive_mask
 
 __all__ = ["additive", "as_4d", "declare", "expand_mask", "no_dropout", "unflatten"]
 
@@ -86,7 +87,7 @@ def additive(
     many libraries use: then a query that sees no key averages V); a float mask is cast."""
     if mask.dtype != torch.bool:
         return mask.to(dtype)
-    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, fill)
+    return additive_mask(mask, dtype, fill)
 
 
 def no_dropout(dropout_p: float) -> None:

@@ -12,6 +12,7 @@ Causal alignment when ``Tq != Tk``:
   ``Tk - Tq + i`` and sees keys ``j <= Tk - Tq + i``.
 """
 
+import math
 from typing import Literal, get_args
 
 import torch
@@ -272,9 +273,11 @@ def make_std_mask(tgt: Int[Tensor, "B T"], pad: int) -> Bool[Tensor, "B T T"]:
 
 @checked
 def additive_mask(
-    mask: Bool[Tensor, "*shape"], dtype: torch.dtype = torch.float32
+    mask: Bool[Tensor, "*shape"], dtype: torch.dtype = torch.float32, fill: float = -math.inf
 ) -> Float[Tensor, "*shape"]:
-    """Boolean visibility to an additive float mask: ``0`` where visible, ``-inf`` elsewhere.
+    """Boolean visibility to an additive float mask: ``0`` where visible, ``fill``
+    elsewhere (``-inf``; or the finite ``torch.finfo(dtype).min`` many libraries use, so
+    that a query that sees no key averages V).
 
     Raises:
         ValueError: ``dtype`` is not a floating-point dtype.
@@ -282,4 +285,4 @@ def additive_mask(
     if not dtype.is_floating_point:
         raise ValueError(f"dtype must be a floating-point dtype, got {dtype}")
     zeros = torch.zeros(mask.shape, dtype=dtype, device=mask.device)
-    return zeros.masked_fill(~mask, float("-inf"))
+    return zeros.masked_fill(~mask, fill)

@@ -137,17 +137,11 @@ def raise_for_error(backend: Backend, error: BaseException, job: object = None) 
 
 
 def _declaration_hint(backend: Backend, job: object) -> str:
-    """What to declare if the call ``job`` is one the backend does not take: the
-    combinations a default declaration tests that some libraries refuse."""
-    kwargs = job.kwargs if isinstance(job, Job) else {}
-    both = kwargs.get("is_causal") is True and kwargs.get("attn_mask") is not None
-    if backend.api == DEFAULT_API and both and backend.capabilities.causal_with_mask:
-        return (
-            " (the call passed is_causal=True and an attn_mask together; a backend that "
-            "does not take both declares causal_with_mask=False, and the diagonal then "
-            "reaches it folded into the mask)"
-        )
-    return ""
+    """What to declare if the call ``job`` is one the backend does not take (its
+    family's `ApiFamily.error_hint`)."""
+    if not isinstance(job, Job):
+        return ""
+    return family_of(backend).error_hint(backend.capabilities, job.kwargs)
 
 
 @checked

@@ -801,8 +801,9 @@ def softcap_bound(ctx: Context, case: Case) -> None:
         where = tuple(int(i) for i in hidden.nonzero()[0])
         w = float(weights[where])
         why = _why_hidden(ctx, probe, where)
-        hider = {"the causal diagonal hides it": "the causal diagonal"}.get(why, "the mask")
-        hider = "the window" if why.startswith("the window") else hider
+        hider = "the mask"  # a mask, or the diagonal passed in one
+        if why in ("the causal diagonal hides it", "the window hides it"):
+            hider = why.removesuffix(" hides it")
         # the culprit: the same call without softcap and with zero queries (every score
         # 0, so a key left unhidden has a weight near 1/Tk, however far the scores
         # were) tells a mask never applied from one that softcap's path drops
@@ -869,9 +870,8 @@ def sink_law(ctx: Context, case: Case) -> None:
     takes_minus_inf = not ctx.caps.sink_values or -math.inf in ctx.caps.sink_values
     if ctx.caps.sinks_required and not takes_minus_inf:
         raise Skip("no call without a sink: sinks on every call, and -inf not among them")
-    plain = replace(inputs, sinks=None)
-    if ctx.caps.sinks_required:
-        plain = replace(inputs, sinks=torch.full_like(sinks, -math.inf))
+    no_sink = torch.full_like(sinks, -math.inf) if ctx.caps.sinks_required else None
+    plain = replace(inputs, sinks=no_sink)
     base = ctx.run(plain)
     lse = expect_lse(plain.to(torch.float64), rows=ctx.rows(plain)).value  # (*batch, h, Tq)
     factor = torch.sigmoid(lse - sinks.to(torch.float64)[:, None]).unsqueeze(-1)

@@ -105,6 +105,19 @@ def _sdpa_build(
     return (inputs.query, inputs.key, inputs.value), kwargs
 
 
+def _sdpa_error_hint(caps: Capabilities, kwargs: dict[str, Any]) -> str:
+    """A raise on ``is_causal=True`` with an ``attn_mask``, which the default declaration
+    makes and torch's own SDPA refuses: the declaration that keeps such calls out."""
+    both = kwargs.get("is_causal") is True and kwargs.get("attn_mask") is not None
+    if not (both and caps.causal_with_mask):
+        return ""
+    return (
+        " (the call passed is_causal=True and an attn_mask together; a backend that "
+        "does not take both declares causal_with_mask=False, and the diagonal then "
+        "reaches it folded into the mask)"
+    )
+
+
 def _sdpa_read(out: object, inputs: Inputs, lse: bool) -> tuple[object, object | None]:
     return pair(out, "return_lse=True") if lse else (out, None)
 
@@ -680,6 +693,7 @@ FAMILY = ApiFamily(
     to_layout=_same,
     from_layout=_same_back,
     native_causal=_sdpa_native_causal,
+    error_hint=_sdpa_error_hint,
     builtins=_builtins,
     mutants=MUTANTS,
     mutant_fn=_mutant_fn,
