@@ -173,3 +173,14 @@ def full_group_only(q: Tensor, k: Tensor, v: Tensor, **kwargs: Any) -> Any:
 
 
 full_group_only.capabilities = replace(CAPS, cp_full_group=True)  # type: ignore[attr-defined]
+
+
+def contiguous_only(q: Tensor, k: Tensor, v: Tensor, **kwargs: Any) -> Any:
+    """The ring reference on contiguous shards; a zigzag call raises, as a ring library
+    of contiguous shards only does (or reads the shards in the wrong order)."""
+    if kwargs.get("sharding", "contiguous") != "contiguous":
+        raise ValueError("planted: contiguous shards only")
+    return D.ring_attention(q, k, v, **kwargs)
+
+
+contiguous_only.capabilities = replace(CAPS, cp_shardings=("contiguous",))  # type: ignore[attr-defined]

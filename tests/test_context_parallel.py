@@ -275,3 +275,62 @@ def test_a_kernel_that_takes_only_the_full_group_is_audited_inside_it() -> None:
     plain = replace(backend, capabilities=replace(backend.capabilities, cp_full_group=False))
     report = audit(plain, properties=CP, **kwargs)
     assert not report.ok, report.format_table()
+
+
+@pytest.mark.parametrize(
+    ("spec", "limit"),
+    [
+        # a ring library of contiguous shards only: it raises on a zigzag call
+        ("tests.planted_cp:contiguous_only", {"cp_shardings": ("contiguous",)}),
+        # all-gather attention that places zigzag chunks at multiples of T // 2W: right
+        # exactly where the chunks are equal
+        ("tests.planted_cp:zigzag_equal_chunks", {"cp_equal_shards": True}),
+    ],
+)
+def test_a_kernel_of_one_sharding_or_equal_chunks_is_audited_inside_it(
+    spec: str, limit: dict[str, Any]
+) -> None:
+    """Declared, every property of the family judges it inside the limit, and the report
+    says what is left untested; undeclared, the same kernel fails."""
+    from attnref.conformance.backends import resolve_backend
+
+    backend = resolve_backend(spec, api="context-parallel")
+    declared = replace(backend, capabilities=replace(backend.capabilities, **limit))
+    kwargs: dict[str, Any] = {"dtypes": (torch.float32,), "progress": False, "world_size": 4}
+    props = ("cp_agreement", "cp_world_size", "causality")
+    report = audit(declared, properties=props, **kwargs)
+    assert report.ok, report.format_table()
+    assert all(r.status == "pass" and r.judged >= 10 for r in report.results), report.format_table()
+    assert ("zigzag shards" if "cp_shardings" in limit else "unequal lengths") in (
+        report.format_table()
+    )
+    default: dict[str, Any] = {"cp_shardings": ("contiguous", "zigzag"), "cp_equal_shards": False}
+    plain = replace(backend, capabilities=replace(backend.capabilities, **default))
+    assert not audit(plain, properties=props, **kwargs).ok
+
+
+def test_calls_outside_the_sharding_declarations_are_not_made() -> None:
+    """A case that names a sharding not declared runs in one declared; a length no world
+    size cuts into equal chunks is skipped with the reason; the world size is the largest
+    that cuts it evenly."""
+    from attnref.conformance.backends import resolve_backend
+    from attnref.conformance.cases import Case
+    from attnref.conformance.declarations import Capabilities
+    from attnref.conformance.families.context_parallel import CONTEXT_PARALLEL, fitted_world
+    from attnref.conformance.runner import check_case
+
+    equal = replace(CONTEXT_PARALLEL, cp_equal_shards=True)
+    assert fitted_world(equal, 12, 4, "zigzag") == 3  # 6 chunks of 2; 8 do not cut 12
+    assert fitted_world(equal, 10, 4, "contiguous") == 2
+    assert fitted_world(equal, 7, 4, "zigzag") is None
+    assert fitted_world(replace(equal, cp_full_group=True), 12, 4, "zigzag") is None
+    assert fitted_world(CONTEXT_PARALLEL, 7, 4, "zigzag") == 4
+    with pytest.raises(ValueError, match="cp_shardings must name one or both"):
+        Capabilities(cp_shardings=("striped",))
+    options = (("world", 2), ("sharding", "zigzag"))
+    odd = Case("x", batch=(1,), h=2, g=2, Tq=7, Tk=7, options=options)
+    backend = resolve_backend("tests.planted_cp:zigzag_equal_chunks", api="context-parallel")
+    declared = replace(backend, capabilities=replace(backend.capabilities, cp_equal_shards=True,
+                                                     cp_shardings=("zigzag",)))  # fmt: skip
+    verdict = check_case("cp_agreement", declared, odd, torch.float32, world_size=2)
+    assert verdict.startswith("skip: T = 7 cuts into no equal zigzag chunks"), verdict

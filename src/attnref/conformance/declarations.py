@@ -177,6 +177,13 @@ class Capabilities:
     #: (context-parallel) only the process group of every rank the audit started: no
     #: call on a subgroup (a smaller world size), which some libraries hang on
     cp_full_group: bool = False
+    #: (context-parallel) the shardings taken, of ``contiguous`` and ``zigzag`` (a ring
+    #: library of contiguous shards only: ``("contiguous",)``); cases draw among them
+    cp_shardings: tuple[str, ...] = ("contiguous", "zigzag")
+    #: (context-parallel) only sequences that cut into equal chunks: the length a multiple
+    #: of the world size (of twice it, zigzag). Cases are drawn so; a call that would
+    #: leave the chunks unequal runs at a smaller world size where they are equal
+    cp_equal_shards: bool = False
     #: every call carries sink logits (a library whose attention always has them, as
     #: GPT-OSS's): cases are drawn with them (``sinks`` must be declared)
     sinks_required: bool = False
@@ -235,6 +242,13 @@ class Capabilities:
                     f"Capabilities.causal_alignments: unknown alignment {alignment!r} "
                     "(use top_left, bottom_right)"
                 )
+        if not self.cp_shardings or any(
+            s not in ("contiguous", "zigzag") for s in self.cp_shardings
+        ):
+            raise ValueError(
+                "Capabilities.cp_shardings must name one or both of contiguous, zigzag, got "
+                f"{self.cp_shardings!r}"
+            )
         if self.page_multiple < 1:
             raise ValueError(f"Capabilities.page_multiple must be >= 1, got {self.page_multiple!r}")
         if self.max_head_dim is not None and self.max_head_dim < 1:
@@ -365,6 +379,17 @@ def not_tested(caps: Capabilities) -> list[str]:
     add(caps.window_required, "calls without a window", "window_required=True")
     add(caps.sinks_required, "calls without sink logits", "sinks_required=True")
     add(caps.cp_full_group, "calls on a subgroup of the ranks", "cp_full_group=True")
+    others = [s for s in ("contiguous", "zigzag") if s not in caps.cp_shardings]
+    add(
+        caps.family == "context-parallel" and bool(others),
+        f"{' and '.join(others)} shards",
+        f"cp_shardings={caps.cp_shardings!r}",
+    )
+    add(
+        caps.cp_equal_shards,
+        "sequences that cut into chunks of unequal lengths",
+        "cp_equal_shards=True: such a call runs at a smaller world size, or not at all",
+    )
     variants = sum((caps.window, caps.softcap, caps.alibi, caps.sinks))
     add(
         variants > 1 and not caps.combined_variants,

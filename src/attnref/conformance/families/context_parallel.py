@@ -109,7 +109,7 @@ def _build(caps: Capabilities, inputs: Inputs, lse: bool, overrides: dict[str, A
     kwargs: dict[str, Any] = {
         "causal": inputs.causal is not None,
         "softmax_scale": inputs.scale,
-        "sharding": "zigzag" if inputs.causal is not None else "contiguous",
+        "sharding": _sharding(caps, inputs),
     }
     kwargs.update(variant_kwargs(caps, inputs))
     if inputs.window is not None:
@@ -119,6 +119,43 @@ def _build(caps: Capabilities, inputs: Inputs, lse: bool, overrides: dict[str, A
     kwargs.update(overrides)
     args = tuple(flash_layout(t, inputs) for t in (inputs.query, inputs.key, inputs.value))
     return args, kwargs
+
+
+def _sharding(caps: Capabilities, inputs: Inputs) -> str:
+    """A dense case's sharding: zigzag when causal, contiguous otherwise, of those
+    declared (`Capabilities.cp_shardings`); with equal chunks declared, contiguous for
+    an odd length, which no zigzag cuts evenly."""
+    T = inputs.query.shape[-2]
+    want = "zigzag" if inputs.causal is not None else "contiguous"
+    if caps.cp_equal_shards and T % 2:
+        want = "contiguous"
+    return want if want in caps.cp_shardings else caps.cp_shardings[0]
+
+
+def _chunks(world: int, sharding: str) -> int:
+    """How many chunks a sequence is cut into over ``world`` ranks."""
+    return 2 * world if sharding == "zigzag" else world
+
+
+def fitted_world(caps: Capabilities, T: int, world: int, sharding: str) -> int | None:
+    """The world size a call of length ``T`` runs at, ``world`` asked, inside the
+    declaration: with `Capabilities.cp_equal_shards`, the largest at most ``world`` that
+    cuts ``T`` into equal chunks (only ``world`` itself with `cp_full_group`); None when
+    there is none (the call is outside the declaration)."""
+    if not caps.cp_equal_shards:
+        return world
+    for w in range(world, 0 if not caps.cp_full_group else world - 1, -1):
+        if T % _chunks(w, sharding) == 0:
+            return w
+    return None
+
+
+def _outside(caps: Capabilities, T: int, world: int, sharding: str) -> Skip:
+    how = "at the world size started (cp_full_group)" if caps.cp_full_group else "at any world size"
+    return Skip(
+        f"T = {T} cuts into no equal {sharding} chunks {how} up to {world}: "
+        "equal shards only declared (cp_equal_shards)"
+    )
 
 
 def _read(out: object, inputs: Inputs, lse: bool) -> tuple[object, object | None]:
@@ -732,8 +769,20 @@ class RankGroup:
         return Job(args, kwargs, d_out, job.writable, job.recheck)
 
     def _world_of(self, job: Job) -> int:
-        asked = job.kwargs.get("_world") or self.world_size
-        return max(1, min(int(asked), self.world_size))
+        """The world size ``job`` runs at: the one it asks for (``_world``) or every rank
+        started, at most those, and inside the declaration (`fitted_world`).
+
+        Raises:
+            Skip: no world size cuts the sequence as the backend declares it takes.
+        """
+        asked = max(1, min(int(job.kwargs.get("_world") or self.world_size), self.world_size))
+        caps = self.backend.capabilities
+        T = job.args[0].shape[1] if job.args and isinstance(job.args[0], Tensor) else 0
+        sharding = str(job.kwargs.get("sharding", "contiguous"))
+        world = fitted_world(caps, T, asked, sharding)
+        if world is None:
+            raise _outside(caps, T, asked, sharding)
+        return world
 
     def _gang(self, jobs: list[Any], timeout: float) -> list[Any]:
         """Each rank's job at once (``jobs[r]`` for rank ``r``); the results, or the
@@ -1016,10 +1065,10 @@ def _bench(args: Any, device: str, seqs: list[int], dtypes: list[str]) -> int:
     out.mkdir(parents=True, exist_ok=True)
     path = out / "context-parallel.json"
     meta = {"world_size": world, "device": device, "runs": args.runs, "warmup": args.warmup,
-            "B": B, "h": h, "g": g, "Dh": Dh, "causal": True, "sharding": "zigzag"}  # fmt: skip
+            "B": B, "h": h, "g": g, "Dh": Dh, "causal": True}  # fmt: skip
     path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
     print(f"written: {path}")
-    return 1 if any(r["status"] != "ok" for r in rows) else 0
+    return 1 if any(r["status"] not in ("ok", "skip") for r in rows) else 0
 
 
 def _bench_line(r: dict[str, Any]) -> str:
@@ -1055,7 +1104,13 @@ def _bench_case(
     v = torch.randn(B, T, g, Dh, generator=gen).to(device=device, dtype=dtype)
     row: dict[str, Any] = {"backend": spec, "dtype": str(dtype).removeprefix("torch."), "T": T,
                            "world_size": world}  # fmt: skip
-    kwargs = {"causal": True, "sharding": "zigzag"}
+    caps = ranks.backend.capabilities
+    sharding = "zigzag" if "zigzag" in caps.cp_shardings else "contiguous"
+    row["sharding"] = sharding
+    if fitted_world(caps, T, world, sharding) != world:
+        return {**row, "status": "skip", "note": f"T = {T} is outside the declaration "
+                f"(cp_equal_shards: {_chunks(world, sharding)} equal chunks)"}  # fmt: skip
+    kwargs = {"causal": True, "sharding": sharding}
     try:
         out = ranks.run(Job((q, k, v), dict(kwargs)), timeout)
         q64, k64, v64 = (t.double().transpose(1, 2) for t in (q, k, v))
@@ -1261,8 +1316,13 @@ def _cases(name: str) -> Callable[[Profile, Capabilities], st.SearchStrategy[Cas
                 # KV heads a head-sharding kernel (Ulysses) can split across the ranks:
                 # half the cases, so that one that declares it refuses others is judged
                 case = replace(case, g=world, h=world * (case.h // case.g))
-            sharding = draw(st.sampled_from(D.SHARDINGS))
-            return replace(case, Tq=case.Tk, options=(("world", world), ("sharding", sharding)))
+            sharding = draw(st.sampled_from(c.cp_shardings))
+            T = case.Tk
+            if c.cp_equal_shards:  # declared: a length the chunks cut evenly
+                chunks = _chunks(world, sharding)
+                T = max(chunks, T - T % chunks)
+            options = (("world", world), ("sharding", sharding))
+            return replace(case, Tq=T, Tk=T, options=options)
 
         return draw()
 
@@ -1270,12 +1330,30 @@ def _cases(name: str) -> Callable[[Profile, Capabilities], st.SearchStrategy[Cas
 
 
 def _over(ctx: Context, case: Case) -> tuple[dict[str, Any], str]:
+    """The world size and sharding ``case`` names, inside the declaration: at most the
+    ranks started (all of them with `cp_full_group`), a sharding declared, chunks of
+    equal lengths where declared (`fitted_world`)."""
+    caps = ctx.caps
     started = int(getattr(ctx.executor, "world_size", 1))
     world = min(int(case.option("world", started)), started)
-    if ctx.caps.cp_full_group:  # declared: every rank's group, never a subgroup
+    if caps.cp_full_group:  # declared: every rank's group, never a subgroup
         world = started
     sharding = str(case.option("sharding", "contiguous"))
-    return {"_world": world, "sharding": sharding}, f"world size {world}, {sharding}"
+    if sharding not in caps.cp_shardings:
+        sharding = caps.cp_shardings[0]
+    fitted = fitted_world(caps, case.Tk, world, sharding)
+    if fitted is None:
+        raise _outside(caps, case.Tk, world, sharding)
+    return {"_world": fitted, "sharding": sharding}, f"world size {fitted}, {sharding}"
+
+
+def _alone(caps: Capabilities, T: int) -> str | None:
+    """The sharding of one rank holding the whole sequence, inside the declaration (None:
+    there is none, a zigzag-only kernel with equal chunks and an odd length)."""
+    for sharding in ("contiguous", "zigzag"):
+        if sharding in caps.cp_shardings and fitted_world(caps, T, 1, sharding) == 1:
+            return sharding
+    return None
 
 
 def _agreement(ctx: Context, case: Case) -> None:
@@ -1311,26 +1389,41 @@ def _gradients(ctx: Context, case: Case) -> None:
 def _world_invariance(ctx: Context, case: Case) -> None:
     """The output does not depend on the world size or the sharding: the drawn one
     against one rank holding the whole sequence."""
+    caps = ctx.caps
     inputs = ctx.build(case)
     over, where = _over(ctx, case)
     started = int(getattr(ctx.executor, "world_size", 1))
-    if ctx.caps.cp_full_group:
+    T = case.Tk
+    if caps.cp_full_group:
         # no subgroup of one rank to hold the whole sequence: the two shardings on every
         # rank, against each other
-        if started == 1:
-            raise Skip("one rank started: no other sharding to compare on a full group")
+        if started == 1 or len(caps.cp_shardings) == 1:
+            raise Skip("one rank started, or one sharding declared: nothing to compare on "
+                       "a full group")  # fmt: skip
+        for sharding in ("contiguous", "zigzag"):
+            if fitted_world(caps, T, started, sharding) is None:
+                raise _outside(caps, T, started, sharding)
         contiguous = ctx.run(inputs, _world=started, sharding="contiguous")
         zigzag = ctx.run(inputs, _world=started, sharding="zigzag")
         law(ctx, zigzag, inputs, contiguous, inputs, f"world size {started}, zigzag "
             "against contiguous")  # fmt: skip
         return
-    if over["_world"] == 1 and over["sharding"] == "contiguous":
-        over, where = {"_world": started, "sharding": "zigzag"}, f"world size {started}, zigzag"
-    if over["_world"] == 1 and started == 1:
-        raise Skip("one rank started: no other world size to compare")
-    alone = ctx.run(inputs, _world=1, sharding="contiguous")
+    alone = _alone(caps, T)
+    if alone is None:
+        raise _outside(caps, T, 1, "contiguous")
+    if over["_world"] == 1:  # the drawn call is one rank's: spread it over them all
+        for sharding in ("zigzag", "contiguous"):
+            world = fitted_world(caps, T, started, sharding)
+            if sharding in caps.cp_shardings and world is not None and world > 1:
+                over = {"_world": world, "sharding": sharding}
+                where = f"world size {world}, {sharding}"
+                break
+    if over["_world"] == 1:
+        raise Skip("one rank started, or no larger world size inside the declaration: "
+                   "no other world size to compare")  # fmt: skip
+    alone_out = ctx.run(inputs, _world=1, sharding=alone)
     spread = ctx.run(inputs, **over)
-    law(ctx, spread, inputs, alone, inputs, f"{where} against one rank")
+    law(ctx, spread, inputs, alone_out, inputs, f"{where} against one rank")
 
 
 def _needs_gradients(caps: Capabilities) -> str | None:
