@@ -108,6 +108,11 @@ def peers(session: nox.Session) -> None:
         "torchao",
         "natten",
         "flash-attention-softmax-n",
+        "onnx",
+        "onnxruntime",
+        "openvino",
+        "keras",
+        "ring-attention-pytorch",
     )
     # litgpt 0.5.13 pins huggingface-hub < 1.4, transformers 5.24 needs >= 1.31: no
     # environment holds both as declared. The adapter calls one method of litgpt's

@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from examples.adapters.audit_all import ADAPTERS
+from examples.adapters.audit_all import ADAPTERS, FAMILIES
 
 from attnref.conformance import Capabilities, check_case
 from attnref.conformance.backends import load_backend
@@ -22,17 +22,25 @@ WRONG_EVERYWHERE = ("examples.adapters.torchtune_attention:mha_cached",)
 def test_each_adapter_imports_and_declares_valid_capabilities(spec: str, library: str) -> None:
     if importlib.util.find_spec(library) is None:
         pytest.skip(f"{library} is not installed (nox -s peers installs it)")
-    backend = load_backend(spec)
+    api = FAMILIES.get(spec)
+    backend = load_backend(spec, api)
     assert isinstance(backend.capabilities, Capabilities)
     assert backend.capabilities.dtypes
-    # one plain case, moved inside a narrow declaration, runs end to end and agrees
     caps = backend.capabilities
+    if api == "context-parallel":  # its ranks in their workers, two of them
+        case = Case("smoke", batch=(2,), h=2, g=2, Tq=8, Tk=8, causal="bottom_right")
+        verdict = check_case("cp_agreement", backend, case, torch.float32, api=api, world_size=2)
+        assert verdict == "pass", verdict
+        return
+    # one plain case, moved inside a narrow declaration, runs end to end and agrees
     case = inside(Case("smoke", batch=(2,), h=2, g=2, Tq=5, Tk=7), caps)
     if caps.causal_only and caps.window:  # NATTEN: a neighbourhood shorter than T
         case = replace(case, window=(2, 0))
+    # Keras picks its backend once a process: each Keras adapter in a worker of its own
+    isolate = spec.startswith("examples.adapters.keras_")
     with warnings.catch_warnings():  # the libraries' own deprecation warnings
         warnings.simplefilter("ignore")
-        verdict = check_case("forward", backend, case, torch.float32, isolate=False)
+        verdict = check_case("forward", backend, case, torch.float32, isolate=isolate)
     # the cached torchtune prefill attends its empty cache slots in every call (a finding)
     assert verdict.startswith("FAIL") if spec in WRONG_EVERYWHERE else verdict == "pass"
 

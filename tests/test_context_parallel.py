@@ -22,6 +22,7 @@ from attnref.conformance.families.context_parallel import (
     _worker_env,
     launched,
 )
+from attnref.conformance.verdicts import one_line
 from attnref.conformance.worker import BackendDied, Raised, RemoteError, start_executor
 
 CP = ("cp_agreement", "cp_gradients", "cp_world_size")
@@ -251,6 +252,15 @@ def test_the_failure_that_names_a_group_s_culprit_is_chosen_by_kind() -> None:
     cause = RankGroup._cause({2: waited})
     assert isinstance(cause, Raised)
     assert "rank 2: gloo" in str(cause.error)
+    # a library's bare assert keeps its source line once the rank is named
+    trace = 'Traceback:\n  File "/x/ring.py", line 87, in forward\n    assert k.shape == v.shape\n'
+    bare = Raised(RemoteError("AssertionError", "", trace))
+    cause = RankGroup._cause({0: bare, 1: waited})
+    assert isinstance(cause, Raised)
+    assert one_line(cause.error) == (
+        "AssertionError: rank 0: with no message, raised at ring.py, line 87: "
+        "assert k.shape == v.shape (then rank 1)"
+    )
 
 
 def test_torch_s_own_context_parallel_is_skipped_with_the_reason_off_cuda() -> None:

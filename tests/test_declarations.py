@@ -167,7 +167,7 @@ def test_an_empty_row_policy_may_depend_on_the_dtype_and_on_a_mask_passed() -> N
     caps = Capabilities(
         causal_alignments=("top_left", "bottom_right"),
         causal_with_mask=True,  # it applies its diagonal itself, a mask passed or not
-        empty_row=EmptyRows(causal="uniform", causal_masked="nan"),
+        empty_row=EmptyRows(causal="uniform", causal_masked="nan", causal_float_masked="zero"),
         empty_row_by_dtype={"float64": "zero"},
     )
     backend = Backend("x", torch.nn.functional.scaled_dot_product_attention, "", caps)
@@ -177,6 +177,12 @@ def test_an_empty_row_policy_may_depend_on_the_dtype_and_on_a_mask_passed() -> N
     assert ctx.empty(plain, "uniform").any()  # the diagonal empties rows: "causal"
     masked = ctx.build(replace(case, mask="padding"))
     assert ctx.empty(masked, "nan").any()  # the same rows, a mask passed: "causal_masked"
+    # and a float mask passed: "causal_float_masked"
+    floated = ctx.build(replace(case, mask="float"))
+    assert floated.attn_mask is not None
+    assert floated.attn_mask.is_floating_point()
+    assert ctx.empty(floated, "zero").any()
+    assert not ctx.empty(floated, "nan").any()
     assert not Context(backend, torch.float64, "cpu").empty(plain, "uniform").any()
 
 
@@ -276,7 +282,9 @@ def test_one_cause_in_several_dtypes_and_ranks_is_one_finding_named_exactly() ->
     ((cause, results),) = report.findings()
     assert cause == texts[0][1]
     assert len(results) == 2
-    assert cause_key(texts[1][1]) == "returned dtype <dtype>, expected <dtype> (then rank N)"
+    assert cause_key(texts[1][1]) == "returned dtype <dtype>, expected <dtype>"
+    # the ranks a failure spread to are not part of its cause: a series' failure names none
+    assert cause_key("rank 0: overflow (then ranks 1, 2, 3)") == cause_key("rank 0: overflow")
 
 
 def test_a_law_failure_names_both_calls_and_the_oracle() -> None:
@@ -309,6 +317,20 @@ def test_a_nan_spread_across_heads_is_explained() -> None:
     verdict = check_case("forward", "tests.narrow:mixes_heads", case, torch.float32)
     assert "NaN/inf values where a finite value is expected" in verdict
     assert "at the same position sees no key: if the backend mixes heads" in verdict
+
+
+def test_a_raise_on_causal_with_a_mask_says_what_to_declare_in_every_property() -> None:
+    """torch's SDPA raises when given is_causal and a mask together; left at the default
+    declaration, each failure says which declaration keeps such calls out, a series'
+    (fresh_values) as well as a single call's, and they are one finding."""
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    backend = Backend("sdpa", sdpa, "", Capabilities(dtypes=(torch.float32,)))
+    report = audit(backend, properties=["forward", "fresh_values"], progress=False,
+                   isolate=False)  # fmt: skip
+    assert [r.status for r in report.results] == ["fail", "fail"], report.format_table()
+    for r in report.results:
+        assert "declares causal_with_mask=False" in r.message, r.message
+    assert len(report.findings()) == 1, report.format_table()
 
 
 def test_what_a_declaration_leaves_untested_is_listed_with_why() -> None:

@@ -29,7 +29,18 @@ ADAPTERS = [
     ("examples.adapters.natten_attention:attend", "natten"),
     ("examples.adapters.softmax_n:slow", "flash_attention_softmax_n"),
     ("examples.adapters.softmax_n:flash", "flash_attention_softmax_n"),
+    ("examples.adapters.onnxruntime_attention:attention", "onnxruntime"),
+    ("examples.adapters.openvino_attention:attention", "openvino"),
+    ("examples.adapters.keras_torch:attention", "keras"),
+    ("examples.adapters.keras_jax:attention", "keras"),
+    ("examples.adapters.ring_attention:ring", "ring_attention_pytorch"),
+    ("examples.adapters.ring_attention:ring_buckets", "ring_attention_pytorch"),
 ]
+#: the API family of an adapter that is not torch SDPA's (``--api``)
+FAMILIES = {
+    "examples.adapters.ring_attention:ring": "context-parallel",
+    "examples.adapters.ring_attention:ring_buckets": "context-parallel",
+}
 
 
 def main() -> int:
@@ -46,6 +57,8 @@ def main() -> int:
             continue
         report = out / (spec.split(".")[-1].replace(":", "-") + ".json")
         cmd = [sys.executable, "-m", "attnref", "audit", "--backend", spec]
+        if spec in FAMILIES:
+            cmd += ["--api", FAMILIES[spec]]
         cmd += ["--profile", args.profile, "--json", str(report), *extra]
         print("$", " ".join(cmd), flush=True)
         code = subprocess.run(cmd, check=False).returncode

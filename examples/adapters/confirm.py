@@ -401,13 +401,15 @@ def local_autopad_attends_the_padding() -> bool:
     return close(out, with_pad) and not close(out, without, 1e-2)
 
 
-def _half_error_ratio(attend: Callable[..., Tensor], scale: float | None = None) -> float:
-    """The median, over 5 seeds, of ``attend``'s largest error on float16 inputs (T = 64,
-    D = 8, queries and keys 2 randn) over torch SDPA's on the same inputs, both against
-    attention of the rounded inputs in float64."""
+def _half_error_ratio(
+    attend: Callable[..., Tensor], scale: float | None = None, dtype: torch.dtype = torch.float16
+) -> float:
+    """The median, over 5 seeds, of ``attend``'s largest error on ``dtype`` inputs (T =
+    64, D = 8, queries and keys 2 randn) over torch SDPA's on the same inputs, both
+    against attention of the rounded inputs in float64."""
     ratios = []
     for seed in range(5):
-        q, k, v = (t.half() for t in qkv(1, 1, 64, 64, 8, seed=seed))
+        q, k, v = (t.to(dtype) for t in qkv(1, 1, 64, 64, 8, seed=seed))
         q, k = 2 * q, 2 * k
         s = q.double() @ k.double().transpose(-2, -1) * (scale or 8**-0.5)
         want = torch.softmax(s, dim=-1) @ v.double()
@@ -464,6 +466,282 @@ def softmax_n_zero_is_nan_for_low_scores() -> bool:
     return bool(out.isnan().all()) and bool(oracle(q, k, v).isfinite().all())
 
 
+# ------------------------------------------------------------- ring-attention-pytorch
+
+
+def ring_gqa_maps_heads_tiled() -> bool:
+    """``ring_flash_attn`` with fewer KV heads than query heads repeats K and V as
+    ``'... h d -> ... (g h) d'``: query head ``i`` reads KV head ``i % g``, where torch's
+    SDPA (``enable_gqa``) and FlashAttention give it KV head ``i // (h / g)`` (one rank)."""
+    from ring_attention_pytorch.ring_flash_attention import ring_flash_attn
+
+    q, k, v = qkv(1, 4, 8, 8, 8, heads_kv=2)
+    out = ring_flash_attn(*(t.transpose(1, 2) for t in (q, k, v))).transpose(1, 2)
+    grouped = oracle(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1))
+    tiled = oracle(q, k.repeat(1, 2, 1, 1), v.repeat(1, 2, 1, 1))
+    return close(out, tiled) and not close(out, grouped, 0.1)
+
+
+def _ring_rank(rank: int, port: int, bucket: int, out: str) -> None:
+    """One of two gloo ranks: ``ring_flash_attn(ring_reduce_col=True)`` on its half of a
+    causal sequence (contiguous, 6 tokens a rank), its output and gradients saved."""
+    import torch.distributed as dist
+    from ring_attention_pytorch.ring_flash_attention import ring_flash_attn
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2)  # fmt: skip
+    q, k, v = qkv(1, 1, 12, 12, 8)
+    mine = slice(6 * rank, 6 * rank + 6)
+    parts = [t.transpose(1, 2)[:, mine].clone().requires_grad_() for t in (q, k, v)]
+    got = ring_flash_attn(*parts, causal=True, bucket_size=bucket, ring_reduce_col=True)
+    got.backward(torch.ones_like(got))
+    torch.save([got.detach()] + [p.grad for p in parts], f"{out}.{rank}")
+    dist.destroy_process_group()
+
+
+def _two_ranks(bucket: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The output, dQ, dK and dV of `_ring_rank` over two ranks, put back together in
+    ``(B, h, T, D)``, and checked against nothing yet."""
+    import socket
+    import tempfile
+
+    from torch.multiprocessing.spawn import spawn
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with tempfile.TemporaryDirectory() as folder:
+        out = f"{folder}/ring"
+        spawn(_ring_rank, args=(port, bucket, out), nprocs=2)  # type: ignore[no-untyped-call]
+        ranks = [torch.load(f"{out}.{r}") for r in range(2)]
+    whole = [torch.cat([r[i] for r in ranks], dim=1).transpose(1, 2) for i in range(4)]
+    return whole[0], whole[1], whole[2], whole[3]
+
+
+def _causal_grads() -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The float64 output and gradients (of the output's sum) `_two_ranks` should give."""
+    q, k, v = (t.double().requires_grad_() for t in qkv(1, 1, 12, 12, 8))
+    out = oracle(q, k, v, top_left(12, 12))
+    dq, dk, dv = torch.autograd.grad(out.sum(), (q, k, v))
+    return out.detach(), dq, dk, dv
+
+
+def ring_dkv_wrong_over_two_ranks() -> bool:
+    """Over two ranks (one bucket a rank), the output and dQ agree with float64 autograd,
+    and dK and dV do not: the backward's K/V gradients reach the wrong rank."""
+    got, want = _two_ranks(1024), _causal_grads()
+    right = [close(g, w, 1e-4) for g, w in zip(got, want, strict=True)]
+    return right == [True, True, False, False]
+
+
+def ring_causal_buckets_misplaced() -> bool:
+    """Over two ranks of 6 tokens with ``bucket_size=4`` (a shard not a multiple of the
+    bucket), the causal mask is placed by ``rank * (6 // 4) + j``: the first bucket of
+    rank 1 takes the index of rank 0's second, and rows see future keys."""
+    got, want = _two_ranks(4)[0], _causal_grads()[0]
+    return not close(got, want, 0.01) and close(_two_ranks(6)[0], want, 1e-4)
+
+
+# ------------------------------------------------------------------ onnxruntime
+
+
+def _ort(q: Tensor, k: Tensor, v: Tensor, scale: float | None = None) -> Tensor:
+    """One ONNX ``Attention`` node (opset 24) in ONNX Runtime on the CPU, no mask."""
+    import numpy as np
+    import onnxruntime
+    from onnx import TensorProto, helper
+
+    kind = {torch.float64: TensorProto.DOUBLE, torch.float32: TensorProto.FLOAT,
+            torch.float16: TensorProto.FLOAT16}[q.dtype]  # fmt: skip
+    inputs = [helper.make_tensor_value_info(n, kind, list(t.shape))
+              for n, t in (("Q", q), ("K", k), ("V", v))]  # fmt: skip
+    attributes = {} if scale is None else {"scale": scale}
+    node = helper.make_node("Attention", ["Q", "K", "V"], ["Y"], **attributes)
+    graph = helper.make_graph([node], "a", inputs, [helper.make_tensor_value_info("Y", kind, None)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 24)])
+    model.ir_version = 10
+    session = onnxruntime.InferenceSession(model.SerializeToString(),
+                                           providers=["CPUExecutionProvider"])  # fmt: skip
+    (out,) = session.run(None, {"Q": q.numpy(), "K": k.numpy(), "V": v.numpy()})
+    return torch.from_numpy(np.asarray(out).copy())
+
+
+def ort_float64_is_float32_accurate() -> bool:
+    """float64 inputs come out with float32 accuracy (errors near 1e-8, where a float64
+    computation errs near 1e-16)."""
+    q, k, v = (t.double() for t in qkv(1, 1, 3, 5, 8))
+    err = float((_ort(q, k, v) - oracle(q, k, v)).abs().max())
+    return 1e-10 < err < 1e-5
+
+
+def ort_float16_scores_rounded() -> bool:
+    """float16 scores are rounded to float16 before the softmax: the scores 29952 and
+    29960 (exact in float32) both become 29952, and a query that should all but pick the
+    second key averages both; torch's SDPA (float32 scores) is right."""
+    q = torch.tensor([[[[128.0, 128.0]]]], dtype=torch.float16)
+    k = torch.tensor([[[[117.0, 117.0], [117.0625, 117.0]]]], dtype=torch.float16)
+    v = torch.tensor([[[[1.0], [-1.0]]]], dtype=torch.float16)
+    exact = torch.softmax((q.double() @ k.double().mT), -1) @ v.double()
+    torch_sdpa = torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=1.0)
+    return close(torch_sdpa, exact, 1e-3) and close(_ort(q, k, v, 1.0), torch.zeros(1), 1e-3)
+
+
+def ort_float16_score_overflow_is_nan() -> bool:
+    """A float16 score past 65504 (one key, ``q = k = [170, 170]``, scale 1.5: 86700)
+    is inf in float16, and the row NaN, where its output is V's row: torch's SDPA
+    returns it."""
+    q = torch.full((1, 1, 1, 2), 170.0, dtype=torch.float16)
+    v = torch.tensor([[[[1.0, 2.0]]]], dtype=torch.float16)
+    torch_sdpa = torch.nn.functional.scaled_dot_product_attention(q, q, v, scale=1.5)
+    return close(torch_sdpa, v) and bool(_ort(q, q.clone(), v, 1.5).isnan().all())
+
+
+def ort_head_dim_zero_raises() -> bool:
+    """``Dqk = 0`` raises ("Head size must be greater than 0"), where torch's SDPA returns
+    V's mean (every score is 0)."""
+    q, k, v = torch.zeros(1, 1, 2, 0), torch.zeros(1, 1, 3, 0), torch.randn(1, 1, 3, 4)
+    try:
+        _ort(q, k, v)
+    except Exception as e:
+        return "Head size must be greater than 0" in str(e)
+    return False
+
+
+# --------------------------------------------------------------------- openvino
+
+
+def _ov(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None) -> Tensor:
+    """OpenVINO's ``ScaledDotProductAttention`` (opset 13) of dynamic shapes, compiled for
+    its CPU plugin with ``EXECUTION_MODE_HINT=ACCURACY`` (each call in its own element
+    type)."""
+    import numpy as np
+    import openvino as ov
+    import openvino.opset13 as ops
+
+    kind = {torch.float64: ov.Type.f64, torch.float32: ov.Type.f32,
+            torch.bfloat16: ov.Type.bf16}[q.dtype]  # fmt: skip
+    given = [q, k, v] if mask is None else [q, k, v, mask]
+    params = [
+        ops.parameter([-1] * 4, ov.Type.boolean if t.dtype == torch.bool else kind) for t in given
+    ]  # fmt: skip (dynamic shapes, as an exported model has them)
+    node = ops.scaled_dot_product_attention(*params[:3], params[3] if mask is not None else None)
+    compiled = ov.Core().compile_model(ov.Model([node], params), "CPU",
+                                       {"EXECUTION_MODE_HINT": "ACCURACY"})  # fmt: skip
+    request = compiled.create_infer_request()
+    feeds = []
+    for t in given:
+        if t.dtype == torch.bfloat16:
+            x = ov.Tensor(ov.Type.bf16, list(t.shape))
+            x.data.view(np.uint16)[...] = t.view(torch.int16).numpy().view(np.uint16)
+            feeds.append(x)
+        else:
+            feeds.append(ov.Tensor(t.numpy().copy()))
+    request.infer(feeds)
+    data = np.asarray(request.get_output_tensor(0).data)
+    if q.dtype == torch.bfloat16:
+        return torch.from_numpy(data.view(np.int16).copy()).view(torch.bfloat16)
+    return torch.from_numpy(data.copy())
+
+
+def ov_float64_is_float32_accurate() -> bool:
+    """float64 inputs come out with float32 accuracy (errors near 1e-8 and above)."""
+    q, k, v = (t.double() for t in qkv(1, 1, 3, 5, 8))
+    err = float((_ov(q, k, v) - oracle(q, k, v)).abs().max())
+    return 1e-10 < err < 1e-4
+
+
+def ov_float64_empty_row_is_the_mean_of_v() -> bool:
+    """A boolean mask that hides every key of a query: NaN in float32, as the
+    specification's pseudo-code gives (``Select(LogicalNot(mask), -inf, 0)``, then a
+    softmax of ``-inf`` alone), but the mean of V in float64."""
+    q, k, v = qkv(1, 1, 2, 3, 4)
+    mask = torch.tensor([[[[True, True, False], [False, False, False]]]])
+    f32 = _ov(q, k, v, mask)
+    f64 = _ov(q.double(), k.double(), v.double(), mask)
+    row0 = close(f32[..., 0, :], oracle(q, k, v, mask)[..., 0, :])
+    return (
+        row0 and bool(f32[..., 1, :].isnan().all()) and close(f64[..., 1, :], v.double().mean(-2))
+    )
+
+
+def ov_head_dim_zero_is_garbage() -> bool:
+    """``Dqk = 0`` (dynamic shapes): every score is 0, so each query's output is the mean
+    of V; in float32 it is not (values far from any of V's: memory the kernel never
+    wrote, or zeros). With the shapes static, the same call is right."""
+    q, k = torch.zeros(1, 1, 1, 0), torch.zeros(1, 1, 3, 0)
+    v = torch.randn(1, 1, 3, 4, generator=torch.Generator().manual_seed(0))
+    return not close(_ov(q, k, v), v.mean(-2, keepdim=True), 1e-3)
+
+
+def ov_bfloat16_less_accurate_than_torch() -> bool:
+    """In bfloat16 its errors are several times torch SDPA's on the same inputs (median
+    over 5 seeds of the ratio of largest errors, T = 64, D = 8, amplitude 2)."""
+    return _half_error_ratio(lambda q, k, v: _ov(q, k, v), dtype=torch.bfloat16) > 2
+
+
+# ------------------------------------------------------------------------ keras
+
+
+def _keras(backend: str, code: str) -> bool:
+    """Run ``code`` in a child process whose Keras runs on ``backend`` (Keras picks its
+    backend once, at its first import); True if the last line it prints is ``True``."""
+    import os
+
+    env = {**os.environ, "KERAS_BACKEND": backend}
+    child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           env=env, check=False)  # fmt: skip
+    lines = child.stdout.strip().splitlines()
+    return bool(lines) and lines[-1] == "True"
+
+
+def keras_torch_float64_returns_float32() -> bool:
+    """On the torch backend, float64 inputs come back float32 (Keras' default float
+    type): the precision of a float64 caller is lost, where torch's SDPA keeps it."""
+    return _keras("torch", (
+        "import keras, torch\n"
+        "x = torch.randn(1, 3, 2, 4, dtype=torch.float64)\n"
+        "print(keras.ops.dot_product_attention(x, x, x).dtype == torch.float32)\n"
+    ))  # fmt: skip
+
+
+def keras_torch_bias_with_causal_raises_with_one_kv_head() -> bool:
+    """On the torch backend a ``bias`` reaches torch's SDPA as ``attn_mask`` together
+    with ``is_causal=True`` (a boolean ``mask`` is folded with the diagonal, a bias is
+    not): with one KV head for two query heads it raises torch's "Explicit attn_mask
+    should not be set when is_causal=True", where with two KV heads the call runs."""
+    return _keras("torch", (
+        "import keras, torch\n"
+        "q, bias = torch.randn(1, 3, 2, 4), torch.zeros(1, 1, 3, 3)\n"
+        "def call(g):\n"
+        "    kv = torch.randn(1, 3, g, 4)\n"
+        "    try:\n"
+        "        keras.ops.dot_product_attention(q, kv, kv, bias=bias, is_causal=True,\n"
+        "                                        flash_attention=False)\n"
+        "    except RuntimeError as e:\n"
+        "        return 'Explicit attn_mask should not be set' in str(e)\n"
+        "    return False\n"
+        "print(call(1) and not call(2))\n"
+    ))  # fmt: skip
+
+
+def keras_torch_float16_masked_row_is_not_uniform() -> bool:
+    """On the torch backend a boolean mask becomes ``-0.7 * 65500`` added to the scores
+    in float16, where scores round to multiples of 32: a query whose two keys are both
+    hidden (scores 0 and 20) picks the second key's value (-1) instead of averaging V
+    (0), as it does in float32."""
+    return _keras("torch", (
+        "import keras, torch\n"
+        "q = torch.ones(1, 1, 1, 1)\n"
+        "k = torch.tensor([0.0, 20.0]).view(1, 2, 1, 1)\n"
+        "v = torch.tensor([1.0, -1.0]).view(1, 2, 1, 1)\n"
+        "mask = torch.zeros(1, 1, 1, 2, dtype=torch.bool)\n"
+        "def call(t):\n"
+        "    return float(keras.ops.dot_product_attention(q.to(t), k.to(t), v.to(t), mask=mask,\n"
+        "                 scale=1.0, flash_attention=False))\n"
+        "print(call(torch.float32) == 0.0 and call(torch.float16) == -1.0)\n"
+    ))  # fmt: skip
+
+
 FINDINGS: list[tuple[str, Callable[[], bool]]] = [
     ("transformers", hf_sdpa_single_query_is_not_causal),
     ("transformers", hf_sdpa_drops_causal_with_a_mask),
@@ -488,6 +766,20 @@ FINDINGS: list[tuple[str, Callable[[], bool]]] = [
     ("flash_attention_softmax_n", softmax_n_slow_ignores_and_overwrites_a_boolean_mask),
     ("flash_attention_softmax_n", softmax_n_zero_is_nan_for_low_scores),
     ("flash_attention_softmax_n", softmax_n_flash_scale_in_half_precision),
+    ("onnxruntime", ort_float64_is_float32_accurate),
+    ("onnxruntime", ort_float16_scores_rounded),
+    ("onnxruntime", ort_float16_score_overflow_is_nan),
+    ("onnxruntime", ort_head_dim_zero_raises),
+    ("openvino", ov_float64_is_float32_accurate),
+    ("openvino", ov_float64_empty_row_is_the_mean_of_v),
+    ("openvino", ov_head_dim_zero_is_garbage),
+    ("openvino", ov_bfloat16_less_accurate_than_torch),
+    ("keras", keras_torch_float64_returns_float32),
+    ("keras", keras_torch_bias_with_causal_raises_with_one_kv_head),
+    ("keras", keras_torch_float16_masked_row_is_not_uniform),
+    ("ring_attention_pytorch", ring_gqa_maps_heads_tiled),
+    ("ring_attention_pytorch", ring_dkv_wrong_over_two_ranks),
+    ("ring_attention_pytorch", ring_causal_buckets_misplaced),
 ]
 #: seen once in an audit, not yet rebuilt from a small case: tried, reported, not counted
 SEEN_ONCE: list[tuple[str, Callable[[], bool]]] = []

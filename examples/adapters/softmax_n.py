@@ -115,7 +115,9 @@ def _declare() -> None:
         flash,
         causal_alignments=("bottom_right",),
         causal_with_mask=True,
-        empty_row=EmptyRows(causal="uniform", causal_masked="zero"),
+        # its diagonal empties a row to the mean of V, alone or with a float mask (the
+        # fill joins the bias), to zeros with a boolean one (torch's SDPA)
+        empty_row=EmptyRows(causal="uniform", causal_masked="zero", causal_float_masked="uniform"),
         **common,
     )
 

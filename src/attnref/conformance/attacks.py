@@ -54,9 +54,9 @@ def _distinct(t: Float[Tensor, "*shape"]) -> int:
     return int((flat.diff() != 0).sum()) + 1 if flat.numel() else 0
 
 
-def _output(ctx: Context, raw: Any, inputs: Inputs) -> Tensor:
+def _output(ctx: Context, raw: Any, inputs: Inputs, job: Job | None = None) -> Tensor:
     if isinstance(raw, Raised):
-        raise_for_error(ctx.backend, raw.error)
+        raise_for_error(ctx.backend, raw.error, job)
     if isinstance(raw, InternalError):
         raise Failure(str(raw).splitlines()[0])
     out, _ = family_of(ctx.backend).read(raw, inputs, False)
@@ -119,7 +119,7 @@ def fresh_values(ctx: Context, case: Case) -> None:
     for i, ((which, _, _), raw) in enumerate(zip(SERIES, replies, strict=True)):
         inputs = sets[which]
         try:
-            out = _output(ctx, raw, inputs)
+            out = _output(ctx, raw, inputs, calls[i])
         except (Failure, Skip) as e:  # not an output at all: reported in its turn
             outs.append((None, False))
             verdicts.append(e)
@@ -172,7 +172,7 @@ def settled_output(ctx: Context, case: Case) -> None:
     args, kwargs = arguments(ctx.backend, inputs)
     job = Job(args, kwargs, recheck=0.2)
     raw = invoke(ctx.backend, job, ctx.timeout + 1.0, ctx.executor, ctx.prefetch(inputs))
-    out = _output(ctx, raw, inputs)
+    out = _output(ctx, raw, inputs, job)
     failure = _agrees(ctx, out, inputs)
     if failure is not None:
         raise failure.reworded(f"the output as it stood when the call returned: {failure}")

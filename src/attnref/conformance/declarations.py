@@ -75,33 +75,43 @@ class EmptyRows:
     diagonal empties, alone or together with a mask, is ``causal``. ``causal_masked``
     (default: ``causal``'s) is the policy of such a row in a call that was also passed a
     mask: for a backend whose answer depends on whether a mask was passed (one that
-    folds its diagonal into the mask it is given, with a finite fill).
+    folds its diagonal into the mask it is given, with a finite fill), and
+    ``causal_float_masked`` (default: ``causal_masked``'s) in a call passed a float mask,
+    for one whose answer depends on the kind of mask too (Keras on torch folds its
+    diagonal into a boolean mask with a finite fill, and hands a float one to torch's
+    SDPA with ``is_causal``).
     """
 
     bool_mask: EmptyRow = "zero"
     float_mask: EmptyRow = "zero"
     causal: EmptyRow = "zero"
     causal_masked: EmptyRow | None = None
+    causal_float_masked: EmptyRow | None = None
 
     def __post_init__(self) -> None:
-        for name in (*get_args(Cause), "causal_masked"):
+        optional = ("causal_masked", "causal_float_masked")
+        for name in (*get_args(Cause), *optional):
             value = getattr(self, name)
-            if value not in get_args(EmptyRow) and not (name == "causal_masked" and value is None):
+            if value not in get_args(EmptyRow) and not (name in optional and value is None):
                 raise ValueError(
                     f"EmptyRows.{name} must be one of {', '.join(get_args(EmptyRow))}, "
                     f"got {value!r}"
                 )
 
-    def of(self, cause: Cause, masked: bool = False) -> EmptyRow:
+    def of(self, cause: Cause, masked: bool = False, float_mask: bool = False) -> EmptyRow:
         """The policy of a row that ``cause`` empties (``masked``: in a call that was
-        also passed a mask)."""
+        also passed a mask; ``float_mask``: a float one)."""
+        if cause == "causal" and masked and float_mask and self.causal_float_masked is not None:
+            return self.causal_float_masked
         if cause == "causal" and masked and self.causal_masked is not None:
             return self.causal_masked
         policy: EmptyRow = getattr(self, cause)
         return policy
 
     def policies(self) -> set[EmptyRow]:
-        return {self.of(c, m) for c in get_args(Cause) for m in (False, True)}
+        return {
+            self.of(c, m, f) for c in get_args(Cause) for m in (False, True) for f in (False, True)
+        }
 
 
 class BackendError(Exception):
@@ -300,6 +310,7 @@ class Capabilities:
             or bool(self.head_dims)
             or self.sink_shared
             or bool(self.sink_values)
+            or self.cp_equal_shards
         )
 
 
@@ -457,7 +468,8 @@ def family_mismatch(name: str, declared: str, api: str) -> str:
         f"{name} declares Capabilities that start from the {declared!r} family's defaults, "
         f"but it is audited in the {api!r} family, whose defaults differ (masks, causal "
         f"alignment, dtypes, the LSE): start the declaration from that family's preset, "
-        f"Capabilities.preset({api!r}, ...) or dataclasses.replace(PRESETS[{api!r}], ...)"
+        f"Capabilities.preset({api!r}, ...) or dataclasses.replace(PRESETS[{api!r}], ...), "
+        f"or audit it in its own family (--api {declared})"
     )
 
 

@@ -467,7 +467,7 @@ class AuditReport:
         skips = [r for r in self.results if r.status == "skip" or r.skipped or r.refused]
         if skips and verbose:
             lines += ["", "skipped:"]
-            lines += [f"  {r.property} [{dtype_name(r.dtype)}]: {r.message}" for r in skips]
+            lines += [f"  {r.property} [{dtype_name(r.dtype)}]: {_skip_note(r)}" for r in skips]
         untested = not_tested(self.capabilities)
         if untested:
             lines += ["", "not tested, as declared:"] + [f"  - {u}" for u in untested]
@@ -508,6 +508,14 @@ def _write_atomically(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.write_text(text)
     os.replace(tmp, path)
+
+
+def _skip_note(r: PropertyResult) -> str:
+    """What the verbose list of skips says of ``r``: its message, unless that is a
+    failure's (then how many of its drawn cases were skipped and refused)."""
+    if r.status != "fail":
+        return r.message
+    return f"{r.skipped} drawn cases skipped (outside the declaration), {r.refused} refused"
 
 
 def _cell(r: PropertyResult | None) -> str:

@@ -122,6 +122,8 @@ def run_property(
     reason = prop.why_not(caps)
     if reason is not None:
         return done("skip", reason)
+    # equal shards only: lengths that cut into as many equal chunks as zigzag needs
+    chunks = 2 * int(getattr(executor, "world_size", 1))
     # the sample of a long case's rows is drawn with a secret of this search's own
     ctx = Context(backend, dtype, device, timeout, executor, secret=secrets.randbits(62))
 
@@ -160,7 +162,7 @@ def run_property(
             raise _Found from None
 
     def searched() -> None:
-        test = given(narrowed(prop.cases(profile, caps), caps, profile))(body)
+        test = given(narrowed(prop.cases(profile, caps), caps, profile, chunks))(body)
         test = settings(
             max_examples=profile.examples,
             deadline=None,
@@ -183,7 +185,7 @@ def run_property(
         if search.failure is None:
             for case in prop.examples(profile, caps):
                 if caps.narrow():
-                    case = inside(case, caps)
+                    case = inside(case, caps, chunks=chunks)
                 try:
                     body(case)
                 except _Found:

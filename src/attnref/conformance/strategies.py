@@ -506,12 +506,23 @@ def _first(options: Sequence[_T]) -> _T:
     return options[0]
 
 
-def inside(case: Case, caps: Capabilities, pick: Callable[[Sequence[Any]], Any] = _first) -> Case:
+def inside(
+    case: Case,
+    caps: Capabilities,
+    pick: Callable[[Sequence[Any]], Any] = _first,
+    chunks: int = 1,
+) -> Case:
     """``case`` moved inside what a narrow backend declares (`Capabilities.narrow`):
     self-attention (``Tq = Tk``: the keys' length is kept), no more queries than keys,
     causal at a declared alignment (and no mask, where it cannot take both), the
     default scale, a window and sinks where every call must have them, one shared or
-    declared sink. ``pick`` chooses among options (a draw; default: the first)."""
+    declared sink, a length that cuts into ``chunks`` equal chunks where only such are
+    taken (`Capabilities.cp_equal_shards`: ``2W`` for ``W`` ranks). ``pick`` chooses
+    among options (a draw; default: the first)."""
+    uncut = case.Tk % chunks if chunks > 1 and not case.seqlens and not case.cached else 0
+    if caps.cp_equal_shards and uncut:
+        T = max(chunks, case.Tk - uncut)
+        case = replace(case, Tq=T if case.Tq == case.Tk else min(case.Tq, T), Tk=T)
     if caps.self_attention_only:
         if case.seqlens:
             case = replace(case, seqlens=tuple((tk, tk) for _, tk in case.seqlens))
@@ -544,7 +555,7 @@ def inside(case: Case, caps: Capabilities, pick: Callable[[Sequence[Any]], Any] 
 
 
 def narrowed(
-    cases: st.SearchStrategy[Case], caps: Capabilities, profile: Profile
+    cases: st.SearchStrategy[Case], caps: Capabilities, profile: Profile, chunks: int = 1
 ) -> st.SearchStrategy[Case]:
     """A property's cases drawn inside a narrow declaration (`inside`), still within the
     profile's size; a declaration that is not narrow gets ``cases`` as they are, so that
@@ -555,7 +566,10 @@ def narrowed(
     @st.composite
     def draw(draw: st.DrawFn) -> Case:
         case = draw(cases)
-        moved = inside(case, caps, lambda options: draw(st.sampled_from(options)))
-        return moved if moved == case else _fits(moved, profile)
+        moved = inside(case, caps, lambda options: draw(st.sampled_from(options)), chunks)
+        if moved == case:
+            return case
+        # fitted to the profile, a length may need its equal chunks again
+        return inside(_fits(moved, profile), caps, chunks=chunks)
 
     return draw()

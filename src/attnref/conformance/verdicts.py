@@ -93,7 +93,11 @@ def cause_key(cause: str) -> str:
     """What failures of one cause share: ``cause`` with its standalone numbers (sizes,
     ranks, values) and dtype names taken out, so that one bug seen in several dtypes,
     ranks or shapes is one finding."""
-    return _DTYPE.sub("<dtype>", _NUMBER.sub("N", cause))
+    return _DTYPE.sub("<dtype>", _NUMBER.sub("N", _THEN.sub("", cause)))
+
+
+#: the ranks a context-parallel failure spread to after its culprit's (`RankGroup`)
+_THEN = re.compile(r" \(then ranks? [\d, ]+\)")
 
 
 def _policy(text: str) -> str:

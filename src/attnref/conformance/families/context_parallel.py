@@ -59,7 +59,7 @@ from attnref.conformance.oracle import close
 from attnref.conformance.profiles import Profile
 from attnref.conformance.properties import Property, some_variants
 from attnref.conformance.strategies import case_strategy
-from attnref.conformance.verdicts import Failure, Skip
+from attnref.conformance.verdicts import Failure, Skip, one_line
 from attnref.conformance.wire import encode
 from attnref.conformance.worker import (
     BackendDied,
@@ -644,11 +644,15 @@ def _named(rank: int, error: BaseException) -> BaseException:
     """``error`` with the rank it happened on in its message."""
     if isinstance(error, Raised):
         inner = error.error
+        # an error with no message (a library's bare assert) keeps where it was raised
+        said = str(inner).strip() or one_line(inner).removeprefix(
+            f"{getattr(inner, 'type_name', type(inner).__name__)} "
+        )
         if isinstance(inner, RemoteError):
             return Raised(
-                RemoteError(inner.type_name, f"rank {rank}: {inner}", inner.traceback_text)
+                RemoteError(inner.type_name, f"rank {rank}: {said}", inner.traceback_text)
             )
-        return Raised(type(inner)(f"rank {rank}: {inner}"))
+        return Raised(type(inner)(f"rank {rank}: {said}"))
     if isinstance(error, TimeoutError | BackendDied):
         return type(error)(f"rank {rank}: {error}")
     return error
@@ -928,7 +932,11 @@ class RankGroup:
             if failed:
                 r, p = failed[0]
                 if type(p) is dict and type(p.get("message")) is str:
-                    p = {**p, "message": f"rank {r}: {p['message']}"}
+                    error = RemoteError(str(p.get("type", "")), p["message"],
+                                        str(p.get("traceback", "")))  # fmt: skip
+                    named = _named(r, Raised(error))
+                    assert isinstance(named, Raised)
+                    p = {**p, "message": str(named.error)}
                 return p
             parts = [p["value"] for p in parts]
         sharding = job.kwargs.get("sharding", "contiguous")
