@@ -47,6 +47,17 @@ CATALOGUE = [
     ("tests.hostile:replies_with_exit", "forward", "an object the audit does not accept"),
     ("tests.hostile:raises_with_exit", "forward", "ExitingError: caught me"),
     ("tests.hostile.at_exit:kernel", "forward", "max error"),
+    pytest.param(  # the call's deadline (10 s) and the frame's grace (5 s) pass first
+        "tests.hostile.frames:stalls_mid_frame",
+        "forward",
+        "sent 10 bytes of a reply of 4,096",
+        marks=pytest.mark.slow,
+    ),
+    (
+        "tests.hostile.frames:announces_huge_frame",
+        "forward",
+        "announced a reply of 1,099,511,627,776 bytes",
+    ),
     ("tests.hostile.patches_torch:kernel", "forward", "max error"),
 ]
 
@@ -57,7 +68,11 @@ def _audit(spec: str, path: Path, props: tuple[str, ...] = PROPS) -> int:
     return main([*args, "--timeout", "10", "--json", str(path)])
 
 
-@pytest.mark.parametrize(("spec", "prop", "cause"), CATALOGUE, ids=[c[0] for c in CATALOGUE])
+@pytest.mark.parametrize(
+    ("spec", "prop", "cause"),
+    CATALOGUE,
+    ids=[str(getattr(c, "values", c)[0]) for c in CATALOGUE],
+)
 def test_every_attack_on_the_judge_fails_with_its_cause_named(
     spec: str, prop: str, cause: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

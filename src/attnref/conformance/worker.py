@@ -32,8 +32,10 @@ import multiprocessing
 import multiprocessing.connection
 import multiprocessing.reduction
 import os
+import select
 import signal
 import socket
+import struct
 import sys
 import threading
 import time
@@ -759,7 +761,10 @@ class Supervised:
                     f"{self.spec}: its worker did not finish importing it within "
                     f"{self.start_timeout:g} s"
                 )
-            first = parent.recv_bytes()
+            first = receive_frame(parent, time.perf_counter(), DECLARATION_LIMIT)
+        except FrameError as e:
+            self._stop()
+            raise BackendError(f"{self.spec}: {e} as its declaration") from None
         except (EOFError, OSError):
             process.join(5)
             self._stop()
@@ -828,6 +833,8 @@ class Supervised:
             self._start()
         conn = self._conn
         assert conn is not None
+        # what the reply may hold: four times the job (its file's size included)
+        limit = REPLY_SLACK + 4 * (len(message) + (0 if fd is None else os.fstat(fd).st_size))
         t0 = time.perf_counter()
         try:
             conn.send_bytes(message)
@@ -850,7 +857,7 @@ class Supervised:
                 self.restarts += 1
                 raise TimeoutError(f"no answer within {timeout:g} s (the worker was killed)")
             t1 = time.perf_counter()
-            data = conn.recv_bytes()
+            data = self._receive(conn, t0 + timeout, limit)
             # from the send: the judge's work meanwhile too, where it took longer
             self.slowest = max(self.slowest, time.perf_counter() - t0)
             self.last_read = time.perf_counter() - t1  # receiving it, on the judge's clock
@@ -859,6 +866,19 @@ class Supervised:
         except (EOFError, OSError):  # the pipe broke: the worker is gone
             raise self._died() from None
         return data
+
+    def _receive(self, conn: Any, deadline: float, limit: int) -> bytes:
+        """The worker's reply, read on the judge's clock with a size limit
+        (`receive_frame`): a frame larger than the job allows, or one that stalls, ends
+        the worker and is reported as what it is."""
+        try:
+            return receive_frame(conn, deadline, limit)
+        except FrameError as e:
+            self._stop()
+            self.restarts += 1
+            if e.stalled:  # a call that did not answer in time, as a hang is
+                raise TimeoutError(f"{e} (the worker was ended)") from None
+            raise BackendDied(f"{e} (the worker was ended)") from None
 
     def _died(self) -> BackendDied:
         """The worker's process ended (its pipe broke): it is stopped and counted."""
@@ -877,6 +897,70 @@ class Supervised:
     def __del__(self) -> None:
         with contextlib.suppress(Exception):
             self.close()
+
+
+#: what a reply may hold beyond four times its job's bytes: outputs, gradients and
+#: caches come from the inputs and are no larger, but for a few shapes (many queries
+#: against few keys of a tiny head dim)
+REPLY_SLACK = 256 * 2**20
+#: the largest declaration a worker may send (a few KiB in practice)
+DECLARATION_LIMIT = 2**20
+#: how fast a worker must write a reply once it has begun (bytes a second), after a
+#: grace of `FRAME_GRACE` seconds past the call's deadline
+FRAME_RATE = 100 * 2**20
+FRAME_GRACE = 5.0
+
+
+class FrameError(Exception):
+    """A reply frame that announced more than it may hold, or stalled before it was
+    whole (``stalled``; the worker's doing: its own process wrote it)."""
+
+    def __init__(self, message: str, stalled: bool = False) -> None:
+        super().__init__(message)
+        self.stalled = stalled
+
+
+def receive_frame(conn: Any, deadline: float, limit: int) -> bytes:
+    """One frame of ``multiprocessing.connection.Connection.send_bytes`` read from
+    ``conn`` without trusting it: the length it announces (4 bytes, or -1 and 8 more) must
+    be at most ``limit``, and the whole frame must arrive by ``deadline`` (a
+    `time.perf_counter` reading) plus `FRAME_GRACE` seconds and its size at `FRAME_RATE`.
+    Where the platform has no ``select`` on the pipe (Windows), ``conn.recv_bytes()``.
+
+    Raises:
+        FrameError: it announced more than ``limit``, or stalled (how much came of it).
+        EOFError: the pipe closed (the worker is gone).
+    """
+    if os.name == "nt":  # pragma: no cover - select() takes sockets only there
+        data: bytes = conn.recv_bytes()
+        return data
+    fd = conn.fileno()
+    until = deadline + FRAME_GRACE
+    (size,) = struct.unpack("!i", _exactly(fd, 4, until, "its header"))
+    if size == -1:
+        (size,) = struct.unpack("!Q", _exactly(fd, 8, until, "its header"))
+    if size < 0 or size > limit:
+        raise FrameError(
+            f"its worker announced a reply of {size:,} bytes, more than the {limit:,} its "
+            "job allows"
+        )
+    return bytes(_exactly(fd, size, until + size / FRAME_RATE, f"a reply of {size:,} bytes"))
+
+
+def _exactly(fd: int, n: int, until: float, what: str) -> bytearray:
+    """``n`` bytes from ``fd`` by ``until``, read into one buffer."""
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        left = until - time.perf_counter()
+        if left <= 0 or not select.select([fd], [], [], left)[0]:
+            raise FrameError(f"its worker sent {got:,} bytes of {what}, then nothing", True)
+        read = os.readv(fd, [view[got:]])
+        if read == 0:
+            raise EOFError
+        got += read
+    return buf
 
 
 def start_executor(
