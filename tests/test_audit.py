@@ -105,31 +105,72 @@ def test_correct_backends_pass_over_seeds(
     assert len(held) == len(dense) or name == "torch-sdpa"
 
 
+#: compiled FlexAttention on the CPU (torch 2.13) does not compile a ``score_mod`` that reads
+#: a captured tensor when K and V are broadcast over the batch (stride 0): inductor's C++
+#: template names an undeclared ``cur_kvSplitSize2`` (docs/conformance.md, "Limits"). The
+#: audit reports it; these tests hold FlexAttention to everything else
+FLEX_CPU_BUG = "CppCompileError"
+
+
+def _only_the_compile_bug(report: AuditReport) -> None:
+    """Every failure of ``report`` is `FLEX_CPU_BUG`, and cases other than the ones that
+    met it were judged right."""
+    failed = [r for r in report.results if r.status == "fail"]
+    assert all(FLEX_CPU_BUG in r.message for r in failed), report.format_table()
+    assert sum(r.judged for r in report.results) > 2 * len(failed), report.format_table()
+
+
+@pytest.mark.slow  # two compiles: 14 s on a loaded machine, more with a cold cache
+def test_compiled_flex_attention_on_the_cpu_fails_to_compile_for_broadcast_keys() -> None:
+    """The audit's finding against torch, rebuilt from plain torch (the smallest case
+    found by hand: batch 2, 4 queries, 5 keys, head dim 8, K and V expanded over the
+    batch, a score_mod reading a bias); contiguous K and V compile."""
+    code = (
+        "import torch\n"
+        "from torch.nn.attention.flex_attention import flex_attention\n"
+        "f = torch.compile(flex_attention, dynamic=True)\n"
+        "q, bias = torch.randn(2, 1, 4, 8), torch.zeros(2, 1, 4, 5)\n"
+        "def sm(s, b, h, i, j):\n"
+        "    return s + bias[b, h, i, j]\n"
+        "def run(k):\n"
+        "    try:\n"
+        "        f(q, k, k, score_mod=sm)\n"
+        "    except Exception as e:\n"
+        "        return 'cur_kvSplitSize2' in str(e)\n"
+        "    return False\n"
+        "print(run(torch.randn(1, 1, 5, 8).expand(2, 1, 5, 8)), run(torch.randn(2, 1, 5, 8)))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert proc.stdout.split()[-2:] == ["True", "False"], proc.stdout + proc.stderr[-2000:]
+
+
 @pytest.mark.slow
 def test_flex_attention_agrees_with_the_oracle_in_float32() -> None:
-    """Eager FlexAttention takes about 0.2 s a call on the CPU, and traces again for each
-    new shape (15-17 s here, with the long grid): `forward` (every mask, causal, GQA and
-    scale; the fixed grids, then 10 drawn cases) in float32. The default tier meets
-    FlexAttention through the flash convention's variants below."""
+    """FlexAttention is audited compiled, as its users call it; on the CPU its first
+    compile takes 5 to 35 s and a new shape class seconds more: `forward` (every mask,
+    causal, GQA and scale; the fixed grids, then 10 drawn cases) in float32. All its
+    tests are in the slow tier."""
     smoke = replace(PROFILES["quick"], name="smoke", examples=10)
     report = run("torch-flex", properties=["forward"], dtypes=(torch.float32,), profile=smoke)
-    assert report.ok, report.format_table()
+    _only_the_compile_bug(report)
 
 
 @pytest.mark.slow
 def test_flex_attention_passes() -> None:
-    """About 150 s (eager FlexAttention traces again for each new shape): one full audit
-    in bfloat16; the variants at another seed in float32 below."""
+    """One full audit in bfloat16; the variants at another seed in float32 below.
+    Compiled for the CPU, FlexAttention has no backward and no log-sum-exp: those
+    properties' calls are its declared refusals, and nothing else is skipped."""
     report = run("torch-flex", dtypes=(torch.bfloat16,))
-    assert report.ok, report.format_table()
+    _only_the_compile_bug(report)
     skipped = {r.property for r in report.results if r.status == "skip"}
-    assert skipped == {"gradient"}  # eager FlexAttention has no CPU backward, and says so
+    assert "gradient" in skipped
+    assert skipped <= {"gradient", "lse", "merge", "sinks"}, report.format_table()
 
 
 @pytest.mark.slow
 def test_flex_attention_passes_the_variant_properties_at_another_seed() -> None:
     report = run("torch-flex", seed=1, properties=FLASH_VARIANT_PROPS, dtypes=(torch.float32,))
-    assert report.ok, report.format_table()
+    _only_the_compile_bug(report)
 
 
 @pytest.mark.parametrize(
@@ -534,23 +575,23 @@ def test_flash_convention_builtins_pass(name: str, dtypes: tuple[torch.dtype, ..
     assert report.api == "flash"
 
 
+@pytest.mark.slow
 def test_flex_attention_in_the_flash_convention_agrees_on_the_variants() -> None:
-    """Eager FlexAttention traces its score_mod and mask_mod again for each new shape
-    (about 0.1 to 1 s on a CPU): the default tier audits the variants in float32 with 5
-    drawn cases (and the fixed variant cases), the slow tier everything."""
+    """The variants in float32 with 5 drawn cases (and the fixed variant cases), compiled
+    (31 s against 5 s eager, on a loaded machine: the slow tier)."""
     smoke = replace(PROFILES["quick"], name="smoke", examples=5)
     report = run("flash-flex", properties=["variants"], dtypes=(torch.float32,), profile=smoke)
     assert report.ok, report.format_table()
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_flex_attention_in_the_flash_convention_passes(dtype: torch.dtype) -> None:
-    """The variant properties (the full audit, about 150 s a dtype, is `torch-flex`'s
-    above and docs/variants.md's): the coarsest half precision and float64, where the
-    tightest bounds are."""
+    """The variant properties (the full audit is `torch-flex`'s above and
+    docs/variants.md's): the coarsest half precision and float32 (compiled for the CPU,
+    FlexAttention refuses float64)."""
     report = run("flash-flex", properties=["forward", *FLASH_VARIANT_PROPS], dtypes=(dtype,))
-    assert report.ok, report.format_table()
+    _only_the_compile_bug(report)
 
 
 @pytest.mark.parametrize("name", list(UNSEEN))
@@ -672,7 +713,7 @@ def test_packed_and_paged_builtins_pass_their_families_properties(
     docs/kvcache.md)."""
     backend = resolve_backend(name)
     props = [p for p in SERVING_PROPS if PROPERTIES[p].applies_to(backend.api)]
-    if name == "varlen-flex":  # eager FlexAttention traces again per shape: the main one
+    if name == "varlen-flex":  # FlexAttention compiles again per shape class: the main one
         props = ["varlen"]
     report = run(backend, properties=props, dtypes=dtypes)
     assert report.ok, report.format_table()

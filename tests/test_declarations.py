@@ -331,6 +331,12 @@ def test_a_raise_on_causal_with_a_mask_says_what_to_declare_in_every_property() 
     for r in report.results:
         assert "declares causal_with_mask=False" in r.message, r.message
     assert len(report.findings()) == 1, report.format_table()
+    # an error of another kind on such a call (a compiler's) gets no hint
+    from attnref.conformance.families.sdpa import _sdpa_error_hint
+
+    both = {"is_causal": True, "attn_mask": torch.ones(1, dtype=torch.bool)}
+    assert _sdpa_error_hint(Capabilities(), both, "InductorError: C++ compile error") == ""
+    assert "causal_with_mask=False" in _sdpa_error_hint(Capabilities(), both, "attn_mask and x")
 
 
 def test_what_a_declaration_leaves_untested_is_listed_with_why() -> None:

@@ -133,15 +133,16 @@ def raise_for_error(backend: Backend, error: BaseException, job: object = None) 
         raise Failure(str(error))
     if any(pattern in str(error) for pattern in backend.capabilities.refuses):
         raise Skip(f"refused: {one_line(error)}", refused=True)
-    raise Failure(one_line(error) + _declaration_hint(backend, job))
+    said = one_line(error)
+    raise Failure(said + _declaration_hint(backend, job, said))
 
 
-def _declaration_hint(backend: Backend, job: object) -> str:
+def _declaration_hint(backend: Backend, job: object, error: str) -> str:
     """What to declare if the call ``job`` is one the backend does not take (its
-    family's `ApiFamily.error_hint`)."""
+    family's `ApiFamily.error_hint`, given the error it raised)."""
     if not isinstance(job, Job):
         return ""
-    return family_of(backend).error_hint(backend.capabilities, job.kwargs)
+    return family_of(backend).error_hint(backend.capabilities, job.kwargs, error)
 
 
 @checked

@@ -50,7 +50,7 @@ __all__ = [
 Arguments = tuple[tuple[Any, ...], dict[str, Any]]
 
 
-def _no_hint(caps: Capabilities, kwargs: dict[str, Any]) -> str:
+def _no_hint(caps: Capabilities, kwargs: dict[str, Any], error: str) -> str:
     return ""
 
 
@@ -80,9 +80,10 @@ class ApiFamily:
     native_causal: Callable[[Capabilities, Inputs], bool]
     #: whether the convention takes ``dropout_p`` (flash_attn_with_kvcache does not)
     dropout: bool = True
-    #: what to declare when a backend raised on a call of these keywords that a default
-    #: declaration makes (a combination some libraries refuse), or ""
-    error_hint: Callable[[Capabilities, dict[str, Any]], str] = _no_hint
+    #: what to declare when a backend raised ``error`` (its one line) on a call of these
+    #: keywords that a default declaration makes (a combination some libraries refuse),
+    #: or ""
+    error_hint: Callable[[Capabilities, dict[str, Any], str], str] = _no_hint
     #: its built-in backends (built on first use: some import optional parts of torch)
     builtins: Callable[[], list[Backend]] = _no_builtins
     #: the properties only its calls can have (run on its backends only)

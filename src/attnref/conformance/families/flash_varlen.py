@@ -345,7 +345,7 @@ def _varlen_flex(
     `flex`)."""
     import warnings
 
-    from torch.nn.attention.flex_attention import AuxRequest, create_block_mask, flex_attention
+    from torch.nn.attention.flex_attention import AuxRequest, create_block_mask
 
     if dropout_p != 0.0:
         raise ValueError("FlexAttention has no dropout")
@@ -383,19 +383,22 @@ def _varlen_flex(
         seen = (d >= 0) & (d == doc_k[kj]) & (~is_causal | (kpos <= pos))
         return seen & ((left < 0) | (kpos >= pos - left)) & ((right < 0) | (kpos <= pos + right))
 
-    fn: Callable[..., Any] = flex_attention
-    if device.type == "cuda":
-        fn = compiled_flex()
+    fn = compiled_flex()  # the path users call, on every device
     qh, kh, vh = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # (1, heads, T, D)
     if sinks is not None:
         qh, kh, vh = qh.to(ctype), kh.to(ctype), vh.to(ctype)
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # eager FlexAttention warns that it is unfused
+        warnings.simplefilter("ignore")
         block_mask = create_block_mask(mask_mod, None, None, total_q, total_k, device=device)
-        out, aux = fn(
+        need_lse = return_attn_probs or sinks is not None  # compiled for the CPU: none
+        got = fn(
             qh, kh, vh, score_mod=score_mod, block_mask=block_mask, scale=softmax_scale,
-            enable_gqa=h != g, return_aux=AuxRequest(lse=True),
+            enable_gqa=h != g, return_aux=AuxRequest(lse=True) if need_lse else None,
         )  # fmt: skip
+    if not need_lse:
+        plain: Tensor = got[0].transpose(0, 1)
+        return plain
+    out, aux = got
     lse = aux.lse
     if sinks is not None:
         out = F.apply_sinks(out, lse, sinks).to(q.dtype)

@@ -105,11 +105,14 @@ def _sdpa_build(
     return (inputs.query, inputs.key, inputs.value), kwargs
 
 
-def _sdpa_error_hint(caps: Capabilities, kwargs: dict[str, Any]) -> str:
+def _sdpa_error_hint(caps: Capabilities, kwargs: dict[str, Any], error: str) -> str:
     """A raise on ``is_causal=True`` with an ``attn_mask``, which the default declaration
-    makes and torch's own SDPA refuses: the declaration that keeps such calls out."""
+    makes and torch's own SDPA refuses, that speaks of the mask or causality: the
+    declaration that keeps such calls out (an error of another kind, a compiler's on
+    such a call, gets no hint)."""
     both = kwargs.get("is_causal") is True and kwargs.get("attn_mask") is not None
-    if not (both and caps.causal_with_mask):
+    about = any(word in error.lower() for word in ("mask", "causal"))
+    if not (both and caps.causal_with_mask and about):
         return ""
     return (
         " (the call passed is_causal=True and an attn_mask together; a backend that "
@@ -170,7 +173,8 @@ def naive(
 
 @functools.cache
 def compiled_flex() -> Callable[..., Tensor]:
-    """FlexAttention compiled once, for every shape (FlexAttention's fused path on CUDA)."""
+    """FlexAttention compiled once, for every shape: the path its users call, on every
+    device (fused on CUDA; on the CPU, inference only and no log-sum-exp)."""
     from torch.nn.attention.flex_attention import flex_attention
 
     compiled: Callable[..., Tensor] = torch.compile(flex_attention, dynamic=True)
@@ -196,7 +200,8 @@ def flex(
     return_lse: bool = False,
 ) -> Out | tuple[Out, Float[Tensor, "*batch h Tq"]]:
     """FlexAttention: the mask, softcap and ALiBi as a ``score_mod``, the causal diagonal
-    and the window as a ``mask_mod`` (a block mask); eager on the CPU, compiled on CUDA.
+    and the window as a ``mask_mod`` (a block mask), through ``torch.compile`` on every
+    device: the path users call (on the CPU it has no backward and no log-sum-exp).
     Its log-sum-exp comes from ``return_aux``; sinks are applied from it afterwards
     (`attnref.functional.apply_sinks`), on a call in float32 for half-precision inputs,
     so that the output is rounded to their dtype once.
@@ -208,7 +213,7 @@ def flex(
     """
     import warnings
 
-    from torch.nn.attention.flex_attention import AuxRequest, create_block_mask, flex_attention
+    from torch.nn.attention.flex_attention import AuxRequest, create_block_mask
 
     if dropout_p != 0.0:
         raise ValueError("FlexAttention has no dropout")
@@ -251,13 +256,14 @@ def flex(
         seen = ~causal | (kj <= pos)
         return seen & ((left < 0) | (kj >= pos - left)) & ((right < 0) | (kj <= pos + right))
 
-    fn: Callable[..., Any] = flex_attention
-    if device.type == "cuda":
-        fn = compiled_flex()
+    fn = compiled_flex()  # the path users call, on every device
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # eager FlexAttention warns that it is unfused
+        warnings.simplefilter("ignore")
         block_mask = create_block_mask(mask_mod, None, None, Tq, Tk, device=device)
-        out, aux = fn(
+        # the log-sum-exp only when it is needed (compiled for the CPU, FlexAttention
+        # has none: it raises, a declared refusal)
+        need_lse = return_lse or sinks is not None
+        got = fn(
             q,
             k,
             v,
@@ -265,8 +271,12 @@ def flex(
             block_mask=block_mask,
             scale=scale,
             enable_gqa=h != k.shape[-3],
-            return_aux=AuxRequest(lse=True),
+            return_aux=AuxRequest(lse=True) if need_lse else None,
         )
+    if not need_lse:
+        plain: Tensor = got
+        return plain.reshape(*batch, h, Tq, value.shape[-1])
+    out, aux = got
     out = out.reshape(*batch, h, Tq, value.shape[-1])
     lse = aux.lse.reshape(*batch, h, Tq)
     if sinks is not None:
@@ -351,12 +361,19 @@ ALL_VARIANTS: dict[str, Any] = {
     "sinks": True,
     "lse": True,
 }
-# eager FlexAttention has no backward on the CPU, and says so
-# and divides by sqrt(Dqk) in Python, so Dqk = 0 raises ZeroDivisionError
+#: compiled for the CPU, FlexAttention has no backward, no log-sum-exp and no float64,
+#: and says so (refused there; on CUDA they run)
+FLEX_CPU_REFUSAL = "torch.compile on CPU only supports inference"
+# it divides by sqrt(Dqk) in Python, so Dqk = 0 raises ZeroDivisionError
 FLEX_CAPS = Capabilities(
     dropout=False,
     zero_head_dim=False,
-    refuses=("does not support backward on CPU",),
+    refuses=(
+        FLEX_CPU_REFUSAL,
+        "does not support backward on CPU",
+        # compiled for the CPU: float32, float16 and bfloat16 only
+        "are supported in FlexAttention for CPU device",
+    ),
     causal_alignments=("top_left", "bottom_right"),
     **ALL_VARIANTS,
 )
@@ -428,7 +445,7 @@ def _builtins() -> list[Backend]:
         Backend(
             "torch-flex",
             flex,
-            "FlexAttention (torch.nn.attention.flex_attention): eager on CPU, compiled on CUDA",
+            "FlexAttention (torch.nn.attention.flex_attention), compiled (torch.compile)",
             FLEX_CAPS,
         ),
         Backend(
