@@ -174,7 +174,11 @@ def _kvcache(bug: str) -> Any:
                 return row, p
             if bug == "append_first_page" and p >= int(cache_seqlens[b]):
                 return int(block_table[b, 0]), p % page
-            return int(block_table[b, p // page]), p % page
+            block = int(block_table[b, p // page])
+            if bug == "page_offset_wraps":  # the page's element offset in 16 bits
+                stride = page * k_cache.shape[2] * k_cache.shape[3]
+                block = block * stride % 2**16 // stride
+            return block, p % page
 
         outs, lses = [], []
         for b in range(B):
@@ -233,6 +237,7 @@ window_of_last_query = _kvcache("window_of_last_query")  # class 28
 rotary_backwards = _kvcache("rotary_backwards")  # class 29
 queries_at_cache_len = _kvcache("queries_at_cache_len")  # class 29
 first_4096_keys = _kvcache("first_4096_keys")  # class 32 (flashinfer#4347)
+page_offset_wraps = _kvcache("page_offset_wraps")  # classes 21, 32 (flashinfer#3130)
 
 #: each buggy kernel, its API family and the bug class it belongs to
 UNSEEN: dict[str, tuple[str, int]] = {

@@ -763,6 +763,32 @@ def test_serving_kernels_with_bugs_the_mutants_do_not_plant_are_failed(name: str
     assert not report.ok, report.format_table()
 
 
+def test_pages_past_a_large_element_offset_are_audited_where_memory_allows() -> None:
+    """kvcache_far_pages puts every page a row uses past `Profile.far_pages` elements: a
+    kernel whose page offsets wrap (in 16 bits here, as a 32-bit one does past 2**31) fails
+    it, the reference passes; a cache larger than the memory available is a skip that says
+    so (2**31 elements and more, on this machine or any without three times that free)."""
+    from attnref.conformance.families.flash_kvcache import _far_examples, _short_of_memory
+
+    small = replace(PROFILES["quick"], far_pages=2**17)
+    kwargs: dict[str, object] = {"properties": ["kvcache_far_pages"], "dtypes": (torch.float32,)}
+    wraps = resolve_backend("tests.planted_serving:page_offset_wraps", api="flash-kvcache")
+    report = run(wraps, profile=small, **kwargs)
+    assert not report.ok, report.format_table()
+    reference = run(resolve_backend("kvcache-reference"), profile=small, **kwargs)
+    assert reference.ok, reference.format_table()
+    (result,) = reference.results
+    assert result.judged == 2, reference.format_table()
+    caps = resolve_backend("kvcache-reference").capabilities
+    for case in _far_examples(small, caps):  # each page it uses lies past the offset
+        first = dict(case.options)["first_page"]
+        assert first * case.page * case.g * case.Dh >= 2**17
+    huge = _far_examples(replace(small, far_pages=2**60), caps)[0]
+    why = _short_of_memory(huge, torch.float32, "cpu")
+    assert why is not None
+    assert "GiB of memory" in why, why
+
+
 def test_a_pass_on_few_judged_cases_is_thin_and_fails_only_under_min_judged() -> None:
     """Thin: a pass judged on fewer cases than the floor, or than it drew when its cases
     ran out first (one explicit case); a pass that judged nothing is always thin. Shown in the

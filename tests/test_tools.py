@@ -3,11 +3,12 @@
 import re
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
-from attnref.conformance import audit
+from attnref.conformance import PROFILES, audit
 from attnref.conformance.families import MATRIX_PROPERTIES, MUTANTS
 from attnref.devices import DTYPES
 
@@ -15,6 +16,8 @@ ROOT = Path(__file__).resolve().parents[1]
 SHORT = {"f64": "float64", "f32": "float32", "f16": "float16", "bf16": "bfloat16"}
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("unchecked")]
+#: tools/kill_matrix.py's profile: kvcache_far_pages past 2**17 elements, as a CPU can hold
+MATRIX_PROFILE = replace(PROFILES["quick"], far_pages=2**17)
 
 
 def _kill_matrix() -> dict[str, dict[str, list[str]]]:
@@ -64,6 +67,7 @@ def test_each_property_kills_what_the_kill_matrix_says(pid: str) -> None:
             dtypes=[DTYPES[dtype]],
             device="cpu",
             progress=False,
+            profile=MATRIX_PROFILE,
         )
         if not report.ok:
             return

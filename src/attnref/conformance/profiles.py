@@ -83,6 +83,11 @@ class Profile:
     #: cases, one draw in twelve, cost the quick audit 10 of its 61 s (measured with
     #: only small cases drawn, then small and wide)
     max_wide_work: int = 2**22
+    #: ``kvcache_far_pages``: the element offset (a page index times its stride) past
+    #: which the pages of its paged cases lie (flashinfer#3130: zeros past 2**32; a
+    #: 32-bit signed offset wraps past 2**31). Each such case holds K and V caches of
+    #: more than this many elements, and runs only where memory allows it
+    far_pages: int = 2**31 + 2**20
 
 
 PROFILES: dict[str, Profile] = {

@@ -182,6 +182,20 @@ def _cast(t: Tensor, like: Tensor) -> Tensor:
     return t.to(dtype=like.dtype, device=like.device)
 
 
+def _garbage_cache(
+    shape: tuple[int, ...], first: int, junk: torch.Generator, like: Tensor
+) -> Tensor:
+    """A cache of ``shape`` full of garbage, but for its first ``first`` pages (or rows),
+    which hold NaN: garbage is drawn for the pages after them only (a float32 draw of
+    the whole would cost twice a half-precision cache of several GiB)."""
+    if not first:
+        return _cast(GARBAGE * torch.randn(shape, generator=junk), like)
+    cache = torch.full(shape, math.nan, dtype=like.dtype, device=like.device)
+    rest = (shape[0] - first, *shape[1:])
+    cache[first:] = _cast(GARBAGE * torch.randn(rest, generator=junk), like)
+    return cache
+
+
 def build_cache(case: Case, dtype: torch.dtype, device: str | torch.device = "cpu") -> CacheCall:
     """The decode call ``case.cached`` describes (`attnref.conformance.cases.Case`):
     every slot of the cache holds garbage except each row's cached tokens, which are
@@ -191,6 +205,12 @@ def build_cache(case: Case, dtype: torch.dtype, device: str | torch.device = "cp
     each row are then garbage, counted in ``cache_seqlens`` (only a window can hide
     them). The tokens themselves are drawn from the seed alone, whatever the shift and
     the cache's shape; the garbage from a generator of its own.
+
+    A paged case's option ``first_page`` (`Case.option`) puts every page the rows use
+    at that physical index and after (a page index times its stride past 2**31
+    elements, flashinfer#3130); the pages before it hold NaN, which no row reads. Without
+    new tokens the cache as it must be left is the cache itself (no copy of a cache of
+    several GiB).
     """
     if not case.cached:
         raise ValueError(f"case {case.name}: a cache needs cached lengths")
@@ -201,12 +221,14 @@ def build_cache(case: Case, dtype: torch.dtype, device: str | torch.device = "cp
     lengths = [shift + n for n in case.cached]  # cache_seqlens
     need = max(n + T_new for n in lengths)
     span = need + case.pad  # logical positions each row has room for
+    first = int(case.option("first_page", 0))
     if case.page:
         per_row = max(1, -(-span // case.page))
         blocks = B * per_row + 1  # one page no row uses
         order = torch.randperm(blocks, generator=junk) if case.shuffle else torch.arange(blocks)
+        order = order + first
         block_table: Tensor | None = order[: B * per_row].reshape(B, per_row).to(torch.int32)
-        shape: tuple[int, int] = (blocks, case.page)
+        shape: tuple[int, int] = (first + blocks, case.page)
         batch_idx = None
     else:
         block_table = None
@@ -216,8 +238,8 @@ def build_cache(case: Case, dtype: torch.dtype, device: str | torch.device = "cp
             torch.randperm(rows_n, generator=junk)[:B].to(torch.int32) if case.shuffle else None
         )
     proto = torch.empty((), dtype=dtype, device=device)
-    k_cache = _cast(GARBAGE * torch.randn((*shape, g, Dh), generator=junk), proto)
-    v_cache = _cast(GARBAGE * torch.randn((*shape, g, Dv), generator=junk), proto)
+    k_cache = _garbage_cache((*shape, g, Dh), first, junk, proto)
+    v_cache = _garbage_cache((*shape, g, Dv), first, junk, proto)
     q = _cast(case.amp * torch.randn((B, Tq, h, Dh), generator=gen), proto)
     k_new = _cast(case.amp * torch.randn((B, T_new, g, Dh), generator=gen), proto)
     v_new = _cast(torch.randn((B, T_new, g, Dv), generator=gen), proto)
@@ -252,7 +274,7 @@ def build_cache(case: Case, dtype: torch.dtype, device: str | torch.device = "cp
         slopes = slopes.to(device)
 
     moving = case.causal is not None or case.window is not None
-    k_after, v_after = k_cache.clone(), v_cache.clone()
+    k_after, v_after = (k_cache.clone(), v_cache.clone()) if T_new else (k_cache, v_cache)
     written = torch.zeros(shape, dtype=torch.bool, device=device)
     rows = []
     for b, n in enumerate(lengths):

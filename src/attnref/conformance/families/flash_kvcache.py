@@ -184,7 +184,8 @@ def kvcache_form(
     only the last ``left`` cached keys, one too few, once the cache is longer),
     ``window_cache_keeps_oldest`` (keeps the oldest keys of the window's size instead of
     the newest, once the cache is longer than the window), ``split_merge_unweighted``
-    (split-KV parts averaged, not weighted by their log-sum-exps).
+    (split-KV parts averaged, not weighted by their log-sum-exps), ``page_offset_16bit``
+    (a page's element offset, its index times its stride, kept in 16 bits).
     """
     from attnref.kvcache import (
         cache_slots,
@@ -227,6 +228,9 @@ def kvcache_form(
         table = block_table
         if table is not None and "logical_pages" in bugs:
             table = torch.arange(table.numel(), dtype=table.dtype).reshape(table.shape)
+        if table is not None and "page_offset_16bit" in bugs:  # the offset wraps at 2**16
+            stride = k_cache[0].numel()
+            table = (table.long() * stride % 2**16 // stride).to(table.dtype)
         interleaved = rotary_interleaved and "rotary_halves" not in bugs
         extra: dict[str, Any] = {"softmax_scale": softmax_scale, "causal": causal}
         if tuple(window_size) != (-1, -1):
@@ -393,16 +397,19 @@ def _builtins() -> list[Backend]:
 
 
 def _call_cache(
-    ctx: Context, call: CacheCall, lse: bool = False
+    ctx: Context, call: CacheCall, lse: bool = False, copy: bool = True
 ) -> tuple[list[Tensor], list[Tensor] | None, tuple[Tensor, Tensor]]:
     """The backend's output (and LSE) for each row of ``call``, and the cache as it left
-    it (the call gets copies: ``call`` itself is never written)."""
+    it (the call gets copies: ``call`` itself is never written; ``copy=False``: a call
+    without new tokens gets the cache itself, which a backend behind the trust boundary
+    cannot write, and one in this process must not)."""
     if lse and not ctx.caps.lse:
         raise Skip("the log-sum-exp not declared")
-    call = replace(call, k_cache=call.k_cache.clone(), v_cache=call.v_cache.clone())
+    appends = call.k_new is not None
+    if copy or appends:
+        call = replace(call, k_cache=call.k_cache.clone(), v_cache=call.v_cache.clone())
     args, kwargs = cache_arguments(ctx.caps, call, lse)
     guard(ctx, call.first, kwargs)
-    appends = call.k_new is not None
     job = Job(args, kwargs, writable=(1, 2) if appends else ())
     raw = invoke(ctx.backend, job, ctx.timeout, ctx.executor)
     caches = (call.k_cache, call.v_cache)
@@ -605,6 +612,70 @@ def _rotary_shift(ctx: Context, case: Case) -> None:
         law(ctx, moved[b], y, base[b], x, f"row {b}: every position moved by {shift}")
 
 
+def _far_examples(p: Profile, c: Capabilities) -> list[Case]:
+    """Paged decode calls whose pages all lie past ``p.far_pages`` elements (a page index
+    times its stride; flashinfer#3130): one row against two pages, and two rows of GQA
+    with their pages shuffled. The pages before them hold NaN."""
+    page = c.page_multiple if c.page_multiple > 1 else 16
+    dims = (128, 64) if c.max_head_dim is None else (min(128, c.max_head_dim),) * 2
+    base = []
+    for i, (name, cached, h, g, Dh, shuffle) in enumerate((
+        ("far_pages_decode", (page + 3,), 2, 1, dims[0], False),
+        ("far_pages_rows", (2 * page - 1, 5), 4, 2, dims[1], True),
+    )):  # fmt: skip
+        first = -(-p.far_pages // (page * g * Dh))  # K's stride; V's is the same
+        base.append(
+            Case(name, batch=(len(cached),), h=h, g=g, Tq=1, Tk=max(cached), Dh=Dh, Dv=Dh,
+                 cached=cached, page=page, causal="bottom_right", shuffle=shuffle,
+                 seed=350 + i, options=(("first_page", first),))
+        )  # fmt: skip
+    return base
+
+
+def _available_memory() -> int | None:
+    """Bytes of memory the kernel says are available (Linux), or None."""
+    try:
+        with open("/proc/meminfo") as info:
+            for line in info:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def _short_of_memory(case: Case, dtype: torch.dtype, device: str) -> str | None:
+    """Why ``case``'s cache cannot be held here, or None: the judge holds K and V, the
+    transfer to the worker a copy, and the worker a copy of its own to tell whether the
+    backend wrote them (three in all on the host; on CUDA, two on the device too)."""
+    first = int(case.option("first_page", 0))
+    per_row = -(-(max(case.cached) + case.new + case.pad) // case.page)
+    blocks = first + len(case.cached) * per_row + 1
+    nbytes = blocks * case.page * case.g * (case.Dh + case.Dv) * dtype.itemsize
+    need, free = 3 * nbytes, _available_memory()
+    if free is not None and need > free:
+        return (f"a cache past {first * case.page * case.g * case.Dh:,} elements needs about "
+                f"{need / 2**30:.1f} GiB of memory, {free / 2**30:.1f} GiB available")  # fmt: skip
+    if str(device).startswith("cuda") and torch.cuda.is_available():
+        free_device, _ = torch.cuda.mem_get_info()
+        if 2 * nbytes > free_device:
+            return (f"a cache past {first * case.page * case.g * case.Dh:,} elements needs "
+                    f"{2 * nbytes / 2**30:.1f} GiB of device memory, "
+                    f"{free_device / 2**30:.1f} GiB free")  # fmt: skip
+    return None
+
+
+def _kvcache_far_pages(ctx: Context, case: Case) -> None:
+    """Each row agrees with the oracle of its valid keys when every page lies past a
+    large element offset (`Profile.far_pages`): a 32-bit page offset wraps there."""
+    why = _short_of_memory(case, ctx.dtype, str(ctx.device))
+    if why is not None:
+        raise Skip(why)
+    call = build_cache(case, ctx.dtype, ctx.device)
+    outs, lses, _ = _call_cache(ctx, call, lse=ctx.caps.lse, copy=False)
+    agree(ctx, outs, lses, call.rows, "row")
+
+
 def _cache_variants(c: Capabilities) -> st.SearchStrategy[dict[str, object]]:
     """The declared variants but sinks (the flash-kvcache convention has none)."""
     return some_variants(replace(c, sinks=False))
@@ -709,6 +780,16 @@ PROPERTIES: tuple[Property, ...] = (
         families=(NAME,),
     ),
     Property(
+        "kvcache_far_pages",
+        "each row agrees with the oracle when every page lies past 2**31 elements (a page "
+        "index times its stride), the pages before it NaN",
+        (21, 27, 32),
+        lambda p, c: st.sampled_from(_far_examples(p, c)),
+        _kvcache_far_pages,
+        requires=_needs_paged,
+        families=(NAME,),
+    ),
+    Property(
         "kvcache_splits",
         "num_splits (split-KV) changes nothing",
         (25, 27, 32),
@@ -799,6 +880,9 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant("split_merge_unweighted", 25, "split-KV parts averaged instead of weighted "
            "by their log-sum-exps (the merge without rescaling)",
            {"split_merge_unweighted": True}, **_LIKE),
+    Mutant("paged_offset_wraps", 21, "a page's element offset (its index times its "
+           "stride) wraps at 2**16, as a 32-bit one does past 2**31",
+           {"page_offset_16bit": True}, **_LIKE),
 )  # fmt: skip
 
 
