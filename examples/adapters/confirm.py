@@ -542,6 +542,58 @@ def ring_causal_buckets_misplaced() -> bool:
     return not close(got, want, 0.01) and close(_two_ranks(6)[0], want, 1e-4)
 
 
+def _gpt_oss(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, sink: float) -> Tensor:
+    """GPT-OSS's ``eager_attention_forward`` with one sink logit for every head."""
+    from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
+
+    module = _Module()
+    module.sinks = torch.full((q.shape[1],), sink, dtype=q.dtype)
+    out, _ = eager_attention_forward(module, q, k, v, mask, scaling=q.shape[-1] ** -0.5)
+    result: Tensor = out.transpose(1, 2)
+    return result
+
+
+def _with_sink(q: Tensor, k: Tensor, v: Tensor, hidden: Tensor | None, sink: float) -> Tensor:
+    """Attention in float64 with a sink logit in every row's softmax, dropped after it;
+    ``hidden``: keys hidden from every query."""
+    q, k, v = q.double(), k.double(), v.double()
+    scores = q @ k.transpose(-2, -1) * q.shape[-1] ** -0.5
+    if hidden is not None:
+        scores = scores.masked_fill(hidden, -math.inf)
+    logits = torch.cat([scores, torch.full((*scores.shape[:-1], 1), sink, dtype=torch.float64)], -1)
+    return torch.softmax(logits, -1)[..., :-1] @ v
+
+
+def gpt_oss_half_precision_softmax() -> bool:
+    """GPT-OSS's eager attention takes its scores and softmax in the inputs' dtype
+    (``softmax(..., dtype=combined_logits.dtype)``): in bfloat16 its errors are several
+    times those of the same function computed in float32 and rounded once (median over
+    5 seeds, T = 64, D = 8, amplitude 2, sink 0)."""
+    ratios = []
+    for seed in range(5):
+        q, k, v = (t.bfloat16() for t in qkv(1, 1, 64, 64, 8, seed=seed))
+        q, k = 2 * q, 2 * k
+        want = _with_sink(q, k, v, None, 0.0)
+        mine = float((_gpt_oss(q, k, v, None, 0.0).double() - want).abs().max())
+        once = _gpt_oss(q.float(), k.float(), v.float(), None, 0.0).bfloat16()
+        ratios.append(mine / float((once.double() - want).abs().max()))
+    return sorted(ratios)[2] > 2
+
+
+def gpt_oss_float16_hidden_key_overflow_is_nan() -> bool:
+    """In float16 a hidden key whose score passes 65504 (``q = k = [250, 250]``) is
+    ``inf``, and ``inf + finfo.min`` is still ``inf``: the row's maximum is ``inf`` and
+    the row NaN, where the hidden key should count for nothing (0.5: the visible key's
+    value 1 against the sink)."""
+    q = torch.full((1, 1, 1, 2), 250.0, dtype=torch.float16)
+    k = torch.tensor([[[[0.0, 0.0], [250.0, 250.0]]]], dtype=torch.float16)
+    v = torch.tensor([[[[1.0], [2.0]]]], dtype=torch.float16)
+    mask = torch.tensor([0.0, torch.finfo(torch.float16).min], dtype=torch.float16)
+    got = _gpt_oss(q, k, v, mask.view(1, 1, 1, 2), 0.0)
+    want = _with_sink(q, k, v, torch.tensor([False, True]), 0.0)
+    return bool(got.isnan().all()) and close(want, torch.full_like(want, 0.5))
+
+
 # ------------------------------------------------------------------ onnxruntime
 
 
@@ -742,12 +794,24 @@ def keras_torch_float16_masked_row_is_not_uniform() -> bool:
     ))  # fmt: skip
 
 
+def keras_jax_float64_is_float32() -> bool:
+    """On the JAX backend float64 arrays become float32 (JAX's 64-bit mode is off, and
+    Keras does not turn it on): the output of float64 inputs is float32."""
+    return _keras("jax", (
+        "import keras, numpy as np\n"
+        "x = np.random.default_rng(0).standard_normal((1, 3, 2, 4))\n"
+        "print(str(keras.ops.dot_product_attention(x, x, x).dtype) == 'float32')\n"
+    ))  # fmt: skip
+
+
 FINDINGS: list[tuple[str, Callable[[], bool]]] = [
     ("transformers", hf_sdpa_single_query_is_not_causal),
     ("transformers", hf_sdpa_drops_causal_with_a_mask),
     ("transformers", hf_sdpa_empty_value_dim_raises),
     ("transformers", hf_eager_float64_softmax_is_float32),
     ("transformers", hf_eager_masked_row_is_nan_in_float64),
+    ("transformers", gpt_oss_half_precision_softmax),
+    ("transformers", gpt_oss_float16_hidden_key_overflow_is_nan),
     ("x_transformers", x_attend_maps_gqa_heads_tiled),
     ("x_transformers", x_attend_flash_ignores_forward_causal),
     ("x_transformers", x_attend_flash_and_einsum_align_differently),
@@ -777,6 +841,7 @@ FINDINGS: list[tuple[str, Callable[[], bool]]] = [
     ("keras", keras_torch_float64_returns_float32),
     ("keras", keras_torch_bias_with_causal_raises_with_one_kv_head),
     ("keras", keras_torch_float16_masked_row_is_not_uniform),
+    ("keras", keras_jax_float64_is_float32),
     ("ring_attention_pytorch", ring_gqa_maps_heads_tiled),
     ("ring_attention_pytorch", ring_dkv_wrong_over_two_ranks),
     ("ring_attention_pytorch", ring_causal_buckets_misplaced),
