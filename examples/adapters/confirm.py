@@ -443,6 +443,27 @@ def softmax_n_flash_scale_in_half_precision() -> bool:
 # ------------------------------------------------------- flash-attention-softmax-n
 
 
+def softmax_n_flash_float16_empty_row_is_not_uniform() -> bool:
+    """``flash_attention_n`` with ``is_causal`` and a float bias fills the bias with
+    ``-finfo.max // 2`` where the diagonal hides, and torch's SDPA adds it to the scores:
+    a row the diagonal empties (3 queries, 2 keys, bottom-right) averages V in float32
+    (0) but, in float16, picks the key of the larger score (scores 0 and 20: -1)."""
+    from flash_attention_softmax_n import flash_attention_n
+
+    q, k = torch.ones(1, 1, 3, 1), torch.tensor([0.0, 20.0]).view(1, 1, 2, 1)
+    v = torch.tensor([1.0, -1.0]).view(1, 1, 2, 1)
+
+    def row0(dtype: torch.dtype) -> float:
+        bias = torch.zeros(1, 1, 3, 2, dtype=dtype)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # its deprecated sdp_kernel
+            out = flash_attention_n(q.to(dtype), k.to(dtype), v.to(dtype), 0, 1.0, 0.0,
+                                    attn_bias=bias, is_causal=True)  # fmt: skip
+        return float(out[0, 0, 0, 0])
+
+    return row0(torch.float32) == 0.0 and row0(torch.float16) == -1.0
+
+
 def softmax_n_slow_ignores_and_overwrites_a_boolean_mask() -> bool:
     """``slow_attention_n`` with a boolean mask ``[T, F, F]``: ``masked_fill_(~mask,
     -inf)`` on the boolean tensor writes True everywhere (in the caller's mask), and the
@@ -804,6 +825,24 @@ def keras_jax_float64_is_float32() -> bool:
     ))  # fmt: skip
 
 
+def keras_jax_causal_fill_overrides_a_minus_inf_bias() -> bool:
+    """On the JAX backend (``jax.nn.dot_product_attention`` on the CPU), with
+    ``is_causal=True``, a query whose only key a ``-inf`` bias hides gets the value of
+    its *future* key (-1: the causal fill puts a finite value back), where a softmax of
+    ``-inf`` alone is NaN."""
+    return _keras("jax", (
+        "import keras, numpy as np\n"
+        "q = np.ones((1, 2, 1, 1), np.float32)\n"
+        "k = np.array([0.0, 20.0], np.float32).reshape(1, 2, 1, 1)\n"
+        "v = np.array([1.0, -1.0], np.float32).reshape(1, 2, 1, 1)\n"
+        "bias = np.zeros((1, 1, 2, 2), np.float32)\n"
+        "bias[0, 0, 0, :] = -np.inf\n"
+        "out = np.asarray(keras.ops.dot_product_attention(q, k, v, bias=bias, is_causal=True,\n"
+        "                                                scale=1.0))\n"
+        "print(out.flatten().tolist() == [-1.0, -1.0])\n"
+    ))  # fmt: skip
+
+
 FINDINGS: list[tuple[str, Callable[[], bool]]] = [
     ("transformers", hf_sdpa_single_query_is_not_causal),
     ("transformers", hf_sdpa_drops_causal_with_a_mask),
@@ -830,6 +869,7 @@ FINDINGS: list[tuple[str, Callable[[], bool]]] = [
     ("flash_attention_softmax_n", softmax_n_slow_ignores_and_overwrites_a_boolean_mask),
     ("flash_attention_softmax_n", softmax_n_zero_is_nan_for_low_scores),
     ("flash_attention_softmax_n", softmax_n_flash_scale_in_half_precision),
+    ("flash_attention_softmax_n", softmax_n_flash_float16_empty_row_is_not_uniform),
     ("onnxruntime", ort_float64_is_float32_accurate),
     ("onnxruntime", ort_float16_scores_rounded),
     ("onnxruntime", ort_float16_score_overflow_is_nan),
@@ -842,6 +882,7 @@ FINDINGS: list[tuple[str, Callable[[], bool]]] = [
     ("keras", keras_torch_bias_with_causal_raises_with_one_kv_head),
     ("keras", keras_torch_float16_masked_row_is_not_uniform),
     ("keras", keras_jax_float64_is_float32),
+    ("keras", keras_jax_causal_fill_overrides_a_minus_inf_bias),
     ("ring_attention_pytorch", ring_gqa_maps_heads_tiled),
     ("ring_attention_pytorch", ring_dkv_wrong_over_two_ranks),
     ("ring_attention_pytorch", ring_causal_buckets_misplaced),
