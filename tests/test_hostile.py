@@ -6,6 +6,7 @@ each bench row must not be ``ok``. The codec and the declaration that cross the 
 boundary are tested on bad input here too.
 """
 
+import contextlib
 import json
 import subprocess
 import sys
@@ -284,3 +285,49 @@ def test_no_attack_on_the_serving_bench_is_listed_ok() -> None:
     replay = status["tests.hostile:kvcache_replays_by_shape"]
     assert replay[0] == "wrong", replay
     assert replay[1] is None
+
+
+def _gone(pid: int) -> bool:
+    """Whether process ``pid`` has ended (a zombie counts as ended)."""
+    stat = Path(f"/proc/{pid}/stat")
+    try:
+        return stat.read_text().split()[2] == "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return True
+
+
+@pytest.mark.skipif(
+    not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's"
+)
+@pytest.mark.parametrize("how", ["SIGKILL", "SIGTERM"])
+def test_a_hung_worker_ends_with_a_judge_that_is_killed(how: str, tmp_path: Path) -> None:
+    """A backend that hangs in its call; the judge is killed (SIGKILL: no cleanup of its
+    own runs; SIGTERM: a CI step's timeout). Its worker and the forkserver the worker
+    came from end too, within seconds."""
+    import os
+    import signal
+    import time
+
+    pids = tmp_path / "pids"
+    env = {**os.environ, "ATTNREF_TEST_PIDS": str(pids)}
+    cmd = [sys.executable, "-m", "attnref", "audit", "--backend", "tests.hostile.sleeps:kernel",
+           "--property", "forward", "--dtype", "float32", "--no-progress"]  # fmt: skip
+    judge = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while not (pids.exists() and pids.read_text().strip()) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        worker, forkserver = (int(x) for x in pids.read_text().split()[:2])
+        judge.send_signal(getattr(signal, how))
+        judge.wait(30)
+        deadline = time.monotonic() + 20
+        while not (_gone(worker) and _gone(forkserver)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert _gone(worker), f"the worker {worker} outlived the judge ({how})"
+        assert _gone(forkserver), f"the forkserver {forkserver} outlived the judge ({how})"
+    finally:
+        judge.kill()
+        for pid in (p for line in pids.read_text().split("\n") if line for p in line.split()):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(pid), signal.SIGKILL)

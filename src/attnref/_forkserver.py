@@ -11,8 +11,9 @@ from typing import Any
 
 __all__ = ["context", "start"]
 
-#: what the forkserver imports before it forks a worker
-PRELOAD = ["attnref.conformance.backends"]
+#: what the forkserver imports before it forks a worker: first what makes it end with
+#: the judge (on Linux), then what the workers need
+PRELOAD = ["attnref._forkserver_init", "attnref.conformance.backends"]
 
 
 def context() -> Any:

@@ -50,6 +50,7 @@ from torch import Tensor
 
 from attnref import _forkserver
 from attnref._checking import checked_internal, checking_enabled, set_checking
+from attnref._dies_with_parent import die_with_parent
 from attnref.conformance.declarations import (
     DEFAULT_API,
     Backend,
@@ -471,6 +472,7 @@ def _serve(
             os.environ[name] = value
     with contextlib.suppress(OSError):
         os.setpgid(0, 0)  # its own process group, so that the judge can end what it starts
+    die_with_parent()  # the forkserver, which itself ends with the judge
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the audit's to handle
     faulthandler.disable()  # a crash is the audit's to report, in one line
     torch.set_num_threads(threads)
