@@ -41,7 +41,9 @@ FLASH_VARIANT_PROPS = ["variants", "window_keys", "window_none", "softcap_bound"
 
 #: the quick profile with a short shrink: a mutant's test needs the kill, not the minimal
 #: case (shrinking is tested on its own, test_a_failure_is_shrunk_and_its_reproducer_runs)
-KILL = replace(PROFILES["quick"], name="quick-kill", shrink_seconds=0.5)
+#: quick, shrinking briefly, kvcache_far_pages' pages past 2**17 elements, not 2**31 (the
+#: memory of a CPU machine; tools/kill_matrix.py's profile)
+KILL = replace(PROFILES["quick"], name="quick-kill", shrink_seconds=0.5, far_pages=2**17)
 
 
 def report_caps(spec: str) -> Capabilities:
