@@ -22,7 +22,8 @@ from attnref.adapters import as_4d, declare, expand_mask, no_dropout, unflatten
 REFUSAL = "jax.nn.dot_product_attention needs"
 
 
-def _to_jax(t: Tensor) -> Any:
+def to_jax(t: Tensor) -> Any:
+    """``t`` as a JAX array (bfloat16 through ``ml_dtypes``): also Keras' JAX adapter's."""
     import jax.numpy as jnp
 
     if t.dtype == torch.bfloat16:
@@ -32,7 +33,8 @@ def _to_jax(t: Tensor) -> Any:
     return jnp.asarray(t.detach().numpy())
 
 
-def _to_torch(a: Any, dtype: torch.dtype) -> Tensor:
+def to_torch(a: Any, dtype: torch.dtype) -> Tensor:
+    """A JAX (or NumPy) array as a torch tensor of ``dtype``."""
     return torch.from_numpy(
         np.asarray(a, dtype=np.float32 if dtype == torch.bfloat16 else None).copy()
     ).to(dtype)
@@ -69,15 +71,15 @@ def attention(
     if value.shape[-1] != key.shape[-1]:
         raise NotImplementedError(f"{REFUSAL} values shaped like keys (Dv = Dh)")
     # (*batch, h, T, D) -> (B, T, h, D)
-    q, k, v = (_to_jax(as_4d(t).transpose(1, 2).contiguous()) for t in (query, key, value))
+    q, k, v = (to_jax(as_4d(t).transpose(1, 2).contiguous()) for t in (query, key, value))
     full = expand_mask(attn_mask, query, key)
     mask = bias = None
     if full is not None and full.dtype == torch.bool:
-        mask = _to_jax(full)
+        mask = to_jax(full)
     elif full is not None:
-        bias = _to_jax(full)
+        bias = to_jax(full)
     out = _jitted(is_causal, scale)(q, k, v, mask, bias)
-    return unflatten(_to_torch(out, query.dtype).transpose(1, 2), query, value.shape[-1])
+    return unflatten(to_torch(out, query.dtype).transpose(1, 2), query, value.shape[-1])
 
 
 def _declare() -> None:

@@ -14,11 +14,11 @@ The adapter passes a boolean SDPA mask as ``mask`` and a float one as ``bias``.
 import os
 from typing import Any
 
-import numpy as np
 import torch
 from torch import Tensor
 
 from attnref.adapters import as_4d, declare, expand_mask, no_dropout, unflatten
+from examples.adapters.jax_attention import to_jax, to_torch
 
 #: the adapter's error for a call Keras' signature cannot express (declared: a refusal)
 REFUSAL = "keras.ops.dot_product_attention needs"
@@ -38,22 +38,13 @@ def _backend() -> str:
 
 
 def _to_keras(t: Tensor, backend: str) -> Any:
-    import keras
-
     if backend == "torch":  # torch's own tensors: gradients flow through Keras' ops
         return t.contiguous()
-    if t.dtype == torch.bfloat16:
-        import ml_dtypes
-
-        return keras.ops.convert_to_tensor(t.float().numpy().astype(ml_dtypes.bfloat16))
-    return keras.ops.convert_to_tensor(t.detach().contiguous().numpy())
+    return to_jax(t.contiguous())
 
 
 def _to_torch(a: Any, dtype: torch.dtype) -> Tensor:
-    if isinstance(a, Tensor):
-        return a
-    array = np.asarray(a, dtype=np.float32 if dtype == torch.bfloat16 else None)
-    return torch.from_numpy(array.copy()).to(dtype)
+    return a if isinstance(a, Tensor) else to_torch(a, dtype)
 
 
 def attention(

@@ -46,6 +46,7 @@ __all__ = [
     "SHARDINGS",
     "allgather_attention",
     "alltoall_attention",
+    "chunk_count",
     "exchange",
     "positions",
     "reset_sent_bytes",
@@ -86,10 +87,16 @@ def _check_sharding(sharding: str, world: int) -> None:
         raise ValueError(f"the world size must be >= 1, got {world}")
 
 
+def chunk_count(world: int, sharding: str) -> int:
+    """How many chunks ``sharding`` cuts a sequence into over ``world`` ranks: one a
+    rank (contiguous), two a rank (zigzag)."""
+    return 2 * world if sharding == "zigzag" else world
+
+
 def shard_spans(T: int, world: int, sharding: str) -> list[list[tuple[int, int]]]:
     """Each rank's spans of the sequence ``[start, end)``, in the order it holds them."""
     _check_sharding(sharding, world)
-    chunks = 2 * world if sharding == "zigzag" else world
+    chunks = chunk_count(world, sharding)
     bounds = [len(c) for c in torch.arange(T).tensor_split(chunks)]
     starts = [sum(bounds[:i]) for i in range(chunks + 1)]
     span = [(starts[i], starts[i + 1]) for i in range(chunks)]

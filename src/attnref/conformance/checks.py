@@ -201,9 +201,7 @@ class Context:
             return seen + self._spread(inputs, where, nan)
         causes = empty_row_causes(inputs, self.native(inputs))
         cause = next(c for c, rows in causes.items() if bool(rows[index].any()))
-        mask = inputs.attn_mask
-        float_mask = mask is not None and mask.is_floating_point()
-        policy = self.caps.empty_rows.of(cause, mask is not None, float_mask)
+        policy = self.caps.empty_rows.for_call(cause, inputs.attn_mask)
         why = "there are none" if inputs.key.shape[-2] == 0 else _CAUSES[cause]
         return f"{query} sees no key ({why}; declared policy {policy!r})"
 

@@ -20,7 +20,9 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any, Literal, get_args
 
 import torch
+from torch import Tensor
 
+from attnref.distributed import SHARDINGS
 from attnref.masks import Alignment
 
 __all__ = [
@@ -107,6 +109,10 @@ class EmptyRows:
             return self.causal_masked
         policy: EmptyRow = getattr(self, cause)
         return policy
+
+    def for_call(self, cause: Cause, mask: Tensor | None) -> EmptyRow:
+        """The policy of a row that ``cause`` empties in a call passed ``mask`` (`of`)."""
+        return self.of(cause, mask is not None, mask is not None and mask.is_floating_point())
 
     def policies(self) -> set[EmptyRow]:
         return {
@@ -252,12 +258,10 @@ class Capabilities:
                     f"Capabilities.causal_alignments: unknown alignment {alignment!r} "
                     "(use top_left, bottom_right)"
                 )
-        if not self.cp_shardings or any(
-            s not in ("contiguous", "zigzag") for s in self.cp_shardings
-        ):
+        if not self.cp_shardings or any(s not in SHARDINGS for s in self.cp_shardings):
             raise ValueError(
-                "Capabilities.cp_shardings must name one or both of contiguous, zigzag, got "
-                f"{self.cp_shardings!r}"
+                f"Capabilities.cp_shardings must name one or both of {', '.join(SHARDINGS)}, "
+                f"got {self.cp_shardings!r}"
             )
         if self.page_multiple < 1:
             raise ValueError(f"Capabilities.page_multiple must be >= 1, got {self.page_multiple!r}")
@@ -390,9 +394,9 @@ def not_tested(caps: Capabilities) -> list[str]:
     add(caps.window_required, "calls without a window", "window_required=True")
     add(caps.sinks_required, "calls without sink logits", "sinks_required=True")
     add(caps.cp_full_group, "calls on a subgroup of the ranks", "cp_full_group=True")
-    others = [s for s in ("contiguous", "zigzag") if s not in caps.cp_shardings]
+    others = [s for s in SHARDINGS if s not in caps.cp_shardings]
     add(
-        caps.family == "context-parallel" and bool(others),
+        bool(others),
         f"{' and '.join(others)} shards",
         f"cp_shardings={caps.cp_shardings!r}",
     )

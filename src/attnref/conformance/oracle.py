@@ -206,10 +206,8 @@ def _cause_rows(
     """``(cause, declared policy, rows)`` for each cause that empties some row (of
     ``rows``, if given)."""
     policy = empty_row if isinstance(empty_row, EmptyRows) else EmptyRows(*(empty_row,) * 3)
-    mask = inputs.attn_mask
-    masked, float_mask = mask is not None, mask is not None and mask.is_floating_point()
     return [
-        (cause, policy.of(cause, masked, float_mask), sel)
+        (cause, policy.for_call(cause, inputs.attn_mask), sel)
         for cause, sel in empty_row_causes(inputs, native_causal, rows).items()
         if bool(sel.any())
     ]

@@ -16,8 +16,10 @@ import math
 from dataclasses import dataclass, replace
 
 import torch
+from jaxtyping import Float, Shaped
 from torch import Tensor
 
+from attnref._checking import checked_internal
 from attnref.conformance.cases import Case, Inputs, build
 from attnref.kvcache import cache_slots, valid_keys
 from attnref.rotary import rotary, rotary_tables
@@ -182,9 +184,10 @@ def _cast(t: Tensor, like: Tensor) -> Tensor:
     return t.to(dtype=like.dtype, device=like.device)
 
 
+@checked_internal
 def _garbage_cache(
-    shape: tuple[int, ...], first: int, junk: torch.Generator, like: Tensor
-) -> Tensor:
+    shape: tuple[int, ...], first: int, junk: torch.Generator, like: Shaped[Tensor, ""]
+) -> Float[Tensor, "blocks ..."]:
     """A cache of ``shape`` full of garbage, but for its first ``first`` pages (or rows),
     which hold NaN: garbage is drawn for the pages after them only (a float32 draw of
     the whole would cost twice a half-precision cache of several GiB)."""

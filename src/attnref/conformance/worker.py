@@ -819,7 +819,7 @@ class Supervised:
         timeout: float,
         meanwhile: Meanwhile = None,
         fd: int | None = None,
-    ) -> bytes:
+    ) -> bytes | bytearray:
         """An encoded job in, the worker's reply out as it came: untrusted bytes, for
         `attnref.conformance.wire.decode` (``run`` decodes them; a relay forwards them).
         ``meanwhile`` runs here while the worker computes; ``timeout`` counts from the
@@ -869,7 +869,7 @@ class Supervised:
             raise self._died() from None
         return data
 
-    def _receive(self, conn: Any, deadline: float, limit: int) -> bytes:
+    def _receive(self, conn: Any, deadline: float, limit: int) -> bytes | bytearray:
         """The worker's reply, read on the judge's clock with a size limit
         (`receive_frame`): a frame larger than the job allows, or one that stalls, ends
         the worker and is reported as what it is."""
@@ -922,7 +922,7 @@ class FrameError(Exception):
         self.stalled = stalled
 
 
-def receive_frame(conn: Any, deadline: float, limit: int) -> bytes:
+def receive_frame(conn: Any, deadline: float, limit: int) -> bytes | bytearray:
     """One frame of ``multiprocessing.connection.Connection.send_bytes`` read from
     ``conn`` without trusting it: the length it announces (4 bytes, or -1 and 8 more) must
     be at most ``limit``, and the whole frame must arrive by ``deadline`` (a
@@ -946,7 +946,7 @@ def receive_frame(conn: Any, deadline: float, limit: int) -> bytes:
             f"its worker announced a reply of {size:,} bytes, more than the {limit:,} its "
             "job allows"
         )
-    return bytes(_exactly(fd, size, until + size / FRAME_RATE, f"a reply of {size:,} bytes"))
+    return _exactly(fd, size, until + size / FRAME_RATE, f"a reply of {size:,} bytes")
 
 
 def _exactly(fd: int, n: int, until: float, what: str) -> bytearray:

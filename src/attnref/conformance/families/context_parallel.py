@@ -132,11 +132,6 @@ def _sharding(caps: Capabilities, inputs: Inputs) -> str:
     return want if want in caps.cp_shardings else caps.cp_shardings[0]
 
 
-def _chunks(world: int, sharding: str) -> int:
-    """How many chunks a sequence is cut into over ``world`` ranks."""
-    return 2 * world if sharding == "zigzag" else world
-
-
 def fitted_world(caps: Capabilities, T: int, world: int, sharding: str) -> int | None:
     """The world size a call of length ``T`` runs at, ``world`` asked, inside the
     declaration: with `Capabilities.cp_equal_shards`, the largest at most ``world`` that
@@ -145,7 +140,7 @@ def fitted_world(caps: Capabilities, T: int, world: int, sharding: str) -> int |
     if not caps.cp_equal_shards:
         return world
     for w in range(world, 0 if not caps.cp_full_group else world - 1, -1):
-        if T % _chunks(w, sharding) == 0:
+        if T % D.chunk_count(w, sharding) == 0:
             return w
     return None
 
@@ -640,19 +635,21 @@ def _is_communication(error: BaseException) -> bool:
     return any(w in text for w in ("gloo", "Gloo", "NCCL", "Connection", "connection", "peer"))
 
 
+def _ranked(rank: int, error: BaseException) -> str:
+    """``error``'s message with the rank it happened on; an error with no message (a
+    library's bare assert) keeps where it was raised (`one_line`)."""
+    name = getattr(error, "type_name", type(error).__name__)
+    said = str(error).strip() or one_line(error).removeprefix(f"{name} ")
+    return f"rank {rank}: {said}"
+
+
 def _named(rank: int, error: BaseException) -> BaseException:
     """``error`` with the rank it happened on in its message."""
     if isinstance(error, Raised):
         inner = error.error
-        # an error with no message (a library's bare assert) keeps where it was raised
-        said = str(inner).strip() or one_line(inner).removeprefix(
-            f"{getattr(inner, 'type_name', type(inner).__name__)} "
-        )
         if isinstance(inner, RemoteError):
-            return Raised(
-                RemoteError(inner.type_name, f"rank {rank}: {said}", inner.traceback_text)
-            )
-        return Raised(type(inner)(f"rank {rank}: {said}"))
+            return Raised(RemoteError(inner.type_name, _ranked(rank, inner), inner.traceback_text))
+        return Raised(type(inner)(_ranked(rank, inner)))
     if isinstance(error, TimeoutError | BackendDied):
         return type(error)(f"rank {rank}: {error}")
     return error
@@ -934,9 +931,7 @@ class RankGroup:
                 if type(p) is dict and type(p.get("message")) is str:
                     error = RemoteError(str(p.get("type", "")), p["message"],
                                         str(p.get("traceback", "")))  # fmt: skip
-                    named = _named(r, Raised(error))
-                    assert isinstance(named, Raised)
-                    p = {**p, "message": str(named.error)}
+                    p = {**p, "message": _ranked(r, error)}
                 return p
             parts = [p["value"] for p in parts]
         sharding = job.kwargs.get("sharding", "contiguous")
@@ -1117,7 +1112,7 @@ def _bench_case(
     row["sharding"] = sharding
     if fitted_world(caps, T, world, sharding) != world:
         return {**row, "status": "skip", "note": f"T = {T} is outside the declaration "
-                f"(cp_equal_shards: {_chunks(world, sharding)} equal chunks)"}  # fmt: skip
+                f"(cp_equal_shards: {D.chunk_count(world, sharding)} equal chunks)"}  # fmt: skip
     kwargs = {"causal": True, "sharding": sharding}
     try:
         out = ranks.run(Job((q, k, v), dict(kwargs)), timeout)
@@ -1327,7 +1322,7 @@ def _cases(name: str) -> Callable[[Profile, Capabilities], st.SearchStrategy[Cas
             sharding = draw(st.sampled_from(c.cp_shardings))
             T = case.Tk
             if c.cp_equal_shards:  # declared: a length the chunks cut evenly
-                chunks = _chunks(world, sharding)
+                chunks = D.chunk_count(world, sharding)
                 T = max(chunks, T - T % chunks)
             options = (("world", world), ("sharding", sharding))
             return replace(case, Tq=T, Tk=T, options=options)
@@ -1417,8 +1412,8 @@ def _world_invariance(ctx: Context, case: Case) -> None:
             "against contiguous")  # fmt: skip
         return
     alone = _alone(caps, T)
-    if alone is None:
-        raise _outside(caps, T, 1, "contiguous")
+    if alone is None:  # zigzag only, and an odd length
+        raise _outside(caps, T, 1, caps.cp_shardings[0])
     if over["_world"] == 1:  # the drawn call is one rank's: spread it over them all
         for sharding in ("zigzag", "contiguous"):
             world = fitted_world(caps, T, started, sharding)
