@@ -4,8 +4,9 @@ The first two are written from scratch, not from attnref.distributed or the muta
 all-gather kernel that rebuilds the zigzag order as if the chunks were equal (wrong once
 the length is not a multiple of ``2W``), and a Ulysses kernel that deals the heads out
 round-robin on the way in and back in blocks on the way out. The rest wrap the ring
-reference and raise, die or hang on one rank (``PLANTED_CP_PIDS``: a file each rank's
-process appends its pid to, so a test can check that none is left running).
+reference and raise, die or hang on one rank, and print ``PLANTED_CP_PID`` and their
+process's id (the host's: a worker's sandbox lets it write no file, and gives it a PID
+namespace of its own), so a test can check that none is left running.
 """
 
 import os
@@ -124,10 +125,7 @@ ulysses_heads_mixed.capabilities = replace(CAPS, lse=False)  # type: ignore[attr
 
 
 def _note_pid() -> None:
-    path = os.environ.get("PLANTED_CP_PIDS")
-    if path:
-        with open(path, "a") as f:
-            f.write(f"{os.getpid()}\n")
+    print("PLANTED_CP_PID", os.readlink("/proc/self"), flush=True)
 
 
 _CALLS = [0]

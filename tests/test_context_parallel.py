@@ -3,6 +3,7 @@ named and leave nothing behind (gloo, on this machine's CPU, four ranks)."""
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -88,8 +89,9 @@ def test_kernels_it_has_not_seen_with_a_class_30_bug_fail(name: str) -> None:
     assert "world_size=4" in failed.finding.reproducer
 
 
-def _pids(path: Path) -> set[int]:
-    return {int(x) for x in path.read_text().split()} if path.exists() else set()
+def _pids(output: str) -> set[int]:
+    """The processes the ranks said they ran in (`tests.planted_cp`)."""
+    return {int(x) for x in re.findall(r"PLANTED_CP_PID (\d+)", output)}
 
 
 def _alive(pid: int) -> bool:
@@ -102,7 +104,7 @@ def _alive(pid: int) -> bool:
 
 
 def _audit_cli(spec: str, tmp_path: Path, *extra: str) -> tuple[int, dict[str, Any], str]:
-    env = {**os.environ, "PLANTED_CP_PIDS": str(tmp_path / "pids.txt")}
+    env = dict(os.environ)
     out = tmp_path / "report.json"
     done = subprocess.run(
         [sys.executable, "-m", "attnref", "audit", "--api", "context-parallel",
@@ -134,7 +136,7 @@ def test_a_rank_that_raises_dies_or_hangs_is_named_and_nothing_is_left(
     assert failures, output
     assert any(f"rank {rank}" in r["message"] and what in r["message"] for r in failures), output
     assert report["summary"]["checks"] > 1
-    pids = _pids(tmp_path / "pids.txt")
+    pids = _pids(output)
     assert len(pids) >= 4
     deadline = time.monotonic() + 10
     while any(_alive(p) for p in pids) and time.monotonic() < deadline:
@@ -164,7 +166,7 @@ def test_the_family_is_listed_from_the_registry(capsys: pytest.CaptureFixture[st
 def _torchrun(spec: str, tmp_path: Path, *extra: str) -> tuple[int, dict[str, Any], str]:
     """``torchrun --nproc-per-node 4 -m attnref audit ...``: rank 0 judges, the others
     host their ranks' workers."""
-    env = {**os.environ, "PLANTED_CP_PIDS": str(tmp_path / "pids.txt")}
+    env = dict(os.environ)
     out = tmp_path / "report.json"
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -200,7 +202,7 @@ def test_under_torchrun_rank_0_judges_and_the_others_host_their_workers(
     failures = [r for r in report["results"] if r["status"] == "fail"]
     assert (not failures) is ok, output
     assert (not failures) or any(what in r["message"] for r in failures), output
-    pids = _pids(tmp_path / "pids.txt")
+    pids = _pids(output)
     deadline = time.monotonic() + 10
     while any(_alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.2)

@@ -302,32 +302,39 @@ def _gone(pid: int) -> bool:
 @pytest.mark.parametrize("how", ["SIGKILL", "SIGTERM"])
 def test_a_hung_worker_ends_with_a_judge_that_is_killed(how: str, tmp_path: Path) -> None:
     """A backend that hangs in its call; the judge is killed (SIGKILL: no cleanup of its
-    own runs; SIGTERM: a CI step's timeout). Its worker and the forkserver the worker
-    came from end too, within seconds."""
+    own runs; SIGTERM: a CI step's timeout). Its worker, the processes between it and the
+    forkserver (the sandbox's), and the forkserver end too, within seconds."""
     import os
+    import select
     import signal
     import time
 
-    pids = tmp_path / "pids"
-    env = {**os.environ, "ATTNREF_TEST_PIDS": str(pids)}
     cmd = [sys.executable, "-m", "attnref", "audit", "--backend", "tests.hostile.sleeps:kernel",
            "--property", "forward", "--dtype", "float32", "--no-progress"]  # fmt: skip
-    judge = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
-                             stderr=subprocess.DEVNULL)  # fmt: skip
+    judge = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE,
+                             stderr=subprocess.DEVNULL, text=True)  # fmt: skip
+    chain: list[int] = []
     try:
+        assert judge.stdout is not None
         deadline = time.monotonic() + 120
-        while not (pids.exists() and pids.read_text().strip()) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        worker, forkserver = (int(x) for x in pids.read_text().split()[:2])
+        while not chain and time.monotonic() < deadline:
+            if select.select([judge.stdout], [], [], 1.0)[0]:
+                line = judge.stdout.readline()
+                if line.startswith("PIDS "):
+                    chain = [int(x) for x in line.split()[1:]]
+        assert len(chain) >= 2, "the worker never said its process ids"
         judge.send_signal(getattr(signal, how))
         judge.wait(30)
         deadline = time.monotonic() + 20
-        while not (_gone(worker) and _gone(forkserver)) and time.monotonic() < deadline:
+        while not all(_gone(p) for p in chain) and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert _gone(worker), f"the worker {worker} outlived the judge ({how})"
-        assert _gone(forkserver), f"the forkserver {forkserver} outlived the judge ({how})"
+        alive = [p for p in chain if not _gone(p)]
+        assert not alive, f"{alive} of the worker's chain {chain} outlived the judge ({how})"
     finally:
         judge.kill()
-        for pid in (p for line in pids.read_text().split("\n") if line for p in line.split()):
+        judge.wait(30)
+        if judge.stdout is not None:
+            judge.stdout.close()
+        for pid in chain:
             with contextlib.suppress(ProcessLookupError):
-                os.kill(int(pid), signal.SIGKILL)
+                os.kill(pid, signal.SIGKILL)

@@ -229,6 +229,7 @@ def _audit(args: argparse.Namespace) -> int:
     from attnref.conformance.declarations import DEFAULT_API
     from attnref.conformance.family import get_family
     from attnref.conformance.options import OptionError, audit_settings
+    from attnref.conformance.report import sandbox_line
 
     if args.list_backends:
         _list_backends()
@@ -260,11 +261,13 @@ def _audit(args: argparse.Namespace) -> int:
             threads=settings.threads,
             memory_limit=settings.memory_limit_bytes,
             world_size=settings.world_size,
+            require_sandbox=settings.require_sandbox,
         )
         backend = executor.backend
     except (BackendError, OptionError) as e:
         print(f"attnref audit: {e}", file=sys.stderr)
         return 2
+    print(sandbox_line(executor.sandbox), flush=True)  # the first line: what confines it
     report = AuditReport.start(
         backend.name,
         settings.device,

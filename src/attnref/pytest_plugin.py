@@ -147,6 +147,7 @@ def pytest_collection_modifyitems(
                 threads=settings.threads,
                 memory_limit=settings.memory_limit_bytes,
                 world_size=settings.world_size,
+                require_sandbox=settings.require_sandbox,
             )
         except BackendError as e:
             raise pytest.UsageError(f"--attnref-backend: {e}") from None

@@ -109,6 +109,13 @@ def add_audit_options(add: Callable[..., Any], prefix: str = "", *, choices: boo
         "backend: an exit or a crash ends the audit, and a backend that attacks the "
         "harness can forge the result; the report says so",
     )
+    option(
+        "require-sandbox",
+        action="store_true",
+        help="stop with an error where the platform does not wholly confine the backend's "
+        "worker (files, network, signals, processes: docs/untrusted.md), for CI and "
+        "leaderboards (default: audit, and say so on the first line and in the report)",
+    )
     option("no-grad", action="store_true", help="leave out the gradient property")
     option(
         "property-budget",
@@ -148,6 +155,7 @@ class AuditSettings:
     world_size: int | None = None  # processes per call (None: the family's default)
     min_judged: int | None = None  # a thin pass fails the audit (None: shown only)
     property_budget: float | None = None  # seconds per (property, dtype)
+    require_sandbox: bool = False  # an unconfined worker is an error
 
     @property
     def memory_limit_bytes(self) -> int | None:
@@ -170,6 +178,7 @@ class AuditSettings:
             "world_size": self.world_size,
             "min_judged": self.min_judged,
             "property_budget": self.property_budget,
+            "require_sandbox": self.require_sandbox,
         }
 
 
@@ -242,4 +251,5 @@ def audit_settings(get: Callable[[str], Any]) -> AuditSettings:
         world_size=world_size,
         min_judged=min_judged,
         property_budget=budget,
+        require_sandbox=bool(get("require_sandbox")),
     )

@@ -1,11 +1,12 @@
 """Audit reports: a verdict per (property, dtype), a terminal table, a versioned JSON document.
 
-JSON schema (``schema_version`` 8; 3 added ``api``, 4 ``trusted``, 5 ``checked``,
+JSON schema (``schema_version`` 9; 3 added ``api``, 4 ``trusted``, 5 ``checked``,
 ``cause`` and ``findings``, 6 ``world_size``, 7 the coverage: ``judged``, ``thin``,
-``floor``, ``min_judged``, ``startup_seconds`` and ``not_tested``, 8 ``also``)::
+``floor``, ``min_judged``, ``startup_seconds`` and ``not_tested``, 8 ``also``, 9
+``sandbox``)::
 
     {
-      "schema_version": 8,
+      "schema_version": 9,
       "attnref_version": str, "torch_version": str,
       "backend": str, "api": an API family ("sdpa", "flash", ...), "device": str,
       "dtypes": [str], "world_size": int | null (the processes each call ran on),
@@ -15,6 +16,10 @@ JSON schema (``schema_version`` 8; 3 added ``api``, 4 ``trusted``, 5 ``checked``
       "seconds": float,            # wall time so far (a partial write's too), start-up included
       "startup_seconds": float,    # of which the command's start-up, before the audit
       "trusted": bool,             # the backend ran in the judge's process (--in-process)
+      "sandbox": {                 # what confined the backend's worker (docs/untrusted.md)
+        "enforced": {part: how}, "missing": {part: why},  # the platform's doing
+        "allowed": {part: why}     # what the family needs open (sockets, for ranks)
+      },
       "incomplete": null | str,    # why the audit did not finish (then "ok" is false)
       "summary": {"passed": int, "failed": int, "skipped": int,  # (property, dtype) verdicts
                   "thin": int,     # passes judged on fewer cases than the floor
@@ -80,7 +85,7 @@ __all__ = [
     "reproducer",
 ]
 
-SCHEMA_VERSION = 8
+SCHEMA_VERSION = 9
 
 #: a pass judged on fewer than this share of the profile's examples (per property and
 #: dtype) is thin, unless ``--min-judged`` sets the floor
@@ -226,6 +231,8 @@ class AuditReport:
     incomplete: str = ""
     #: the backend ran in the judge's own process (``--in-process``): the verdict trusts it
     trusted: bool = False
+    #: what confined the backend's worker (`attnref.conformance.worker.Supervised.sandbox`)
+    sandbox: dict[str, dict[str, str]] = field(default_factory=dict)
     #: the processes each call ran on, for a family that spreads one over several
     world_size: int | None = None
     #: a pass judged on fewer cases than this is thin (`mark_thin`): the profile's
@@ -369,6 +376,7 @@ class AuditReport:
             "startup_seconds": round(self.startup, 3),
             "stopped_early": self.stopped_early,
             "trusted": self.trusted,
+            "sandbox": self.sandbox,
             "world_size": self.world_size,
             "incomplete": self.incomplete or None,
             "summary": {
@@ -516,6 +524,22 @@ def _skip_note(r: PropertyResult) -> str:
     if r.status != "fail":
         return r.message
     return f"{r.skipped} drawn cases skipped (outside the declaration), {r.refused} refused"
+
+
+def sandbox_line(sandbox: dict[str, dict[str, str]]) -> str:
+    """One line on what confined a backend's worker (`AuditReport.sandbox`): the parts
+    enforced, or NOT ENFORCED and why, and what the family leaves open."""
+    enforced = ", ".join(sandbox.get("enforced") or {}) or "nothing"
+    missing = sandbox.get("missing") or {}
+    allowed = sandbox.get("allowed") or {}
+    if missing:
+        line = "sandbox: NOT ENFORCED: " + "; ".join(f"{k} ({v})" for k, v in missing.items())
+        line += f"; enforced: {enforced}"
+    else:
+        line = f"sandbox: {enforced} enforced"
+    if allowed:
+        line += "; open: " + "; ".join(f"{k} ({v})" for k, v in allowed.items())
+    return line
 
 
 def _cell(r: PropertyResult | None) -> str:

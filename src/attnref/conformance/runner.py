@@ -269,6 +269,7 @@ def audit(
     world_size: int | None = None,
     min_judged: int | None = None,
     property_budget: float | None = None,
+    require_sandbox: bool = False,
 ) -> AuditReport:
     """Audit ``backend`` against the float64 oracle: every property in every dtype.
 
@@ -290,7 +291,9 @@ def audit(
     runtime shape checking off (its inputs are the audit's own cases, and the test suite
     runs the same oracle checked); ``ATTNREF_CHECK_JUDGE=1`` keeps it on. ``threads``:
     torch's intra-op threads here and in the worker (the cases are small: one is
-    fastest, and far faster on a loaded machine). After the backend's first timeout,
+    fastest, and far faster on a loaded machine). ``require_sandbox``: a worker the
+    platform does not wholly confine is an error (`BackendError`; the report's
+    ``sandbox`` says what was enforced either way). After the backend's first timeout,
     later calls wait at most ten times its slowest answer (at least 1 s).
     ``deadline``: seconds after which no more cases are checked and the report is
     marked incomplete (not OK). ``memory_limit``: GiB of address space the worker may
@@ -319,6 +322,7 @@ def audit(
             threads=threads,
             memory_limit=limit,
             world_size=world_size,
+            require_sandbox=require_sandbox,
         )
     if isinstance(backend, str):
         declared = getattr(executor, "backend", None)
@@ -342,6 +346,7 @@ def audit(
         backend.api,
     )
     report.trusted = executor.trusted
+    report.sandbox = dict(getattr(executor, "sandbox", {}))
     report.world_size = getattr(executor, "world_size", None)
     report.min_judged = min_judged
     report.examples = prof.examples

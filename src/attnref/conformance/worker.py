@@ -19,6 +19,12 @@ start threads, return objects that run code when read. So:
   asks, `Job.recheck`), reads the output again a moment later: a backend still writing
   after it returned is caught, and its thread named.
 
+Before it loads the backend, the worker enters a sandbox (`attnref._sandbox`, Linux):
+it writes only in a scratch folder of its own, which the judge removes when the worker
+stops; it opens no socket, signals no process outside it, and everything it starts ends
+with it. Its first frame, sent before any code of the backend's runs, says what the
+platform enforced (`Supervised.sandbox`); docs/untrusted.md has the threat model.
+
 `Supervised` is the judge's handle on such a worker: a call that never answers is killed
 after its timeout, a worker that dies is reported with its exit code or signal, and a
 fresh worker serves the next call. `InProcess` runs the same jobs in a thread of the
@@ -33,10 +39,12 @@ import multiprocessing.connection
 import multiprocessing.reduction
 import os
 import select
+import shutil
 import signal
 import socket
 import struct
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -48,7 +56,7 @@ import torch
 from jaxtyping import Shaped
 from torch import Tensor
 
-from attnref import _forkserver
+from attnref import _forkserver, _sandbox
 from attnref._checking import checked_internal, checking_enabled, set_checking
 from attnref._dies_with_parent import die_with_parent
 from attnref.conformance.declarations import (
@@ -461,8 +469,11 @@ def _serve(
     checking: bool,
     load: "Loader",
     env: dict[str, str | None] | None = None,
+    scratch: str | None = None,
+    policy: _sandbox.Policy | None = None,
 ) -> None:
-    """The worker's loop: resolve the backend with ``load``, say what it declares, then
+    """The worker's loop: enter the sandbox (in ``scratch``, as ``policy`` allows) and
+    say what it enforced, resolve the backend with ``load``, say what it declares, then
     answer job after job. ``env``: set (None: removed) before anything else
     (``CUDA_VISIBLE_DEVICES``, before CUDA starts)."""
     for name, value in (env or {}).items():
@@ -473,6 +484,17 @@ def _serve(
     with contextlib.suppress(OSError):
         os.setpgid(0, 0)  # its own process group, so that the judge can end what it starts
     die_with_parent()  # the forkserver, which itself ends with the judge
+    if scratch is not None:
+        _drop_resource_tracker()
+        # from here the worker is one process of a PID namespace of its own (where the
+        # kernel allows), ended with the one the judge started (which only waits)
+        try:
+            enforced = _sandbox.enter(scratch, policy)
+            die_with_parent()
+        except BaseException as e:  # attnref's own code: an error of ours, said as such
+            conn.send_bytes(encode(error_reply("raised", e)))
+            return
+        conn.send_bytes(encode({"status": "ok", "value": enforced.message()}))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the audit's to handle
     faulthandler.disable()  # a crash is the audit's to report, in one line
     torch.set_num_threads(threads)
@@ -499,6 +521,20 @@ def _serve(
         conn.send_bytes(handle(backend, decode(message, shared=shared)))
         del shared  # unmapped once the job's tensors are gone
         sys.stdout.flush()
+
+
+def _drop_resource_tracker() -> None:
+    """Close the pipe to the judge's resource tracker, which the worker inherited and does
+    not use: on it, backend code could ask that process (outside any sandbox) to unlink
+    the user's shared-memory segments and semaphores when the audit ends."""
+    from multiprocessing import resource_tracker
+
+    tracker = resource_tracker._resource_tracker
+    fd = getattr(tracker, "_fd", None)
+    if isinstance(fd, int):
+        with contextlib.suppress(OSError):
+            os.close(fd)
+        tracker._fd = None  # type: ignore[attr-defined]
 
 
 # ------------------------------------------------------------ the judge's side
@@ -561,11 +597,13 @@ Meanwhile = Callable[[], None] | None
 @runtime_checkable
 class Executor(Protocol):
     """Runs jobs for one backend; ``slowest`` is its slowest answered job, in seconds;
-    ``trusted``: whether the backend runs in the judge's own process."""
+    ``trusted``: whether the backend runs in the judge's own process; ``sandbox``: what
+    confines its code (`Supervised.sandbox`)."""
 
     slowest: float
     trusted: bool
     backend: Backend
+    sandbox: dict[str, dict[str, str]]
 
     def run(
         self, job: Job | Series | Probe | Any, timeout: float, meanwhile: Meanwhile = None
@@ -589,6 +627,12 @@ class InProcess:
 
     def __init__(self, backend: Backend) -> None:
         self.backend = backend
+        #: nothing is enforced: the backend's code runs in the judge's process
+        self.sandbox: dict[str, dict[str, str]] = {
+            "enforced": {},
+            "missing": {"all": "the backend runs in the judge's own process (--in-process)"},
+            "allowed": {},
+        }
         self.slowest = 0.0
         #: right outputs of earlier fresh_values calls, with their inputs' digests
         self.history: list[tuple[Tensor, str]] = []
@@ -700,6 +744,8 @@ class Supervised:
         start_timeout: seconds the worker may take to import the backend.
         env: environment variables the worker sets (None: removes) first (a family's: the
             GPU of a rank).
+        network: the worker may open sockets (a family whose processes talk to each
+            other); its sandbox says so.
 
     Raises:
         BackendError: the worker could not resolve the backend (its message says why),
@@ -717,9 +763,16 @@ class Supervised:
         memory_limit: int | None = None,
         start_timeout: float = 300.0,
         env: dict[str, str | None] | None = None,
+        network: bool = False,
     ) -> None:
         self.spec = backend if isinstance(backend, str) else backend.spec or backend.name
         self.env = dict(env or {})
+        self.policy = _sandbox.Policy(network=network)
+        #: what the worker's sandbox enforced, as its first frame said (before any code of
+        #: the backend's ran): ``{"enforced": {part: how}, "missing": {part: why}, "allowed":
+        #: {part: why}}``
+        self.sandbox: dict[str, dict[str, str]] = {}
+        self._scratch: str | None = None
         self.api = api if isinstance(backend, str) else backend.api
         self.threads = threads
         self.memory_limit = memory_limit
@@ -739,6 +792,7 @@ class Supervised:
         ctx = _forkserver.context()  # a clean parent, never a fork of the judge
         parent, child = ctx.Pipe()
         _widen(parent, child)
+        self._scratch = tempfile.mkdtemp(prefix="attnref-worker-")
         process = ctx.Process(
             target=_serve,
             args=(
@@ -750,6 +804,8 @@ class Supervised:
                 checking_enabled(),
                 loader(),
                 self.env,
+                self._scratch,
+                self.policy,
             ),
             daemon=True,
         )
@@ -758,6 +814,11 @@ class Supervised:
         child.close()
         self._process, self._conn = process, parent
         try:
+            if not parent.poll(self.start_timeout):
+                raise BackendError(f"{self.spec}: its worker did not start in time")
+            self.sandbox = _read_sandbox(
+                receive_frame(parent, time.perf_counter(), DECLARATION_LIMIT), self.policy
+            )
             if not parent.poll(self.start_timeout):
                 raise BackendError(
                     f"{self.spec}: its worker did not finish importing it within "
@@ -802,6 +863,9 @@ class Supervised:
             with contextlib.suppress(Exception):
                 self._conn.close()
         self._conn = None
+        scratch, self._scratch = self._scratch, None
+        if scratch is not None:  # what the worker wrote: not a byte outlives it
+            shutil.rmtree(scratch, ignore_errors=True)
 
     def run(self, job: Any, timeout: float, meanwhile: Meanwhile = None) -> Any:
         # large tensors in a sealed file sent after the message, small ones in it
@@ -913,6 +977,25 @@ FRAME_RATE = 100 * 2**20
 FRAME_GRACE = 5.0
 
 
+def _read_sandbox(frame: bytes | bytearray, policy: _sandbox.Policy) -> dict[str, dict[str, str]]:
+    """The worker's first frame (its sandbox, sent by attnref's code before the backend
+    loaded), checked; what ``policy`` leaves open is listed as ``allowed``."""
+    try:
+        value = read_reply(frame)
+    except Raised as e:
+        raise BackendError(f"its worker could not enter its sandbox: {e.error}") from None
+    parts = {}
+    for key in ("enforced", "missing"):
+        part = value.get(key) if isinstance(value, dict) else None
+        if not isinstance(part, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in part.items()
+        ):
+            raise BackendError("its worker sent a malformed sandbox record")
+        parts[key] = dict(part)
+    parts["allowed"] = policy.allowed()
+    return parts
+
+
 class FrameError(Exception):
     """A reply frame that announced more than it may hold, or stalled before it was
     whole (``stalled``; the worker's doing: its own process wrote it)."""
@@ -973,6 +1056,7 @@ def start_executor(
     threads: int = 1,
     memory_limit: int | None = None,
     world_size: int | None = None,
+    require_sandbox: bool = False,
 ) -> "Executor":
     """Where ``backend``'s code will run, as its family says (`ApiFamily.executor`):
     by default one supervised worker (``isolate``) or a thread of this process.
@@ -980,10 +1064,31 @@ def start_executor(
     over several (None: the family's default). A built-in name given without ``api`` is
     looked up here to find its family (our code: nothing of the backend's runs).
 
+    ``require_sandbox``: a sandbox the platform does not wholly enforce is an error.
+
     Raises:
-        BackendError: the backend cannot be resolved or started, or ``world_size`` is
-            given to a family that runs on one process.
+        BackendError: the backend cannot be resolved or started, ``world_size`` is
+            given to a family that runs on one process, or ``require_sandbox`` is not met.
     """
+    executor = _start_executor(backend, api, isolate, threads, memory_limit, world_size)
+    missing = executor.sandbox.get("missing") or {}
+    if require_sandbox and missing:
+        executor.close()
+        raise BackendError(
+            "--require-sandbox: the backend's worker is not wholly confined: "
+            + "; ".join(f"{part}: {why}" for part, why in missing.items())
+        )
+    return executor
+
+
+def _start_executor(
+    backend: Backend | str,
+    api: str | None,
+    isolate: bool,
+    threads: int,
+    memory_limit: int | None,
+    world_size: int | None,
+) -> "Executor":
     if isinstance(backend, Backend):
         api = backend.api
     elif api is None and ":" not in backend:

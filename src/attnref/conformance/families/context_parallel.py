@@ -479,8 +479,9 @@ def serve_rank(spec: str, *, threads: int = 1, memory_limit: int | None = None) 
                 stop()
                 try:
                     started = Supervised(
-                        spec, NAME, threads=threads, memory_limit=memory_limit, env=env
-                    )
+                        spec, NAME, threads=threads, memory_limit=memory_limit, env=env,
+                        network=True,  # the ranks meet over TCP
+                    )  # fmt: skip
                 except BackendError as e:
                     _send(link, {"status": "error", "message": str(e)})
                     continue
@@ -704,6 +705,8 @@ class RankGroup:
             self.close()
             raise
         declared = self._ranks[0].backend
+        #: the sandbox of the judge's own host's ranks (all alike: the first one's)
+        self.sandbox: dict[str, dict[str, str]] = self._ranks[0].sandbox
         self.backend = declared if isinstance(backend, str) else backend
         if self.backend.api != NAME:
             self.close()
@@ -718,7 +721,8 @@ class RankGroup:
             for _ in range(local):
                 self._ranks.append(
                     Supervised(self.spec, NAME, threads=self.threads,
-                               memory_limit=self.memory_limit, env=self._env)
+                               memory_limit=self.memory_limit, env=self._env,
+                               network=True)  # the ranks meet over TCP
                 )  # fmt: skip
             for host in self._hosts:
                 host.start()

@@ -1,0 +1,401 @@
+"""The sandbox a worker enters before it loads backend code (Linux; docs/untrusted.md).
+
+Torch-free, and nothing but the standard library: the forkserver imports it, and a
+worker calls `enter` first thing, while it is still one thread and no byte of the
+backend's has run. What it enforces, each where the kernel offers it:
+
+- **files** (Landlock, ABI 1): everything may be read and executed; only the worker's
+  own scratch folder may be written (its ``TMPDIR`` and ``HOME``, and every compiler
+  cache pointed there), and the character devices of ``/dev`` (``/dev/null``, a GPU's)
+  written and, from ABI 5, driven by ``ioctl``. The judge's installation, the report's
+  folder, the working folder and site-packages are out of reach; so is mounting.
+- **signals** (Landlock's scopes, ABI 6): no signal to a process outside the sandbox (the
+  judge, the forkserver, other workers); no connection to an abstract UNIX socket made
+  outside it. Tracing a process outside it is refused from ABI 1.
+- **network** (seccomp): no new socket of any kind (``socket(2)``, and ``io_uring``, which
+  could make one), so no connection to a loopback port, to the forkserver's socket, or to
+  any other service of the machine; Landlock's TCP rules (ABI 4) say the same. A policy
+  with ``network=True`` (the context-parallel family, whose ranks meet over TCP) leaves
+  sockets open, and the report says so.
+- **processes** (seccomp, and a PID namespace where the kernel lets an unprivileged
+  process make one): the worker and whatever it starts stay in one process group
+  (``setsid`` and ``setpgid`` are refused) that the judge kills when it stops the
+  worker; in a PID namespace of their own, the worker is its first process, and when it
+  ends, however it ends, the kernel kills every process in it.
+
+Why not a library: PyPI's ``landlock`` (1.0.0.dev5, alpha, May 2025) covers files only,
+not the network rules or the scopes; seccomp and namespaces need a few system calls
+more. This module is those calls, through ctypes, with a test for each.
+"""
+
+import contextlib
+import ctypes
+import errno
+import os
+import platform
+import struct
+import sys
+from dataclasses import dataclass, field
+
+from attnref._dies_with_parent import die_with_parent
+
+__all__ = ["Enforced", "Policy", "enter", "landlock_abi", "scratch_env"]
+
+# ------------------------------------------------------------------ Landlock (uapi)
+
+_SYS_CREATE_RULESET, _SYS_ADD_RULE, _SYS_RESTRICT_SELF = 444, 445, 446  # every arch
+_CREATE_RULESET_VERSION = 1
+_RULE_PATH_BENEATH, _RULE_NET_PORT = 1, 2
+
+FS_EXECUTE = 1 << 0
+FS_WRITE_FILE = 1 << 1
+FS_READ_FILE = 1 << 2
+FS_READ_DIR = 1 << 3
+#: rights that only a directory's rule may hold (its entries: remove, make, link)
+FS_DIR_ONLY = sum(1 << i for i in range(4, 14))
+FS_TRUNCATE = 1 << 14  # ABI 3
+FS_IOCTL_DEV = 1 << 15  # ABI 5
+NET_BIND_TCP, NET_CONNECT_TCP = 1 << 0, 1 << 1  # ABI 4
+SCOPE_ABSTRACT_UNIX_SOCKET, SCOPE_SIGNAL = 1 << 0, 1 << 1  # ABI 6
+
+_PR_SET_NO_NEW_PRIVS = 38
+
+# ------------------------------------------------------------------ seccomp (uapi)
+
+_PR_SET_SECCOMP, _SECCOMP_MODE_FILTER = 22, 2
+_RET_ALLOW, _RET_ERRNO = 0x7FFF0000, 0x00050000
+#: per architecture: its audit id, and the numbers of socket, setsid, setpgid, io_uring_setup
+_ARCHES = {
+    "x86_64": (0xC000003E, {"socket": 41, "setsid": 112, "setpgid": 109, "io_uring": 425}),
+    "aarch64": (0xC00000B7, {"socket": 198, "setsid": 157, "setpgid": 154, "io_uring": 425}),
+}
+
+# ------------------------------------------------------------------ namespaces
+
+_CLONE_NEWUSER, _CLONE_NEWPID = 0x10000000, 0x20000000
+
+#: the variables that point a worker's writes at its scratch folder: temporary files, the
+#: home folder, and the caches of the compilers a kernel may use
+SCRATCH_VARIABLES = (
+    "TMPDIR",
+    "HOME",
+    "XDG_CACHE_HOME",
+    "TORCHINDUCTOR_CACHE_DIR",
+    "TRITON_CACHE_DIR",
+    "TRITON_HOME",
+    "CUDA_CACHE_PATH",
+    "PYTHONPYCACHEPREFIX",
+    "NUMBA_CACHE_DIR",
+    "MPLCONFIGDIR",
+)
+
+
+@dataclass(frozen=True)
+class Policy:
+    """What a worker's sandbox allows beyond its scratch folder: ``network`` (sockets, for
+    a family whose processes talk to each other)."""
+
+    network: bool = False
+
+    def allowed(self) -> dict[str, str]:
+        """What the policy leaves open, part by part, with why (for the report)."""
+        if self.network:
+            return {"network": "sockets allowed: this family's processes talk over them"}
+        return {}
+
+
+@dataclass
+class Enforced:
+    """What `enter` enforced (``enforced``: the parts' names, with how) and what it could
+    not (``missing``: the part, why), as the worker reports it before the backend loads."""
+
+    enforced: dict[str, str] = field(default_factory=dict)
+    missing: dict[str, str] = field(default_factory=dict)
+
+    def message(self) -> dict[str, dict[str, str]]:
+        return {"enforced": dict(self.enforced), "missing": dict(self.missing)}
+
+
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(None, use_errno=True)
+
+
+def landlock_abi() -> int:
+    """The Landlock ABI the kernel offers (0: none: another OS, an old kernel, or
+    Landlock not enabled at boot)."""
+    if not sys.platform.startswith("linux"):
+        return 0
+    libc = _libc()
+    libc.syscall.restype = ctypes.c_long
+    abi = libc.syscall(ctypes.c_long(_SYS_CREATE_RULESET), None, ctypes.c_size_t(0),
+                       ctypes.c_uint32(_CREATE_RULESET_VERSION))  # fmt: skip
+    return max(0, int(abi))
+
+
+def scratch_env(scratch: str) -> dict[str, str]:
+    """The variables that send a worker's writes to ``scratch`` (`SCRATCH_VARIABLES`)."""
+    return dict.fromkeys(SCRATCH_VARIABLES, scratch)
+
+
+def _fs_rights(abi: int) -> int:
+    rights = (1 << 13) - 1  # ABI 1: execute ... make_sym
+    if abi >= 2:
+        rights |= 1 << 13  # refer
+    if abi >= 3:
+        rights |= FS_TRUNCATE
+    if abi >= 5:
+        rights |= FS_IOCTL_DEV
+    return rights
+
+
+def _check(result: int, what: str) -> int:
+    if result < 0:
+        e = ctypes.get_errno()
+        raise OSError(e, f"{what}: {os.strerror(e)}")
+    return result
+
+
+def _landlock(scratch: str, abi: int, network: bool) -> list[str]:
+    """Restrict this process (and what it starts) with Landlock; the parts enforced."""
+    libc = _libc()
+    libc.syscall.restype = ctypes.c_long
+    handled_fs = _fs_rights(abi)
+    handled_net = NET_BIND_TCP | NET_CONNECT_TCP if abi >= 4 and not network else 0
+    scoped = 0
+    if abi >= 6:
+        scoped = SCOPE_SIGNAL | (0 if network else SCOPE_ABSTRACT_UNIX_SOCKET)
+    attr = struct.pack("=QQQ", handled_fs, handled_net, scoped)
+    size = 8 if abi < 4 else 16 if abi < 6 else 24
+    buf = ctypes.create_string_buffer(attr[:size], size)
+    fd = _check(
+        libc.syscall(ctypes.c_long(_SYS_CREATE_RULESET), buf, ctypes.c_size_t(size),
+                     ctypes.c_uint32(0)),
+        "landlock_create_ruleset",
+    )  # fmt: skip
+    try:
+
+        def allow(path: str, rights: int) -> None:
+            try:
+                target = os.open(path, os.O_PATH | os.O_CLOEXEC)
+            except OSError:
+                return  # a device that vanished, a folder that is not there: nothing to allow
+            try:
+                rule = ctypes.create_string_buffer(struct.pack("=Qi", rights, target), 12)
+                _check(
+                    libc.syscall(ctypes.c_long(_SYS_ADD_RULE), ctypes.c_int(fd),
+                                 ctypes.c_int(_RULE_PATH_BENEATH), rule, ctypes.c_uint32(0)),
+                    f"landlock_add_rule({path})",
+                )  # fmt: skip
+            finally:
+                os.close(target)
+
+        allow("/", FS_EXECUTE | FS_READ_FILE | FS_READ_DIR)
+        allow(scratch, handled_fs)
+        device = FS_READ_FILE | FS_WRITE_FILE
+        device |= (FS_TRUNCATE if abi >= 3 else 0) | (FS_IOCTL_DEV if abi >= 5 else 0)
+        for folder in ("/dev", "/dev/dri"):
+            with contextlib.suppress(OSError), os.scandir(folder) as entries:
+                for entry in entries:
+                    if _is_char(entry.path):
+                        allow(entry.path, device)
+        if libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
+            _check(-1, "prctl(PR_SET_NO_NEW_PRIVS)")
+        restricted = libc.syscall(
+            ctypes.c_long(_SYS_RESTRICT_SELF), ctypes.c_int(fd), ctypes.c_uint32(0)
+        )
+        _check(restricted, "landlock_restrict_self")
+    finally:
+        os.close(fd)
+    parts = [f"files (Landlock ABI {abi})"]
+    if handled_net:
+        parts.append("tcp")
+    if scoped:
+        parts.append("signals")
+    return parts
+
+
+def _is_char(path: str) -> bool:
+    import stat
+
+    try:
+        return stat.S_ISCHR(os.stat(path).st_mode)
+    except OSError:
+        return False
+
+
+def _seccomp(network: bool) -> None:
+    """A filter that refuses (EPERM) ``setsid`` and ``setpgid``, and unless ``network``
+    ``socket`` and ``io_uring_setup``, to this process and what it starts."""
+    arch, numbers = _ARCHES[platform.machine()]
+    refused = [numbers["setsid"], numbers["setpgid"]]
+    if not network:
+        refused += [numbers["socket"], numbers["io_uring"]]
+
+    def op(code: int, k: int, jt: int = 0, jf: int = 0) -> bytes:
+        return struct.pack("=HBBI", code, jt, jf, k)
+
+    ld, jeq, ret = 0x20, 0x15, 0x06  # BPF_LD|W|ABS, BPF_JMP|JEQ|K, BPF_RET|K
+    n = len(refused)
+    program = [
+        op(ld, 4),  # arch
+        op(jeq, arch, 1, 0),
+        op(ret, _RET_ALLOW),  # another ABI (x32, compat): not judged here, allowed
+        op(ld, 0),  # the call's number
+        *[op(jeq, nr, n - i, 0) for i, nr in enumerate(refused)],
+        op(ret, _RET_ALLOW),
+        op(ret, _RET_ERRNO | errno.EPERM),
+    ]
+    code = b"".join(program)
+    filt = ctypes.create_string_buffer(code, len(code))
+
+    class Prog(ctypes.Structure):
+        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+
+    prog = Prog(len(program), ctypes.cast(filt, ctypes.c_void_p))
+    libc = _libc()
+    if libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
+        _check(-1, "prctl(PR_SET_NO_NEW_PRIVS)")
+    if libc.prctl(_PR_SET_SECCOMP, _SECCOMP_MODE_FILTER, ctypes.byref(prog), 0, 0) != 0:
+        _check(-1, "prctl(PR_SET_SECCOMP)")
+
+
+def _threads() -> int:
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return 1
+
+
+def _pid_namespace() -> int | None:
+    """Move what this process starts next into a new PID namespace (with a user namespace
+    around it where this process is not privileged); None where the kernel refuses."""
+    if _threads() != 1:
+        return None  # a user namespace needs a process of one thread
+    libc = _libc()
+    uid, gid = os.getuid(), os.getgid()
+    for flags in (_CLONE_NEWUSER | _CLONE_NEWPID, _CLONE_NEWPID):
+        if libc.unshare(flags) == 0:
+            if flags & _CLONE_NEWUSER:  # the same ids inside as outside
+                with contextlib.suppress(OSError):
+                    with open("/proc/self/setgroups", "w") as f:
+                        f.write("deny")
+                    with open("/proc/self/uid_map", "w") as f:
+                        f.write(f"{uid} {uid} 1")
+                    with open("/proc/self/gid_map", "w") as f:
+                        f.write(f"{gid} {gid} 1")
+            return flags
+    return None
+
+
+def enter(scratch: str, policy: Policy | None = None, *, contain: bool = True) -> Enforced:
+    """Enter the sandbox: from here on, this process (and all it starts) may write only in
+    ``scratch``. With ``contain``, where the kernel allows a PID namespace, the process
+    that returns is a new one, in a namespace of its own (`_contain`); the caller's
+    process waits outside and ends as it ends. Call it while the process is one thread,
+    before any code of the backend's has run. What the platform does not enforce is
+    listed in the result's ``missing``, never an error (the judge decides).
+    """
+    policy = policy or Policy()
+    done = Enforced()
+    os.environ.update(scratch_env(scratch))
+    import tempfile
+
+    tempfile.tempdir = None  # from TMPDIR again
+    sys.dont_write_bytecode = True
+    if not sys.platform.startswith("linux"):
+        done.missing["all"] = f"the sandbox is Linux-only (this is {sys.platform})"
+        return done
+    if contain:
+        _contain(done)
+    try:
+        _seccomp(policy.network)
+        done.enforced["processes"] = "setsid and setpgid refused (seccomp)"
+        if not policy.network:
+            done.enforced["network"] = "no new socket (seccomp)"
+    except (KeyError, OSError) as e:
+        why = f"no seccomp filter for {platform.machine()}" if isinstance(e, KeyError) else str(e)
+        done.missing["processes"] = why
+        if not policy.network:
+            done.missing["network"] = why
+    abi = landlock_abi()
+    if abi == 0:
+        done.missing["files"] = "this kernel offers no Landlock (5.13 or later, enabled)"
+        done.missing["signals"] = done.missing["files"]
+        return done
+    try:
+        parts = _landlock(scratch, abi, policy.network)
+    except OSError as e:
+        done.missing["files"] = str(e)
+        return done
+    done.enforced["files"] = f"writes only in the scratch folder (Landlock ABI {abi})"
+    if "signals" in parts:
+        done.enforced["signals"] = "none outside the sandbox (Landlock scope)"
+    else:
+        done.missing["signals"] = f"Landlock ABI {abi} has no signal scope (6 or later)"
+    return done
+
+
+def _contain(done: Enforced) -> None:
+    """`enter`'s ``contain``: where the kernel allows a PID namespace, this process (the
+    one the judge knows, which stays outside and only waits) starts the namespace's
+    first process, a reaper, which starts the worker and ends when it ends; its end
+    ends every process in the namespace. Only the worker returns. Elsewhere nothing
+    forks, and the process group is all that holds what the worker starts."""
+    flags = _pid_namespace()
+    if flags is None:
+        done.missing["lifetime"] = "no PID namespace (the kernel refused one)"
+        return
+    status_r, status_w = os.pipe()
+    reaper = os.fork()
+    if reaper == 0:
+        os.close(status_r)
+        die_with_parent()
+        worker = os.fork()
+        if worker == 0:  # the worker: an ordinary process (a namespace's first one
+            os.close(status_w)  # ignores the signals it sends itself: abort() would not end it)
+            die_with_parent()
+            done.enforced["lifetime"] = "a PID namespace of its own, ended with the worker"
+            return
+        while True:  # reap what the namespace orphans, until the worker ends
+            try:
+                pid, status = os.wait()
+            except ChildProcessError:
+                os._exit(1)
+            if pid == worker:
+                os.write(status_w, struct.pack("=i", status))
+                os._exit(0)  # and with it, every process left in the namespace
+    os.close(status_w)
+    try:
+        _wait_as(reaper, status_r)
+    finally:  # the outer process never returns: only the worker serves
+        os._exit(1)
+
+
+def _wait_as(reaper: int, status_r: int) -> None:
+    """The outer process: wait for the namespace's reaper, then end as the worker ended
+    (its exit code, or its signal), for the judge's report; a signal to it ends them all."""
+    import signal
+
+    def end(*_: object) -> None:
+        os.kill(reaper, signal.SIGKILL)
+        os._exit(1)
+
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, end)
+    while True:
+        try:
+            os.waitpid(reaper, 0)
+            break
+        except ChildProcessError:
+            break
+        except InterruptedError:
+            continue
+    data = os.read(status_r, 4)
+    if len(data) != 4:
+        os._exit(1)
+    (status,) = struct.unpack("=i", data)
+    if os.WIFSIGNALED(status):
+        with contextlib.suppress(OSError, ValueError):  # SIGKILL, SIGSTOP: not catchable
+            signal.signal(os.WTERMSIG(status), signal.SIG_DFL)
+        os.kill(os.getpid(), os.WTERMSIG(status))
+    os._exit(os.waitstatus_to_exitcode(status) if os.WIFEXITED(status) else 1)

@@ -1,0 +1,268 @@
+"""The sandbox of the backend's worker (issue 29, `attnref._sandbox`, docs/untrusted.md).
+
+The system calls are tested in a fresh interpreter that enters the sandbox and tries
+each way out; the audit is tested end to end with `tests.hostile.escapes`, whose
+backends write outside their scratch folder, detach a grandchild that rewrites the
+report, connect to a loopback port and signal the judge.
+"""
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from attnref import _sandbox
+
+ROOT = Path(__file__).resolve().parents[1]
+ABI = _sandbox.landlock_abi()
+needs_landlock = pytest.mark.skipif(
+    ABI < 6, reason=f"Landlock ABI {ABI}: the full sandbox needs 6 (Linux 6.12 or later)"
+)
+
+
+def _inside(code: str, scratch: Path, network: bool = False) -> dict[str, object]:
+    """Run ``code`` in a fresh interpreter inside the sandbox; what it prints as JSON."""
+    prog = (
+        textwrap.dedent(
+            f"""
+        import json, os, socket, sys
+        from attnref import _sandbox
+        enforced = _sandbox.enter({str(scratch)!r}, _sandbox.Policy(network={network}))
+        out = {{"enforced": enforced.message()}}
+        """
+        )
+        + textwrap.dedent(code)
+        + "\nprint(json.dumps(out))\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", prog], capture_output=True, text=True, timeout=60,
+        cwd=ROOT, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    result: dict[str, object] = json.loads(proc.stdout.strip().splitlines()[-1])
+    return result
+
+
+def _try(expr: str) -> str:
+    return textwrap.dedent(
+        f"""
+        try:
+            {expr}
+            ok = "done"
+        except OSError as e:
+            ok = e.errno
+        """
+    )
+
+
+@needs_landlock
+def test_the_worker_writes_only_in_its_scratch_folder(tmp_path: Path) -> None:
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    outside = tmp_path / "outside.txt"
+    site = Path(sysconfig.get_paths()["purelib"]) / "attnref-sandbox-test.pth"
+    code = ""
+    for name, path in [("scratch", scratch / "a"), ("outside", outside), ("site", site),
+                       ("home", "~/x"), ("devnull", "/dev/null")]:  # fmt: skip
+        code += _try(f"open(os.path.expanduser({str(path)!r}), 'w').write('x')")
+        code += f"out[{name!r}] = ok\n"
+    code += _try("os.mkdir(os.path.join(os.environ['TMPDIR'], 'd'))") + "out['tmpdir'] = ok\n"
+    try:
+        out = _inside(code, scratch)
+    finally:
+        site.unlink(missing_ok=True)
+    assert out["scratch"] == "done"
+    assert out["home"] == "done"
+    assert out["tmpdir"] == "done"
+    assert out["devnull"] == "done"
+    assert out["outside"] == 13
+    assert out["site"] == 13
+    assert not outside.exists()
+
+
+@needs_landlock
+def test_the_worker_opens_no_socket_and_signals_no_one_outside(tmp_path: Path) -> None:
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    code = _try(f"socket.create_connection(('127.0.0.1', {port}), 2)") + "out['tcp'] = ok\n"
+    code += _try("socket.socket(socket.AF_UNIX)") + "out['unix'] = ok\n"
+    code += _try("socket.socket(socket.AF_INET, socket.SOCK_DGRAM)") + "out['udp'] = ok\n"
+    code += _try(f"os.kill({os.getpid()}, 0)") + "out['signal'] = ok\n"
+    code += _try("os.setsid()") + "out['setsid'] = ok\n"
+    code += _try("os.setpgid(0, 0)") + "out['setpgid'] = ok\n"
+    with listener:
+        out = _inside(code, tmp_path)
+        listener.settimeout(0.2)
+        with pytest.raises(TimeoutError):
+            listener.accept()
+    assert out["tcp"] == out["unix"] == out["udp"] == 1  # EPERM
+    assert out["signal"] in (1, 3)  # EPERM, or ESRCH from a PID namespace of its own
+    assert out["setsid"] == out["setpgid"] == 1
+    enforced = out["enforced"]
+    assert isinstance(enforced, dict)
+    assert not enforced["missing"]
+
+
+@needs_landlock
+def test_a_network_policy_leaves_sockets_open_and_still_confines_files(tmp_path: Path) -> None:
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    code = _try(f"socket.create_connection(('127.0.0.1', {port}), 2)") + "out['tcp'] = ok\n"
+    code += _try(f"open({str(tmp_path / 'outside')!r}, 'w')") + "out['file'] = ok\n"
+    (tmp_path / "scratch").mkdir()
+    with listener:
+        out = _inside(code, tmp_path / "scratch", network=True)
+    assert out["tcp"] == "done"
+    assert out["file"] == 13
+
+
+def test_what_a_platform_does_not_enforce_is_listed_not_raised(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(_sandbox, "landlock_abi", lambda: 0)
+
+    def no_seccomp(network: bool) -> None:
+        raise OSError(38, "no seccomp here")
+
+    monkeypatch.setattr(_sandbox, "_seccomp", no_seccomp)
+    env, bytecode = dict(os.environ), sys.dont_write_bytecode
+    try:
+        done = _sandbox.enter(str(tmp_path), contain=False)
+    finally:
+        os.environ.clear()
+        os.environ.update(env)
+        sys.dont_write_bytecode = bytecode
+        tempfile.tempdir = None
+    assert set(done.missing) >= {"files", "signals", "network", "processes"}
+    assert not done.enforced
+
+
+def _escape(
+    backend: str, tmp_path: Path
+) -> tuple[subprocess.CompletedProcess[str], dict[str, Any]]:
+    """Audit ``tests.hostile.escapes:<backend>`` (forward, float32) in a fresh judge with
+    a temporary folder of its own, aimed at targets under ``tmp_path``, the working
+    folder, site-packages and attnref's package; the process and its targets."""
+    # short: the judge's forkserver puts its socket there (108 bytes at most)
+    tmp = Path(tempfile.mkdtemp(prefix="ah-", dir="/tmp"))
+    report = tmp_path / "report.json"
+    import attnref
+
+    targets: dict[str, Any] = {
+        "files": [
+            str(Path(sysconfig.get_paths()["purelib"]) / "attnref-hostile-test.pth"),
+            str(tmp_path / "next-to-the-report.txt"),
+            str(ROOT / "hostile-test-wrote-here.txt"),
+            str(Path(attnref.__file__).parent / "hostile_test.py"),
+        ],
+        "report": str(report),
+        "marker": f"attnref-hostile-{os.getpid()}-{time.monotonic_ns()}",
+    }
+    listener = socket.create_server(("127.0.0.1", 0))
+    targets["port"] = listener.getsockname()[1]
+    env = {**os.environ, "TMPDIR": str(tmp), "ATTNREF_TEST_TARGETS": json.dumps(targets)}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    command = (
+        f"export ATTNREF_TEST_JUDGE=$$; exec {sys.executable} -m attnref audit --backend "
+        f"tests.hostile.escapes:{backend} --property forward --dtype float32 --no-progress "
+        f"--timeout 20 --json {report}"
+    )
+    try:
+        with listener:
+            proc = subprocess.run(["sh", "-c", command], env=env, cwd=ROOT, capture_output=True,
+                                  text=True, timeout=300, check=False)  # fmt: skip
+            listener.settimeout(0.1)
+            try:
+                listener.accept()
+                targets["connected"] = True
+            except TimeoutError:
+                targets["connected"] = False
+        time.sleep(3)  # a grandchild still alive has rewritten the report by now
+        targets["left"] = [str(p) for p in tmp.iterdir()]
+        targets["alive"] = _alive(str(targets["marker"]))
+        targets["wrote"] = [p for p in targets["files"] if Path(p).exists()]
+    finally:
+        for p in targets["files"]:
+            Path(p).unlink(missing_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+    return proc, targets
+
+
+def _alive(marker: str) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if marker.encode() in (entry / "cmdline").read_bytes():
+                    found.append(int(entry.name))
+            except OSError:
+                pass
+    return found
+
+
+def _judged_truly(proc: subprocess.CompletedProcess[str], targets: dict[str, Any]) -> None:
+    """Exit 1, a true report (failed, not forged), a first line that says what confined
+    the worker."""
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert proc.stdout.startswith("sandbox: "), proc.stdout
+    data = json.loads(Path(str(targets["report"])).read_text())
+    assert "forged" not in data
+    assert data["summary"]["ok"] is False
+    assert data["sandbox"]["enforced"], data["sandbox"]
+    assert not data["sandbox"]["missing"], data["sandbox"]
+
+
+@needs_landlock
+def test_a_backend_that_tries_every_way_out_is_judged_and_leaves_nothing(
+    tmp_path: Path,
+) -> None:
+    proc, t = _escape("everything", tmp_path)
+    _judged_truly(proc, t)
+    assert t["wrote"] == [], "the backend wrote outside its scratch folder"
+    assert t["left"] == [], "the worker's scratch folder outlived the audit"
+    assert t["connected"] is False, "the backend connected to a loopback port"
+    assert t["alive"] == [], "a grandchild of the backend outlived the audit"
+
+
+@pytest.mark.slow  # one audit in a fresh judge per pattern: about 8 s each
+@needs_landlock
+@pytest.mark.parametrize("backend", ["writes_outside", "detaches", "connects", "signals_judge"])
+def test_each_way_out_is_closed(backend: str, tmp_path: Path) -> None:
+    proc, t = _escape(backend, tmp_path)
+    _judged_truly(proc, t)
+    assert (t["wrote"], t["left"], t["connected"], t["alive"]) == ([], [], False, [])
+
+
+@pytest.mark.slow  # two audits in fresh judges
+@needs_landlock
+def test_the_next_audit_after_a_write_attempt_still_fails_a_wrong_backend(tmp_path: Path) -> None:
+    (tmp_path / "first").mkdir()
+    proc, t = _escape("writes_outside", tmp_path / "first")
+    _judged_truly(proc, t)
+    report = tmp_path / "next.json"
+    nxt = subprocess.run(
+        [sys.executable, "-m", "attnref", "audit", "--backend", "tests.hostile:returns_zeros",
+         "--property", "forward", "--dtype", "float32", "--no-progress", "--json", str(report)],
+        cwd=ROOT, capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert nxt.returncode == 1, nxt.stdout + nxt.stderr
+
+
+def test_require_sandbox_refuses_an_unconfined_worker(capsys: pytest.CaptureFixture[str]) -> None:
+    from attnref.cli import main
+
+    code = main(["audit", "--backend", "reference", "--property", "forward", "--dtype",
+                 "float32", "--in-process", "--require-sandbox", "--no-progress"])  # fmt: skip
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "--require-sandbox: the backend's worker is not wholly confined" in err
