@@ -106,11 +106,9 @@ def test_a_row_has_time_rate_fraction_and_memory() -> None:
     assert r.runs == 3
 
 
-def test_clocks_that_disagree_once_are_timed_again_and_always_are_flagged(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_clocks_are_judged_by_the_majority_of_tries(monkeypatch: pytest.MonkeyPatch) -> None:
     """One batch whose clocks disagree (a core taken from the worker outside its loop)
-    is timed again; a row is flagged only when every try disagrees."""
+    is outvoted by two that agree; a row is flagged when most tries disagree."""
     from attnref.bench import verified
 
     real = verified.clocks
@@ -124,11 +122,11 @@ def test_clocks_that_disagree_once_are_timed_again_and_always_are_flagged(
     monkeypatch.setattr(verified, "clocks", once)
     r = run_case(resolve_backend("reference"), case, warmup=1, runs=2)
     assert r.status == "ok", r.note
-    assert len(tries) == 2
+    assert len(tries) == 3
     monkeypatch.setattr(verified, "clocks", lambda *a: "clocks disagree: planted")
     r = run_case(resolve_backend("reference"), case, warmup=1, runs=2)
     assert r.status == "flagged"
-    assert f"on each of {1 + verified.RETRIES} tries" in r.note
+    assert "on 2 of 2 tries" in r.note
 
 
 def test_cpu_peak_memory_sees_a_large_temporary() -> None:

@@ -13,7 +13,7 @@ from tqdm import tqdm
 
 from attnref._checking import checking_enabled, set_checking
 from attnref.bench.cases import BenchCase, bench_inputs, case_flops
-from attnref.bench.verified import measure
+from attnref.bench.verified import CleanLoop, measure
 from attnref.conformance.backends import Backend, BackendError
 from attnref.conformance.calls import backend_call, skip_reason
 from attnref.conformance.verdicts import Failure
@@ -74,20 +74,28 @@ def _first_line(e: BaseException) -> str:
     return f"{name}: {text}"[:300]
 
 
-def _verify(backend: Backend, case: BenchCase, seed: int, raw: Any, what: str) -> str | None:
-    """Why the output ``raw`` of the call on seed ``seed``'s values is wrong, or None."""
+def _verify(
+    backend: Backend, case: BenchCase, seed: int, raw: Any, what: str, draw: int
+) -> str | None:
+    """Why the output ``raw`` of the call on seed ``seed``'s values is wrong, or None: on
+    `SAMPLE_ROWS` query rows drawn from ``draw`` (every row of a shorter case), each
+    against the float64 oracle at the cost of one row."""
     from attnref.conformance.calls import check_output
+    from attnref.conformance.checks import SAMPLE_ROWS, sample_rows
     from attnref.conformance.family import family_of
     from attnref.conformance.oracle import close, expect
 
     inputs = bench_inputs(case, seed)
+    Tq = inputs.query.shape[-2]
+    rows = sample_rows(Tq, draw).to(inputs.query.device) if Tq > SAMPLE_ROWS else None
     try:
         out, _ = family_of(backend).read(raw, inputs, False)
         shape = (*inputs.query.shape[:-1], inputs.value.shape[-1])
         got = check_output(out, shape, inputs).to(torch.float64)
         native = family_of(backend).native_causal(backend.capabilities, inputs)
-        exp = expect(inputs, backend.capabilities.for_dtype(inputs.query.dtype).empty_row, native)
-        close(got, exp.value, *exp.bounds(), "output")
+        policy = backend.capabilities.for_dtype(inputs.query.dtype).empty_row
+        exp = expect(inputs, policy, native, rows)
+        close(got, exp.value, *exp.bounds(), "output", exp.known)
     except Failure as f:
         return f"{what}: {f}"
     return None
@@ -105,16 +113,19 @@ def run_case(
     memory: bool = True,
     timeout: float = 600.0,
     seed: int = 0,
+    clean: CleanLoop | None = None,
 ) -> BenchResult:
     """Time ``backend`` on ``case`` in its worker (``executor``; default: in this
     process) and check its outputs; never raises for what the backend does.
 
     The inputs change before every call (``rotate`` is kept for compatibility: every
-    call now has values of its own). The first call's output and
-    `attnref.bench.verified.SAMPLES` timed calls', chosen here after all came back, are
-    checked against the float64 oracle: a wrong one makes the row ``wrong``. The
-    worker's clock is checked against this process's, and a rate above the declared or
-    measured peak is flagged (`attnref.bench.verified.measure`).
+    call now has values of its own). The first call's output and every timed call's are
+    checked against the float64 oracle, each on a sample of its rows drawn after all
+    came back: a wrong one makes the row ``wrong``. The time is the judge's: its clock's
+    batch less a dry run in a clean worker (``clean``: one of its own by default); the
+    worker's per-call times shape the distribution, and a worker whose clock disagrees is
+    flagged, as is a rate above the declared or measured peak
+    (`attnref.bench.verified.measure`).
     """
     from attnref.conformance.calls import availability
 
@@ -135,13 +146,14 @@ def run_case(
         backend,
         executor,
         asdict(case),
-        lambda seed, raw, what: _verify(backend, case, seed, raw, what),
+        lambda seed, raw, what, draw: _verify(backend, case, seed, raw, what, draw),
         device=case.device,
         warmup=warmup,
         runs=runs,
         memory=memory,
         timeout=timeout,
         seed=seed,
+        clean=clean,
     )
     if m.times is None:  # skipped, an error, or wrong: no time to give
         status: BenchStatus = m.status  # type: ignore[assignment]
@@ -200,6 +212,7 @@ def run_benchmarks(
     was_checking = checking_enabled()
     set_checking(False)
     workers: list[tuple[Backend | str, Executor | str]] = []
+    clean = CleanLoop(isolate=isolate)  # the dry loops: no backend code runs there
     for b in backends:
         try:
             threads = torch.get_num_threads()  # the worker times with this process's
@@ -235,6 +248,7 @@ def run_benchmarks(
                         rotate=rotate,
                         peak_tflops=peak_tflops,
                         memory=memory,
+                        clean=clean,
                     )
                 results.append(result)
                 if on_result is not None:
@@ -245,6 +259,7 @@ def run_benchmarks(
         for _, executor in workers:
             if not isinstance(executor, str):
                 executor.close()
+        clean.close()
         set_checking(was_checking)
     return results
 

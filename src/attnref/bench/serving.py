@@ -180,10 +180,11 @@ def _skip(backend: Backend, case: ServingCase) -> str | None:
     return None
 
 
-def _verify(case: ServingCase, seed: int, raw: Any, what: str) -> str | None:
+def _verify(case: ServingCase, seed: int, raw: Any, what: str, draw: int = 0) -> str | None:
     """Why ``raw``, the output of the call on seed ``seed``'s values, is wrong, or None:
     it must match attnref's reference in float64 within 16 times the reference's own
-    error in the case's dtype (at least that dtype's epsilon), times max |V|."""
+    error in the case's dtype (at least that dtype's epsilon), times max |V|. Every row
+    (a serving call's queries are few: ``draw`` is not needed)."""
     from attnref.conformance.backends import BUILTIN_BACKENDS
 
     reference = BUILTIN_BACKENDS[
@@ -213,6 +214,10 @@ def _verify(case: ServingCase, seed: int, raw: Any, what: str) -> str | None:
     return None
 
 
+def _verify_for(case: ServingCase) -> Any:
+    return lambda seed, raw, what, draw: _verify(case, seed, raw, what, draw)
+
+
 def run_serving(
     backends: Sequence[Backend | str],
     cases: Sequence[ServingCase],
@@ -229,6 +234,7 @@ def run_serving(
     (`attnref.bench.verified.measure`); never raises for what a backend does. A spec is
     resolved in the worker only, in the family of the first case. ``rotate`` is kept for
     compatibility: every call now has values of its own."""
+    from attnref.bench.verified import CleanLoop
     from attnref.conformance.backends import BackendError, load_backend
     from attnref.conformance.worker import Executor, InProcess, Supervised
 
@@ -237,6 +243,7 @@ def run_serving(
     set_checking(False)
     api = cases[0].api if cases else None
     workers: list[tuple[str, Executor | str]] = []
+    clean = CleanLoop(isolate=isolate)  # the dry loops: no backend code runs there
     for b in backends:
         name = b if isinstance(b, str) else b.name
         try:
@@ -260,19 +267,20 @@ def run_serving(
                 if isinstance(executor, str):
                     results.append(ServingResult(name, case, "error", note=executor))
                 else:
-                    results.append(_run_one(executor, case, warmup, runs, timeout))
+                    results.append(_run_one(executor, case, warmup, runs, timeout, clean))
                 bar.update()
     finally:
         bar.close()
         for _, executor in workers:
             if not isinstance(executor, str):
                 executor.close()
+        clean.close()
         set_checking(was_checking)
     return results
 
 
 def _run_one(
-    executor: Any, case: ServingCase, warmup: int, runs: int, timeout: float
+    executor: Any, case: ServingCase, warmup: int, runs: int, timeout: float, clean: Any = None
 ) -> ServingResult:
     from attnref.bench.verified import measure
     from attnref.conformance.calls import availability
@@ -285,12 +293,13 @@ def _run_one(
         backend,
         executor,
         asdict(case),
-        lambda seed, raw, what: _verify(case, seed, raw, what),
+        _verify_for(case),
         device=case.device,
         warmup=warmup,
         runs=runs,
         memory=False,
         timeout=timeout,
+        clean=clean,
     )
     if m.times is None or m.status != "ok":
         status: Any = m.status

@@ -10,8 +10,13 @@ Three jobs per case, each one round trip, so that the judge's wall clock measure
   not fast. Each call is timed from a device-wide synchronize to a device-wide
   synchronize (work on a side stream is counted); each output is snapshotted outside the
   clock and sent back, so the judge may check any of them.
-- ``bench_dry``: the same loop without the call: what the rewriting, snapshotting and
-  sending cost, for the judge to cross-check the worker's clock against its own.
+- ``bench_dry_prepare`` and ``bench_dry``: the same loop without the call, run in a
+  clean worker that runs no code of the backend's (`attnref.bench.verified.CleanLoop`):
+  what the rewriting, snapshotting and sending cost, which the judge takes from its
+  batch time to find what the calls took on its own clock. The first job carries the
+  backend's declaration (to build the same arguments) and its first output (to
+  snapshot the same objects), and runs the loop once, untimed, as the backend's warm-up
+  calls run; the second, the loop, is as small a message as ``bench_time``.
 """
 
 import time
@@ -22,7 +27,7 @@ import torch
 
 from attnref.bench.cases import BenchCase, bench_inputs
 from attnref.bench.timing import peak_bytes
-from attnref.conformance.backends import Backend
+from attnref.conformance.backends import Backend, from_declaration
 from attnref.conformance.calls import backend_call
 from attnref.conformance.worker import HANDLERS, error_reply, rewrite, snapshot
 
@@ -39,6 +44,9 @@ class BenchJob:
     runs: int = 0
     warmup: int = 0
     memory: bool = False
+    #: a dry job's: the backend's declaration and its first output
+    declared: dict[str, Any] | None = None
+    output: Any = None
 
     def message(self) -> dict[str, Any]:
         return {
@@ -48,10 +56,12 @@ class BenchJob:
             "runs": self.runs,
             "warmup": self.warmup,
             "memory": self.memory,
+            "declared": self.declared,
+            "output": self.output,
         }
 
 
-#: the prepared case of this worker: its arguments and last output
+#: the prepared case of this worker: its arguments
 _STATE: dict[str, Any] = {}
 
 
@@ -107,34 +117,60 @@ def _prepare(backend: Backend, job: dict[str, Any]) -> Any:
         memory = job["memory"]
         peak = peak_bytes(lambda: _call(backend, args, kwargs), device) if memory else None
     _sync(device)
-    _STATE["last"] = first
     return {"status": "ok", "value": {"output": first, "peak": peak}}
 
 
-def _loop(backend: Backend, job: dict[str, Any], call: bool) -> Any:
-    start = time.perf_counter()
-    case: dict[str, Any] = _STATE["case"]
+def _loop(
+    backend: Backend, case: dict[str, Any], seed: int, runs: int, args: Any, kwargs: Any,
+    output: Any = None,
+) -> Any:  # fmt: skip
+    """``runs`` rounds of: rewrite the arguments with a new seed's values, synchronize,
+    call the backend (or, given an ``output``, do nothing: a dry run), synchronize,
+    snapshot the output. The per-call times are this process's word: the judge scales
+    them to its own clock (`attnref.bench.verified.measure`)."""
     device = str(case["device"])
-    args, kwargs = _STATE["args"], _STATE["kwargs"]
     times: list[float] = []
     outputs: list[Any] = []
     with torch.inference_mode():
-        for i in range(int(job["runs"])):
-            rewrite((args, kwargs), _arguments(backend, case, int(job["seed"]) + i))
+        for i in range(runs):
+            rewrite((args, kwargs), _arguments(backend, case, seed + i))
             _sync(device)
             t0 = time.perf_counter()
-            out = _call(backend, args, kwargs) if call else _STATE["last"]
+            out = _call(backend, args, kwargs) if output is None else output
             _sync(device)
             times.append(time.perf_counter() - t0)
             outputs.append(snapshot(out))
-    if call and outputs:
-        _STATE["last"] = outputs[-1]
-    return {
-        "status": "ok",
-        "value": {"times": times, "outputs": outputs, "loop": time.perf_counter() - start},
-    }
+    return {"status": "ok", "value": {"times": times, "outputs": outputs}}
+
+
+def _time(backend: Backend, job: dict[str, Any]) -> Any:
+    return _loop(backend, _STATE["case"], int(job["seed"]), int(job["runs"]), _STATE["args"],
+                 _STATE["kwargs"])  # fmt: skip
+
+
+def _dry_prepare(backend: Backend, job: dict[str, Any]) -> Any:
+    """In a clean worker: the arguments the backend's declaration makes, and its first
+    output (snapshotted each round of a dry loop); one untimed round, to warm up."""
+    case = dict(job["case"])
+    declared = from_declaration(job["declared"])
+    args, kwargs = _arguments(declared, case, int(job["seed"]))
+    output = job["output"]
+    if output is None:
+        raise ValueError("a dry run needs the backend's first output")
+    _STATE.clear()
+    _STATE.update(case=case, args=args, kwargs=kwargs, declared=declared, output=output)
+    _loop(declared, case, int(job["seed"]), 1, args, kwargs, output)
+    return {"status": "ok", "value": None}
+
+
+def _dry(backend: Backend, job: dict[str, Any]) -> Any:
+    """The timed loop without the backend, as `_dry_prepare` set it up; its outputs are
+    sent back as the timed batch's are, for the judge's clock counts that too."""
+    return _loop(_STATE["declared"], _STATE["case"], int(job["seed"]), int(job["runs"]),
+                 _STATE["args"], _STATE["kwargs"], _STATE["output"])  # fmt: skip
 
 
 HANDLERS["bench_prepare"] = _blaming_the_backend(_prepare)
-HANDLERS["bench_time"] = _blaming_the_backend(lambda backend, job: _loop(backend, job, True))
-HANDLERS["bench_dry"] = _blaming_the_backend(lambda backend, job: _loop(backend, job, False))
+HANDLERS["bench_time"] = _blaming_the_backend(_time)
+HANDLERS["bench_dry_prepare"] = _dry_prepare
+HANDLERS["bench_dry"] = _dry
