@@ -146,6 +146,25 @@ def test_matmul_peak_is_a_positive_rate() -> None:
     assert measure_matmul_peak("float32", "cpu", n=64, runs=3) > 0
 
 
+def test_a_rate_above_either_roof_is_flagged() -> None:
+    """The roofline: a median that would mean more FLOP/s than the peak, or moving the
+    case's fewest bytes faster than the bandwidth, is flagged; an honest one under both
+    roofs is not."""
+    from attnref.bench.timing import measure_bandwidth
+
+    case = BenchCase(B=1, h=2, Tq=64, Tk=64, Dh=16)
+    backend = resolve_backend("reference")
+    assert measure_bandwidth("cpu", mib=4, runs=2) > 0
+    ok = run_case(backend, case, warmup=1, runs=3, peak_tflops=1e6, peak_gbps=1e9)
+    assert ok.status == "ok", ok.note
+    slow_memory = run_case(backend, case, warmup=1, runs=3, peak_gbps=1e-9)
+    assert slow_memory.status == "flagged"
+    assert "above the device's measured bandwidth" in slow_memory.note
+    slow_math = run_case(backend, case, warmup=1, runs=3, peak_tflops=1e-12)
+    assert slow_math.status == "flagged"
+    assert "above the device's peak" in slow_math.note
+
+
 def _raise(*args: object, **kwargs: object) -> torch.Tensor:
     raise RuntimeError("kernel exploded")
 
@@ -325,7 +344,10 @@ def test_gpu_sweep_script_runs_on_the_cpu(tmp_path: Path) -> None:
     assert statuses == {("reference", "ok"), ("torch-sdpa-efficient", "skipped")}
     meta = json.loads((tmp_path / "bench.json").read_text())["meta"]
     # the fastest matmul: float32 where half precision is emulated, bf16 with AMX
-    assert meta["peak_source"] in {f"measured {d} matmul" for d in PEAK_DTYPES}
+    assert meta["peak_source"] in {
+        f"measured {d} matmul, and a copy's bandwidth" for d in PEAK_DTYPES
+    }
+    assert meta["peak_gbps"] > 0
     assert meta["references"][0]["source"] == "a test"
     assert "| reference | bfloat16 |" in (tmp_path / "README.md").read_text()
     assert (tmp_path / "bench.png").read_bytes()[:4] == b"\x89PNG"

@@ -30,6 +30,7 @@ from attnref.bench import (
     BenchResult,
     environment,
     format_table,
+    measure_bandwidth,
     measure_device_peak,
     plot_results,
     run_benchmarks,
@@ -106,12 +107,14 @@ def main(argv: list[str] | None = None) -> int:
     # so a spent budget costs the longest (and most reference-heavy) rows first
     cases.sort(key=lambda c: (c.Tk, c.dtype, c.Dh, c.causal or ""))
     peak, peak_dtype = measure_device_peak(args.device, n=256 if tiny else 8192)
+    gbps = measure_bandwidth(args.device, mib=16 if tiny else 1024)
     print(f"measured matmul peak: {peak:.2f} TFLOP/s ({peak_dtype})", flush=True)
     meta = {
         "device": args.device,
         "environment": environment(args.device),
         "peak_tflops": peak,
-        "peak_source": f"measured {peak_dtype} matmul",
+        "peak_gbps": gbps,
+        "peak_source": f"measured {peak_dtype} matmul, and a copy's bandwidth",
         "warmup": args.warmup,
         "runs": args.runs,
         "command": "python tools/gpu_bench.py " + " ".join(argv or sys.argv[1:]),
@@ -130,6 +133,7 @@ def main(argv: list[str] | None = None) -> int:
         warmup=args.warmup,
         runs=args.runs,
         peak_tflops=peak,
+        peak_gbps=gbps,
         budget_s=args.budget_s,
         on_result=save,
     )

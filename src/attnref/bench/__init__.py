@@ -43,7 +43,7 @@ from attnref.bench.cases import (
 from attnref.bench.cli import DEFAULT_BACKENDS, add_arguments, main, run_cli
 from attnref.bench.output import format_table, plot_results, write_results
 from attnref.bench.runner import BenchResult, environment, run_benchmarks, run_case
-from attnref.bench.timing import measure_device_peak, measure_matmul_peak
+from attnref.bench.timing import measure_bandwidth, measure_device_peak, measure_matmul_peak
 
 __all__ = [
     "DEFAULT_BACKENDS",
@@ -56,6 +56,7 @@ __all__ = [
     "environment",
     "format_table",
     "main",
+    "measure_bandwidth",
     "measure_device_peak",
     "measure_matmul_peak",
     "padding_lengths",

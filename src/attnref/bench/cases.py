@@ -109,6 +109,15 @@ def case_flops(case: BenchCase) -> int:
     return 4 * case.h * case.Dh * visible_pairs(case.Tq, case.Tk, case.causal, lengths)
 
 
+def case_bytes(case: BenchCase) -> int:
+    """The fewest bytes one call must move: Q, K and V read once and the output written
+    once (a key-padding mask's few bytes aside), for the bandwidth roofline."""
+    size = torch.finfo(DTYPES[case.dtype]).bits // 8
+    q = case.B * case.h * case.Tq * case.Dh
+    kv = 2 * case.B * case.kv_heads * case.Tk * case.Dh
+    return size * (2 * q + kv)
+
+
 def sweep_cases(
     *,
     seqs: Sequence[int],

@@ -10,7 +10,7 @@ import torch
 from attnref.bench.cases import MASKS, sweep_cases
 from attnref.bench.output import format_table, plot_results, write_results
 from attnref.bench.runner import environment, run_benchmarks
-from attnref.bench.timing import measure_device_peak
+from attnref.bench.timing import measure_bandwidth, measure_device_peak
 from attnref.conformance.backends import BackendError, resolve_backend
 from attnref.conformance.families import FAMILIES, get_family
 from attnref.devices import DTYPES
@@ -91,7 +91,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     peak.add_argument(
         "--measure-peak",
         action="store_true",
-        help="measure the device's matmul peak in the first dtype and use it",
+        help="measure the device's matmul peak and memory bandwidth, and flag a rate above "
+        "either (the roofline)",
     )
     p.add_argument("--no-memory", action="store_true", help="do not measure peak memory")
     p.add_argument("--out", default="attnref-bench", metavar="DIR", help="default: ./attnref-bench")
@@ -182,16 +183,19 @@ def run_cli(args: argparse.Namespace) -> int:
         )
     except ValueError as e:
         return _fail(str(e))
-    peak = args.peak_tflops
+    peak, gbps = args.peak_tflops, None
     if args.measure_peak:
         peak, peak_dtype = measure_device_peak(device, n=8192 if gpu else 1024)
-        print(f"measured matmul peak on {device}: {peak:.2f} TFLOP/s ({peak_dtype})")
+        gbps = measure_bandwidth(device, mib=256 if gpu else 64)
+        print(f"measured matmul peak on {device}: {peak:.2f} TFLOP/s ({peak_dtype}); "
+              f"memory bandwidth: {gbps:.1f} GB/s")  # fmt: skip
     results = run_benchmarks(
         backends,
         cases,
         warmup=args.warmup,
         runs=args.runs,
         peak_tflops=peak,
+        peak_gbps=gbps,
         memory=not args.no_memory,
         progress=False if args.no_progress else None,
     )
@@ -200,6 +204,7 @@ def run_cli(args: argparse.Namespace) -> int:
         "device": device,
         "environment": environment(device),
         "peak_tflops": peak,
+        "peak_gbps": gbps,
         "peak_source": (
             f"measured {peak_dtype} matmul" if args.measure_peak else ("given" if peak else None)
         ),

@@ -12,7 +12,7 @@ import torch
 from tqdm import tqdm
 
 from attnref._checking import checking_enabled, set_checking
-from attnref.bench.cases import BenchCase, bench_inputs, case_flops
+from attnref.bench.cases import BenchCase, bench_inputs, case_bytes, case_flops
 from attnref.bench.verified import CleanLoop, measure
 from attnref.conformance.backends import Backend, BackendError
 from attnref.conformance.calls import backend_call, skip_reason
@@ -114,6 +114,7 @@ def run_case(
     timeout: float = 600.0,
     seed: int = 0,
     clean: CleanLoop | None = None,
+    peak_gbps: float | None = None,
 ) -> BenchResult:
     """Time ``backend`` on ``case`` in its worker (``executor``; default: in this
     process) and check its outputs; never raises for what the backend does.
@@ -124,8 +125,9 @@ def run_case(
     came back: a wrong one makes the row ``wrong``. The time is the judge's: its clock's
     batch less a dry run in a clean worker (``clean``: one of its own by default); the
     worker's per-call times shape the distribution, and a worker whose clock disagrees is
-    flagged, as is a rate above the declared or measured peak
-    (`attnref.bench.verified.measure`).
+    flagged, as is a rate above the roofline: the declared or measured matmul peak
+    (``peak_tflops``), or moving the case's fewest bytes (`case_bytes`) faster than the
+    measured memory bandwidth (``peak_gbps``; `attnref.bench.verified.measure`).
     """
     from attnref.conformance.calls import availability
 
@@ -166,6 +168,13 @@ def run_case(
             "flagged",
             f"{tflops:.3g} TFLOP/s is above the device's peak of {peak_tflops:.3g}",
         )
+    gbps = case_bytes(case) / median / 1e9 if median > 0 else math.inf
+    if status == "ok" and peak_gbps and gbps > peak_gbps:
+        status, note = (
+            "flagged",
+            f"{gbps:.3g} GB/s (Q, K and V read, the output written, once each) is above "
+            f"the device's measured bandwidth of {peak_gbps:.3g} GB/s",
+        )
     ok = status == "ok"
     return BenchResult(
         backend.name,
@@ -195,6 +204,7 @@ def run_benchmarks(
     peak_tflops: float | None = None,
     memory: bool = True,
     progress: bool | None = None,
+    peak_gbps: float | None = None,
     budget_s: float | None = None,
     on_result: Callable[[list[BenchResult]], None] | None = None,
 ) -> list[BenchResult]:
@@ -249,6 +259,7 @@ def run_benchmarks(
                         peak_tflops=peak_tflops,
                         memory=memory,
                         clean=clean,
+                        peak_gbps=peak_gbps,
                     )
                 results.append(result)
                 if on_result is not None:

@@ -98,6 +98,16 @@ def measure_matmul_peak(dtype: str, device: str, *, n: int = 8192, runs: int = 1
     return 2 * n**3 / min(times) / 1e12
 
 
+def measure_bandwidth(device: str, *, mib: int = 256, runs: int = 10) -> float:
+    """The device's measured memory bandwidth in GB/s: the fastest of ``runs`` copies of
+    ``mib`` MiB (read once, written once). As for the matmul peak, the best call seen."""
+    n = mib * 2**20 // 4
+    src = torch.ones(n, device=device)
+    dst = torch.empty_like(src)
+    times = time_calls([lambda: dst.copy_(src)], warmup=2, runs=runs, device=device)
+    return 2 * src.numel() * 4 / min(times) / 1e9
+
+
 #: the precisions a kernel may compute in, whatever the dtype of its inputs
 PEAK_DTYPES = ("bfloat16", "float16", "float32")
 
