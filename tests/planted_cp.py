@@ -182,3 +182,35 @@ def contiguous_only(q: Tensor, k: Tensor, v: Tensor, **kwargs: Any) -> Any:
 
 
 contiguous_only.capabilities = replace(CAPS, cp_shardings=("contiguous",))  # type: ignore[attr-defined]
+
+
+# ------------------------------------------------------------ games with the bench
+
+
+def wrong_one_in_ten(q: Tensor, k: Tensor, v: Tensor, **kwargs: Any) -> Any:
+    """The ring reference, but every tenth call's output is garbage on every rank (never
+    the first): a bench that checks two timed calls of ten misses it most of the time."""
+    _CALLS[0] += 1
+    out = D.ring_attention(q, k, v, **kwargs)
+    assert isinstance(out, Tensor)  # no return_lse: the bench asks for none
+    return torch.full_like(out, 3.0) if _CALLS[0] % 10 == 0 else out
+
+
+_real_perf = time.perf_counter
+_start = _real_perf()
+
+
+def _slow_perf() -> float:
+    return _start + (_real_perf() - _start) / 10
+
+
+def slow_clock(q: Tensor, k: Tensor, v: Tensor, **kwargs: Any) -> Any:
+    """The ring reference, in a process whose ``time.perf_counter`` runs ten times slow
+    (set at its first call): a bench that times with the ranks' clocks reports it ten
+    times faster."""
+    time.perf_counter = _slow_perf
+    return D.ring_attention(q, k, v, **kwargs)
+
+
+for _fn in (wrong_one_in_ten, slow_clock):
+    _fn.capabilities = CAPS  # type: ignore[attr-defined]

@@ -1,9 +1,12 @@
-"""The conformance package's layers: no import circles, and the engine imports no family.
+"""attnref's layers: no import circle anywhere in the package, the engine imports no
+family, and no part of the conformance package imports the bench.
 
 Read from the source (every ``import``, at the top of a module or inside a function,
 but for those only a type checker runs): a family is one module of
 `attnref.conformance.families`; the engine below it finds a family through the table the
-registry fills (`attnref.conformance.family`), never by importing one.
+registry fills (`attnref.conformance.family`), never by importing one; the bench is a
+client of the families (it hands the worker its jobs as modules to import, `Supervised`'s
+``jobs``), never the other way.
 """
 
 import ast
@@ -95,11 +98,16 @@ def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
-def test_the_conformance_package_has_no_import_circle() -> None:
+def test_the_package_has_no_import_circle() -> None:
+    assert _circles(_imports()) == []
+
+
+def test_no_part_of_the_conformance_package_imports_the_bench() -> None:
     graph = _imports()
-    inside = {m: {d for d in deps if d.startswith("attnref.conformance")}
-              for m, deps in graph.items() if m.startswith("attnref.conformance")}  # fmt: skip
-    assert _circles(inside) == []
+    for module, deps in graph.items():
+        if module.startswith("attnref.conformance"):
+            bench = sorted(d for d in deps if d.startswith("attnref.bench"))
+            assert not bench, f"{module} imports {bench}: the bench is the families' client"
 
 
 def test_the_engine_imports_no_family_and_not_the_registry() -> None:

@@ -346,3 +346,29 @@ def test_calls_outside_the_sharding_declarations_are_not_made() -> None:
                                                      cp_shardings=("zigzag",)))  # fmt: skip
     verdict = check_case("cp_agreement", declared, odd, torch.float32, world_size=2)
     assert verdict.startswith("skip: T = 7 cuts into no equal zigzag chunks"), verdict
+
+
+# ------------------------------------------------------------------ the bench
+
+
+@pytest.mark.slow  # three backends, two ranks each, ten timed calls: about 40 s
+def test_the_bench_times_on_the_judges_clock_and_verifies_every_call() -> None:
+    """The context-parallel bench goes through the bench's one timing path: fresh values
+    per call, the judge's clock less a clean dry run on as many ranks, every output put
+    back together and verified. A rank clock ten times slow is flagged; a kernel wrong
+    on one call in ten is wrong; the ring reference is ok, with its bytes sent."""
+    from attnref.bench.cases import BenchCase
+    from attnref.bench.runner import run_benchmarks
+
+    specs = ["ring-reference", "tests.planted_cp:slow_clock", "tests.planted_cp:wrong_one_in_ten"]
+    # calls of several ms whose inputs and outputs are small beside the work
+    case = BenchCase(B=1, h=4, Tq=1024, Tk=1024, Dh=64, causal="top_left")
+    results = run_benchmarks(specs, [case], api="context-parallel", world_size=2, runs=10,
+                             warmup=1, memory=False, progress=False)  # fmt: skip
+    status = {r.backend: r for r in results}
+    ok = status["ring-reference"]
+    assert ok.status == "ok", ok.note
+    assert "verified: the first call and all 10 timed calls" in ok.note
+    assert "sent/rank" in ok.note
+    assert status["tests.planted_cp:slow_clock"].status == "flagged", status
+    assert status["tests.planted_cp:wrong_one_in_ten"].status == "wrong", status

@@ -1,15 +1,18 @@
 """``attnref bench`` and ``python -m attnref.bench``: options, validation, the run."""
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import get_args
 
 import torch
 
-from attnref.bench.cases import MASKS, sweep_cases
+from attnref.bench.cases import MASKS, ServingApi, sweep_cases
 from attnref.bench.output import format_table, plot_results, write_results
 from attnref.bench.runner import environment, run_benchmarks
+from attnref.bench.serving import serving_cli
 from attnref.bench.timing import measure_bandwidth, measure_device_peak
 from attnref.conformance.backends import BackendError, resolve_backend
 from attnref.conformance.families import FAMILIES, get_family
@@ -100,7 +103,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument(
         "--api",
-        choices=[name for name, f in FAMILIES.items() if f.bench_backends or f.bench],
+        choices=[name for name, f in FAMILIES.items() if f.bench_backends],
         default="sdpa",
         help="sdpa: dense attention (TFLOP/s); flash-kvcache: one decoding step per call "
         "against --seq cached tokens (decode tokens/s, per --page-size); flash-varlen: a "
@@ -148,15 +151,21 @@ def run_cli(args: argparse.Namespace) -> int:
             return _fail(f"--{name.replace('_', '-')} must be >= 1, got {value}")
     if args.warmup < 0:
         return _fail(f"--warmup must be >= 0, got {args.warmup}")
-    bench = get_family(args.api).bench
-    if bench is not None:  # a family with a bench of its own
-        return bench(args, device, seqs, dtypes)
+    family = get_family(args.api)
+    if args.api in get_args(ServingApi):  # a serving workload: decode or packed prefill
+        return serving_cli(args.api, args, device, seqs, dtypes)
+    # one call spread over several processes (context-parallel): causal, B = 1, h = 8 by
+    # default, as its users shard a long sequence
+    spread = family.world_size > 1
+    if spread and "RANK" in os.environ:
+        return _fail(f"the {args.api} bench starts its processes itself; run it without a "
+                     "launcher (torchrun), with --world-size W")  # fmt: skip
     from attnref.conformance.worker import start_forkserver
 
     start_forkserver()  # the workers' clean parent starts while the cases are made
     # resolved in each backend's worker only (the trust boundary), with the current
     # folder importable there, as the audit does
-    backends: list[str] = list(args.backends or DEFAULT_BACKENDS)
+    backends: list[str] = list(args.backends or family.bench_backends)
     for spec in backends:  # a name is looked up here; module:function only in a worker
         if ":" not in spec:
             try:
@@ -164,7 +173,7 @@ def run_cli(args: argparse.Namespace) -> int:
             except BackendError as e:
                 return _fail(str(e))
     causal: list[Alignment | None] = (
-        [None, args.alignment] if args.both else [args.alignment if args.causal else None]
+        [None, args.alignment] if args.both else [args.alignment if args.causal or spread else None]
     )
     try:
         cases = sweep_cases(
@@ -173,10 +182,10 @@ def run_cli(args: argparse.Namespace) -> int:
             head_dims=args.head_dim,
             causal=causal,
             device=device,
-            tokens=None if args.batch else (args.tokens or (16384 if gpu else 2048)),
-            batch=args.batch,
-            hidden=None if args.heads else (args.hidden or (2048 if gpu else 512)),
-            heads=args.heads,
+            tokens=None if args.batch or spread else (args.tokens or (16384 if gpu else 2048)),
+            batch=args.batch or (1 if spread else None),
+            hidden=None if args.heads or spread else (args.hidden or (2048 if gpu else 512)),
+            heads=args.heads or (8 if spread else None),
             kv_heads=args.kv_heads,
             mask=args.mask,
             queries=args.queries,
@@ -198,6 +207,8 @@ def run_cli(args: argparse.Namespace) -> int:
         peak_gbps=gbps,
         memory=not args.no_memory,
         progress=False if args.no_progress else None,
+        api=args.api,
+        world_size=args.world_size,
     )
     print(format_table(results))
     meta = {

@@ -13,11 +13,12 @@ from tqdm import tqdm
 
 from attnref._checking import checking_enabled, set_checking
 from attnref.bench.cases import BenchCase, bench_inputs, case_bytes, case_flops
-from attnref.bench.verified import CleanLoop, measure
+from attnref.bench.verified import JOBS, CleanLoop, measure
 from attnref.conformance.backends import Backend, BackendError
 from attnref.conformance.calls import backend_call, skip_reason
-from attnref.conformance.verdicts import Failure
-from attnref.conformance.worker import Executor, InProcess, Supervised
+from attnref.conformance.family import family_of
+from attnref.conformance.verdicts import Failure, Skip
+from attnref.conformance.worker import Executor, InProcess, start_executor
 
 #: "ok" (timed, outputs verified, clocks agree), "skipped" (declared, refused, out of
 #: memory), "error" (the backend raised), "wrong" (an output checked against the oracle
@@ -140,7 +141,8 @@ def run_case(
         first = bench_inputs(case, seed)
     except torch.OutOfMemoryError as e:
         return BenchResult(backend.name, case, "skipped", flops, note=_first_line(e))
-    declared = skip_reason(backend, first, backend_call(backend, first)[1])
+    args, kwargs = backend_call(backend, first)
+    declared = skip_reason(backend, first, kwargs)
     del first
     if declared is not None:
         return BenchResult(backend.name, case, "skipped", flops, note=declared)
@@ -176,6 +178,14 @@ def run_case(
             f"the device's measured bandwidth of {peak_gbps:.3g} GB/s",
         )
     ok = status == "ok"
+    extra = family_of(backend).bench_note
+    if ok and extra is not None:  # what the family measures besides (the backend's word)
+        try:
+            said = extra(executor, args, kwargs, timeout)
+        except (Failure, Skip) as e:
+            said = f"({str(e)[:100]})"
+        note = f"{note}; {said}" if said else note
+    del args, kwargs
     return BenchResult(
         backend.name,
         case,
@@ -207,6 +217,7 @@ def run_benchmarks(
     peak_gbps: float | None = None,
     budget_s: float | None = None,
     on_result: Callable[[list[BenchResult]], None] | None = None,
+    world_size: int | None = None,
 ) -> list[BenchResult]:
     """Every backend on every case, with a progress bar (``None``: on a terminal only).
 
@@ -216,18 +227,26 @@ def run_benchmarks(
     while it runs (the reference's checker would add a fixed cost per call), in the
     judge and the workers, and restored after. Once ``budget_s`` seconds have passed, the
     remaining rows are ``skipped`` ("time budget spent") rather than run; ``on_result``
-    gets the rows so far after each one (to save them as they come)."""
+    gets the rows so far after each one (to save them as they come). ``world_size``: the
+    processes of a family that spreads each call over several (context-parallel: its
+    ranks); its executor puts their shares back together, and the bench times and
+    verifies the whole call as one."""
     deadline = None if budget_s is None else time.monotonic() + budget_s
     results: list[BenchResult] = []
     was_checking = checking_enabled()
     set_checking(False)
     workers: list[tuple[Backend | str, Executor | str]] = []
-    clean = CleanLoop(isolate=isolate)  # the dry loops: no backend code runs there
+    cleans: dict[str, CleanLoop] = {}  # per family, the dry loops: no backend code there
+    threads = torch.get_num_threads()  # the workers time with this process's
     for b in backends:
         try:
-            threads = torch.get_num_threads()  # the worker times with this process's
-            worker: Executor = (
-                Supervised(b, api, threads=threads) if isolate else InProcess(_local(b, api))
+            worker = start_executor(
+                b if isolate else _local(b, api),
+                api,
+                isolate=isolate,
+                threads=threads,
+                world_size=world_size,
+                jobs=JOBS,
             )
             workers.append((b, worker))
         except BackendError as e:
@@ -249,6 +268,11 @@ def run_benchmarks(
                     result = BenchResult(name, case, "skipped", case_flops(case), note=note)
                 else:
                     backend = executor.backend
+                    clean = cleans.setdefault(
+                        backend.api,
+                        CleanLoop(isolate=isolate, threads=threads, api=backend.api,
+                                  world_size=getattr(executor, "world_size", None)),
+                    )  # fmt: skip
                     result = run_case(
                         backend,
                         case,
@@ -270,7 +294,8 @@ def run_benchmarks(
         for _, executor in workers:
             if not isinstance(executor, str):
                 executor.close()
-        clean.close()
+        for clean in cleans.values():
+            clean.close()
         set_checking(was_checking)
     return results
 

@@ -23,9 +23,13 @@ import torch
 from attnref.conformance.backends import Backend, declaration
 from attnref.conformance.calls import invoke
 from attnref.conformance.verdicts import Failure, Skip
-from attnref.conformance.worker import Executor, InProcess, Supervised
+from attnref.conformance.worker import Executor
 
-__all__ = ["TRIES", "CleanLoop", "Measured", "clocks", "measure"]
+__all__ = ["JOBS", "TRIES", "CleanLoop", "Measured", "clocks", "measure"]
+
+#: the module a worker imports to take the bench's jobs (`Supervised`'s ``jobs``): every
+#: executor the bench starts names it
+JOBS = ("attnref.bench.worker",)
 
 #: ``verify(seed, output, what, draw)``: why the output of the call on seed ``seed``'s
 #: values is wrong, or None; ``draw`` seeds the rows it samples (the judge's, drawn after
@@ -49,23 +53,40 @@ class Measured:
 
 
 class CleanLoop:
-    """The clean worker that runs the bench's dry loops: the built-in reference's worker
-    (attnref's code; the dry job never calls it), started on first use. ``isolate=False``
-    runs the dry loops in this process, as the backend's calls then are."""
+    """The clean executor that runs the bench's dry loops: one of the kind the backend
+    runs in, for the family's built-in reference (`ApiFamily.reference`: attnref's code,
+    which the dry jobs never call), started on first use. ``isolate=False`` runs the dry
+    loops in this process, as the backend's calls then are; ``world_size``: the processes
+    of a family that spreads a call over several (the dry loops run on as many)."""
 
-    def __init__(self, *, isolate: bool = True, threads: int | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        isolate: bool = True,
+        threads: int | None = None,
+        api: str | None = None,
+        world_size: int | None = None,
+    ) -> None:
         self.isolate = isolate
         self.threads = threads or torch.get_num_threads()
+        self.api = api
+        self.world_size = world_size
         self._executor: Executor | None = None
 
     def executor(self) -> Executor:
         if self._executor is None:
-            from attnref.conformance.backends import BUILTIN_BACKENDS
+            from attnref.conformance.declarations import DEFAULT_API
+            from attnref.conformance.family import get_family
+            from attnref.conformance.worker import start_executor
 
-            self._executor = (
-                Supervised("reference", threads=self.threads)
-                if self.isolate
-                else InProcess(BUILTIN_BACKENDS["reference"])
+            family = get_family(self.api or DEFAULT_API)
+            self._executor = start_executor(
+                family.reference,
+                family.name,
+                isolate=self.isolate,
+                threads=self.threads,
+                world_size=self.world_size if family.world_size > 1 else None,
+                jobs=JOBS,
             )
         return self._executor
 
@@ -151,7 +172,8 @@ def measure(
     from attnref.bench.worker import BenchJob
 
     owned = clean is None
-    clean = clean or CleanLoop(isolate=not executor.trusted)
+    world = getattr(executor, "world_size", None)
+    clean = clean or CleanLoop(isolate=not executor.trusted, api=backend.api, world_size=world)
     started = time.perf_counter()
     timed_seed = seed + warmup + 1
     suspect: str | None = None

@@ -29,7 +29,8 @@ from attnref.bench.cases import BenchCase, bench_inputs
 from attnref.bench.timing import peak_bytes
 from attnref.conformance.backends import Backend, from_declaration
 from attnref.conformance.calls import backend_call
-from attnref.conformance.worker import HANDLERS, error_reply, rewrite, snapshot
+from attnref.conformance.family import family_of
+from attnref.conformance.worker import HANDLERS, error_reply, invoke_backend, rewrite, snapshot
 
 __all__ = ["BenchJob"]
 
@@ -73,7 +74,7 @@ class _BackendRaised(Exception):  # noqa: N818 (a wrapper)
 
 def _call(backend: Backend, args: Any, kwargs: Any) -> Any:
     try:
-        return backend(*args, **kwargs)
+        return invoke_backend(backend, args, kwargs)  # as its family calls it (a group)
     except BaseException as e:  # the backend's, not attnref's
         raise _BackendRaised(e) from None
 
@@ -95,12 +96,21 @@ def _sync(device: str) -> None:
 
 def _arguments(backend: Backend, case: dict[str, Any], seed: int) -> tuple[Any, Any]:
     """The call's arguments for seed ``seed``: a dense case's in the backend's family, or
-    a serving case's (it names its ``api``)."""
+    a serving case's (it names its ``api``). A case with a ``"_share"`` (one process's
+    share of a call spread over several, `ApiFamily.share`) gives that share's."""
+    case = dict(case)
+    share = case.pop("_share", None)
     if "api" in case:
-        from attnref.bench.serving import ServingCase, serving_call
+        from attnref.bench.cases import ServingCase, serving_call
 
         return serving_call(ServingCase(**case), seed)
-    return backend_call(backend, bench_inputs(BenchCase(**case), seed))
+    args, kwargs = backend_call(backend, bench_inputs(BenchCase(**case), seed))
+    if share is not None:
+        cut = family_of(backend).share
+        if cut is None:
+            raise ValueError(f"the {backend.api!r} family spreads no call over processes")
+        args, kwargs = cut(args, kwargs, share)
+    return args, kwargs
 
 
 def _prepare(backend: Backend, job: dict[str, Any]) -> Any:

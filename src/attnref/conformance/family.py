@@ -103,9 +103,19 @@ class ApiFamily:
     executor: "Callable[..., Executor] | None" = None
     #: the processes one call runs on when the audit names none (``--world-size``)
     world_size: int = 1
-    #: ``attnref bench --api NAME`` when the family has a bench of its own (None: the
-    #: dense or the serving bench): ``bench(args, device, seqs, dtypes) -> exit code``
-    bench: "Callable[[Any, str, list[int], list[str]], int] | None" = None
+    #: for a family whose executor spreads a call over processes: the arguments of one
+    #: process's share of a call, from the whole call's and the share the executor gave
+    #: (``share(args, kwargs, share) -> (args, kwargs)``; the bench's worker applies it
+    #: to a job whose case carries ``"_share"``)
+    share: "Callable[[tuple[Any, ...], dict[str, Any], dict[str, Any]], Arguments] | None" = None
+    #: the built-in backend of attnref's own code whose executor hosts the bench's dry
+    #: loops for this family (it is never called there): a family with an executor of its
+    #: own needs one of that executor's kind
+    reference: str = "reference"
+    #: what the bench adds to the note of a verified row of this family, measured on
+    #: its executor: ``bench_note(executor, args, kwargs, timeout) -> str`` (the bytes a
+    #: rank sends, for context-parallel); the backend's word, shown, not judged
+    bench_note: "Callable[[Any, tuple[Any, ...], dict[str, Any], float], str] | None" = None
     #: for a family whose processes a launcher starts (torchrun): asked by ``attnref
     #: audit`` before the audit; on a process that is not the judge it serves that
     #: process's part and returns the exit code, on the judge None: ``serve(spec,

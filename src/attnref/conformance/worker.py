@@ -34,6 +34,7 @@ trusts the backend.
 
 import contextlib
 import faulthandler
+import importlib
 import multiprocessing
 import multiprocessing.connection
 import multiprocessing.reduction
@@ -91,6 +92,7 @@ __all__ = [
     "Series",
     "Supervised",
     "Unaccepted",
+    "invoke_backend",
     "loader",
     "read_reply",
     "set_loader",
@@ -304,7 +306,7 @@ def _call(backend: Backend, job: dict[str, Any], buffers: tuple[Any, Any] | None
     before = [_fingerprint(t) for _, t in tensors]
     threads = set(threading.enumerate())
     try:
-        out: Any = _invoke(backend, args, kwargs)
+        out: Any = invoke_backend(backend, args, kwargs)
         if d_out is not None:
             if not isinstance(out, Tensor) or not out.requires_grad:
                 raise RuntimeError("the output does not require grad: no gradient reaches Q, K, V")
@@ -339,7 +341,7 @@ def _call(backend: Backend, job: dict[str, Any], buffers: tuple[Any, Any] | None
         return {"status": "unaccepted", "message": str(e)}
 
 
-def _invoke(backend: Backend, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+def invoke_backend(backend: Backend, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """One call of the backend, as its family makes it (`ApiFamily.invoke`)."""
     family = FAMILIES.get(backend.api)
     if family is not None and family.invoke is not None:
@@ -410,7 +412,9 @@ def _probe(backend: Backend, job: dict[str, Any]) -> Any:
     return {"status": "ok", "value": None}
 
 
-#: what the worker does for each kind of job; more kinds register here (the bench's)
+#: what the worker does for each kind of job; more kinds register here: a module named
+#: in a worker's ``jobs`` (`Supervised`) does when the worker imports it (the bench's,
+#: `attnref.bench.worker`), so that the engine names no job but its own
 HANDLERS: dict[str, Callable[[Backend, dict[str, Any]], Any]] = {
     "call": _call,
     "series": _series,
@@ -422,8 +426,9 @@ def handle(backend: Backend, message: dict[str, Any]) -> bytearray:
     """The encoded reply to one job message; attnref's own failures are marked internal."""
     try:
         kind = message["job"]
-        if kind.startswith("bench_") and kind not in HANDLERS:
-            import attnref.bench.worker  # noqa: F401 (registers the bench's jobs)
+        if kind not in HANDLERS:
+            raise ValueError(f"no handler for a job of kind {kind!r}: its module is not among "
+                             "the worker's jobs")  # fmt: skip
         reply = _encode_unsupported(HANDLERS[kind](backend, message))
     except Rejected as e:  # the backend returned something that may not cross
         reply = {"status": "unaccepted", "message": str(e)}
@@ -471,11 +476,13 @@ def _serve(
     env: dict[str, str | None] | None = None,
     scratch: str | None = None,
     policy: _sandbox.Policy | None = None,
+    jobs: tuple[str, ...] = (),
 ) -> None:
     """The worker's loop: enter the sandbox (in ``scratch``, as ``policy`` allows) and
     say what it enforced, resolve the backend with ``load``, say what it declares, then
     answer job after job. ``env``: set (None: removed) before anything else
-    (``CUDA_VISIBLE_DEVICES``, before CUDA starts)."""
+    (``CUDA_VISIBLE_DEVICES``, before CUDA starts). ``jobs``: modules that register more
+    kinds of job (`HANDLERS`), imported before the backend."""
     for name, value in (env or {}).items():
         if value is None:
             os.environ.pop(name, None)
@@ -504,6 +511,8 @@ def _serve(
 
         resource.setrlimit(resource.RLIMIT_AS, (memory_limit, memory_limit))
     try:
+        for module in jobs:
+            importlib.import_module(module)
         backend = load(spec, api)
         conn.send_bytes(encode({"status": "ok", "value": declaration(backend)}))
     except BaseException as e:
@@ -746,6 +755,8 @@ class Supervised:
             GPU of a rank).
         network: the worker may open sockets (a family whose processes talk to each
             other); its sandbox says so.
+        jobs: modules the worker imports to take more kinds of job (`HANDLERS`: the
+            bench's, ``attnref.bench.worker``).
 
     Raises:
         BackendError: the worker could not resolve the backend (its message says why),
@@ -764,8 +775,10 @@ class Supervised:
         start_timeout: float = 300.0,
         env: dict[str, str | None] | None = None,
         network: bool = False,
+        jobs: tuple[str, ...] = (),
     ) -> None:
         self.spec = backend if isinstance(backend, str) else backend.spec or backend.name
+        self.jobs = tuple(jobs)
         self.env = dict(env or {})
         self.policy = _sandbox.Policy(network=network)
         #: what the worker's sandbox enforced, as its first frame said (before any code of
@@ -806,6 +819,7 @@ class Supervised:
                 self.env,
                 self._scratch,
                 self.policy,
+                self.jobs,
             ),
             daemon=True,
         )
@@ -1057,6 +1071,7 @@ def start_executor(
     memory_limit: int | None = None,
     world_size: int | None = None,
     require_sandbox: bool = False,
+    jobs: tuple[str, ...] = (),
 ) -> "Executor":
     """Where ``backend``'s code will run, as its family says (`ApiFamily.executor`):
     by default one supervised worker (``isolate``) or a thread of this process.
@@ -1065,12 +1080,13 @@ def start_executor(
     looked up here to find its family (our code: nothing of the backend's runs).
 
     ``require_sandbox``: a sandbox the platform does not wholly enforce is an error.
+    ``jobs``: modules every worker imports to take more kinds of job (`Supervised`).
 
     Raises:
         BackendError: the backend cannot be resolved or started, ``world_size`` is
             given to a family that runs on one process, or ``require_sandbox`` is not met.
     """
-    executor = _start_executor(backend, api, isolate, threads, memory_limit, world_size)
+    executor = _start_executor(backend, api, isolate, threads, memory_limit, world_size, jobs)
     missing = executor.sandbox.get("missing") or {}
     if require_sandbox and missing:
         executor.close()
@@ -1088,6 +1104,7 @@ def _start_executor(
     threads: int,
     memory_limit: int | None,
     world_size: int | None,
+    jobs: tuple[str, ...] = (),
 ) -> "Executor":
     if isinstance(backend, Backend):
         api = backend.api
@@ -1102,6 +1119,7 @@ def _start_executor(
             threads=threads,
             memory_limit=memory_limit,
             world_size=world_size or family.world_size,
+            jobs=jobs,
         )
         return made
     if world_size not in (None, 1):
@@ -1110,5 +1128,7 @@ def _start_executor(
             "one process"
         )
     if isolate:
-        return Supervised(backend, api, threads=threads, memory_limit=memory_limit)
+        return Supervised(backend, api, threads=threads, memory_limit=memory_limit, jobs=jobs)
+    for module in jobs:  # the judge's own process takes them too
+        importlib.import_module(module)
     return InProcess(loader()(backend, api) if isinstance(backend, str) else backend)

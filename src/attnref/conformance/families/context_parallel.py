@@ -32,7 +32,6 @@ import queue
 import secrets
 import socket
 import struct
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -230,10 +229,30 @@ def _invoke(backend: Backend, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
     if joining:
         dist.barrier(group=group)
         return args[0].new_zeros(())
-    bench = kwargs.pop("_bench", None)
-    if bench is not None:
-        return _bench_rank(backend, args, kwargs, group, bench)
+    if kwargs.pop("_count", False):  # the bytes one call hands torch.distributed to send
+        with torch.no_grad(), _Counted(group) as counted:
+            backend(*args, group=group, **kwargs)
+        return torch.tensor([float(counted.sent)], dtype=torch.float64)
     return backend(*args, group=group, **kwargs)
+
+
+#: the keywords a rank's share of a call carries: where its group meets
+SETUP = ("_rank", "_ranks", "_addr", "_port", "_timeout", "_world")
+
+
+def share_arguments(
+    args: tuple[Any, ...], kwargs: dict[str, Any], share: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """A rank's share of the whole call ``args, kwargs``: its shard of Q, K and V, and the
+    keywords its group meets by (``share``: `SETUP`'s, as `RankGroup` sets them;
+    `ApiFamily.share`, for the bench's jobs)."""
+    rank, world = int(share["_rank"]), int(share["_world"])
+    sharding = str(kwargs.get("sharding", "contiguous"))
+    shards = tuple(
+        D.shard(a, rank, world, sharding) if i < 3 and isinstance(a, Tensor) else a
+        for i, a in enumerate(args)
+    )
+    return shards, {**kwargs, **{k: share[k] for k in SETUP}}
 
 
 class _Counted:
@@ -284,35 +303,6 @@ class _Counted:
         for name, real in self.saved.items():
             setattr(c10d, name, real)
             setattr(dist, name, real)
-
-
-def _bench_rank(
-    backend: Backend, args: tuple[Any, ...], kwargs: dict[str, Any], group: Any, how: Any
-) -> Tensor:
-    """One rank's bench: ``runs`` timed calls after ``warmup``, every rank starting each
-    at a barrier; then the bytes one call sends and the memory it adds at its peak.
-    Returns ``[median seconds, bytes sent, peak bytes (-1: not measured)]``."""
-    import statistics
-    import time
-
-    from attnref.bench.timing import peak_bytes
-
-    def call() -> Any:
-        return backend(*args, group=group, **kwargs)
-
-    times = []
-    with torch.no_grad():
-        for i in range(int(how["warmup"]) + int(how["runs"])):
-            dist.barrier(group=group)
-            t0 = time.perf_counter()
-            call()
-            if i >= int(how["warmup"]):
-                times.append(time.perf_counter() - t0)
-        with _Counted(group) as counted:
-            call()
-        peak = peak_bytes(call, args[0].device.type) if how.get("memory", True) else -1
-    return torch.tensor([statistics.median(times), counted.sent, -1 if peak is None else peak],
-                        dtype=torch.float64)  # fmt: skip
 
 
 # ---------------------------------------------------------------- the judge's side
@@ -678,6 +668,7 @@ class RankGroup:
         memory_limit: int | None = None,
         world_size: int = DEFAULT_WORLD,
         launch: Launch | None = None,
+        jobs: tuple[str, ...] = (),
     ) -> None:
         if not isolate:
             raise BackendError(
@@ -689,6 +680,7 @@ class RankGroup:
         self.spec = backend if isinstance(backend, str) else backend.spec or backend.name
         self.world_size = world_size if launch is None else launch.world
         self.threads, self.memory_limit = threads, memory_limit
+        self.jobs = tuple(jobs)  # modules each rank's worker imports for more kinds of job
         self.slowest = 0.0
         self.restarts = 0
         self.history: list[tuple[Tensor, str]] = []
@@ -722,7 +714,7 @@ class RankGroup:
                 self._ranks.append(
                     Supervised(self.spec, NAME, threads=self.threads,
                                memory_limit=self.memory_limit, env=self._env,
-                               network=True)  # the ranks meet over TCP
+                               network=True, jobs=self.jobs)  # the ranks meet over TCP
                 )  # fmt: skip
             for host in self._hosts:
                 host.start()
@@ -765,12 +757,8 @@ class RankGroup:
         kwargs = dict(job.kwargs)
         kwargs.pop("_world", None)
         sharding = kwargs.get("sharding", "contiguous")
-        args = tuple(
-            D.shard(a, rank, world, sharding) if i < 3 and isinstance(a, Tensor) else a
-            for i, a in enumerate(job.args)
-        )
+        args, kwargs = share_arguments(job.args, kwargs, self._setup(rank, world, timeout))
         d_out = None if job.d_out is None else D.shard(job.d_out, rank, world, sharding)
-        kwargs.update(self._setup(rank, world, timeout))
         return Job(args, kwargs, d_out, job.writable, job.recheck)
 
     def _world_of(self, job: Job) -> int:
@@ -899,6 +887,8 @@ class RankGroup:
             if not self._ranks:
                 self._start()
             return self._ranks[0].run(job, timeout)
+        if str(job.message().get("job", "")).startswith("bench_"):
+            return self._bench_job(job, timeout)
         first = job.calls[0] if isinstance(job, Series) else job
         self._ensure(timeout, first.args[0].device)
         if isinstance(job, Series):
@@ -918,6 +908,38 @@ class RankGroup:
             [self._shard_call(job, r, world, timeout) for r in range(world)], timeout
         )
         return self._combine(job, parts)
+
+    def _bench_job(self, job: Any, timeout: float) -> Any:
+        """One of the bench's jobs (`attnref.bench.worker`: plain data, a case and a
+        seed) on every rank, each with its share (``"_share"`` in its case, which the
+        worker applies with `share_arguments`); their replies as one process's: the
+        outputs put back together, a call's time the slowest rank's, the peak the
+        largest rank's. A dry job's output (the backend's first) is cut into shards too."""
+        case = dict(job.case)
+        T = int(case["Tq"])
+        caps = self.backend.capabilities
+        want = "zigzag" if case.get("causal") else "contiguous"
+        if caps.cp_equal_shards and T % 2:
+            want = "contiguous"
+        sharding = want if want in caps.cp_shardings else caps.cp_shardings[0]
+        world = fitted_world(caps, T, self.world_size, sharding)
+        if world is None:
+            raise _outside(caps, T, self.world_size, sharding)
+        self._ensure(timeout, torch.device(str(case["device"])))
+        jobs = []
+        for r in range(world):
+            share = {**case, "_share": self._setup(r, world, timeout)}
+            output = getattr(job, "output", None)
+            if isinstance(output, Tensor):
+                output = D.shard(output, r, world, sharding)
+            jobs.append(replace(job, case=share, output=output))
+        replies = self._gang(jobs, timeout)
+        lengths = [len(D.positions(T, r, world, sharding)) for r in range(world)]
+        B, h, Dv = int(case["B"]), int(case["h"]), int(case["Dh"])
+        try:
+            return _bench_reply(replies, lengths, sharding, (B, h, Dv))
+        except (_BadPartError, KeyError, TypeError, ValueError) as e:
+            raise Raised(Unaccepted(f"a rank's bench reply: {e}")) from None
 
     # --------------------------------------------------------------- the answers
 
@@ -1001,6 +1023,35 @@ class _BadPartError(Exception):
     """A rank returned something that cannot be put together with the others."""
 
 
+def _bench_reply(
+    replies: list[Any], lengths: list[int], sharding: str, dims: tuple[int, int, int]
+) -> Any:
+    """The ranks' replies to a bench job as one (see `RankGroup._bench_job`)."""
+    B, h, Dv = dims
+    if replies[0] is None:  # a dry loop's set-up
+        return None
+    what = "output (B, T_local, h, Dv)"
+
+    def whole(parts: list[object]) -> Tensor:
+        shards = [
+            _tensor(p, r, (B, n, h, Dv), what)
+            for r, (p, n) in enumerate(zip(parts, lengths, strict=True))
+        ]
+        return D.unshard(shards, sharding)
+
+    if "output" in replies[0]:  # prepare: the first output, the largest peak
+        peaks = [r["peak"] for r in replies]
+        peak = None if any(p is None for p in peaks) else max(int(p) for p in peaks)
+        return {"output": whole([r["output"] for r in replies]), "peak": peak}
+    runs = len(replies[0]["times"])
+    if any(len(r["times"]) != runs or len(r["outputs"]) != runs for r in replies):
+        raise ValueError("the ranks timed different numbers of calls")
+    return {
+        "times": [max(float(r["times"][i]) for r in replies) for i in range(runs)],
+        "outputs": [whole([r["outputs"][i] for r in replies]) for i in range(runs)],
+    }
+
+
 def _tensor(x: object, rank: int, shape: tuple[int, ...], what: str) -> Tensor:
     """A rank's part, if it is a floating-point tensor of ``shape``."""
     if not isinstance(x, Tensor):
@@ -1027,137 +1078,28 @@ def _sink_grad(p: object, rank: int, shape: tuple[int, ...]) -> Tensor | None:
     return _tensor(p[3], rank, shape, "dSinks")
 
 
-def _bench(args: Any, device: str, seqs: list[int], dtypes: list[str]) -> int:
-    """``attnref bench --api context-parallel``: one causal zigzag call of every backend
-    at every length and dtype over ``--world-size`` ranks (each in its worker). Per rank:
-    the median time, the bytes it sends against a ring's ``2 (W - 1) / W`` of K (K and V
-    of ``Dv = D``), and the memory it adds at its peak against one rank holding the whole
-    sequence. Each call's output is first checked against the float64 reference; the
-    ranks' clocks against the judge's."""
-    import json
-    from pathlib import Path
-
-    from attnref.devices import DTYPES
-
-    if launched() is not None:
-        print("attnref bench: the context-parallel bench starts its ranks itself; run it "
-              "without torchrun (--world-size W)", file=sys.stderr)  # fmt: skip
-        return 2
-    world = args.world_size or DEFAULT_WORLD
-    backends = list(
-        args.backends or ("ring-reference", "allgather-reference", "alltoall-reference")
-    )
-    B, Dh = args.batch or 1, args.head_dim[0]
-    h = args.heads or 8
-    g = args.kv_heads or h
-    timeout = 600.0
-    rows: list[dict[str, Any]] = []
-    how = {"warmup": args.warmup, "runs": args.runs, "memory": not args.no_memory}
-    for spec in backends:
-        try:
-            ranks = RankGroup(spec, NAME, world_size=world)
-        except BackendError as e:
-            print(f"attnref bench: {e}")
-            rows.append({"backend": spec, "status": "error", "note": str(e)})
-            continue
-        try:
-            for dtype_name in dtypes:
-                for T in seqs:
-                    rows.append(_bench_case(ranks, spec, DTYPES[dtype_name], T, (B, h, g, Dh),
-                                            world, how, timeout, device))  # fmt: skip
-                    print(_bench_line(rows[-1]), flush=True)
-        finally:
-            ranks.close()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / "context-parallel.json"
-    meta = {"world_size": world, "device": device, "runs": args.runs, "warmup": args.warmup,
-            "B": B, "h": h, "g": g, "Dh": Dh, "causal": True}  # fmt: skip
-    path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
-    print(f"written: {path}")
-    return 1 if any(r["status"] not in ("ok", "skip") for r in rows) else 0
-
-
-def _bench_line(r: dict[str, Any]) -> str:
-    if r["status"] != "ok":
-        where = f"{r.get('dtype', '')} T={r.get('T', '')}"
-        return f"{r['backend']:<22} {where}: {r['status']}: {r.get('note', '')}"
-    return (
-        f"{r['backend']:<22} {r['dtype']:<8} T={r['T']:<6} W={r['world_size']}  "
-        f"{r['ms']:8.2f} ms  sent/rank {r['sent_per_rank'] / 2**20:8.3f} MiB "
-        f"(ring: {r['ring_bytes'] / 2**20:.3f} MiB, x{r['sent_vs_ring']:.2f})  "
-        f"peak/rank {r['peak_per_rank'] / 2**20:8.1f} MiB "
-        f"(one rank: {r['peak_unsharded'] / 2**20:.1f} MiB)"
-    )
-
-
-def _bench_case(
-    ranks: RankGroup,
-    spec: str,
-    dtype: torch.dtype,
-    T: int,
-    dims: tuple[int, int, int, int],
-    world: int,
-    how: dict[str, Any],
-    timeout: float,
-    device: str,
-) -> dict[str, Any]:
-    import time
-
-    B, h, g, Dh = dims
-    gen = torch.Generator().manual_seed(T)
-    q = torch.randn(B, T, h, Dh, generator=gen).to(device=device, dtype=dtype)
-    k = torch.randn(B, T, g, Dh, generator=gen).to(device=device, dtype=dtype)
-    v = torch.randn(B, T, g, Dh, generator=gen).to(device=device, dtype=dtype)
-    row: dict[str, Any] = {"backend": spec, "dtype": str(dtype).removeprefix("torch."), "T": T,
-                           "world_size": world}  # fmt: skip
-    caps = ranks.backend.capabilities
-    sharding = "zigzag" if "zigzag" in caps.cp_shardings else "contiguous"
-    row["sharding"] = sharding
-    if fitted_world(caps, T, world, sharding) != world:
-        return {**row, "status": "skip", "note": f"T = {T} is outside the declaration "
-                f"(cp_equal_shards: {D.chunk_count(world, sharding)} equal chunks)"}  # fmt: skip
-    kwargs = {"causal": True, "sharding": sharding}
+def _bench_note(executor: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
+                timeout: float) -> str:  # fmt: skip
+    """What the bench adds to a verified row (`ApiFamily.bench_note`): the bytes the
+    busiest rank hands torch.distributed to send in one call (point-to-point sends
+    exactly; collectives by what a ring algorithm sends), against a ring's ``2 (W - 1) /
+    W`` of K (K and V when ``Dv = D``). A measure of the backend's processes: its word,
+    shown, not judged."""
+    if not isinstance(executor, RankGroup):
+        return ""
+    job = Job(args, {**kwargs, "_count": True})
+    executor._ensure(timeout, args[0].device)
+    world = executor._world_of(job)
+    parts = executor._gang([executor._shard_call(job, r, world, timeout) for r in range(world)],
+                           timeout)  # fmt: skip
     try:
-        out = ranks.run(Job((q, k, v), dict(kwargs)), timeout)
-        q64, k64, v64 = (t.double().transpose(1, 2) for t in (q, k, v))
-        want = F.scaled_dot_product_attention(
-            q64, k64, v64, is_causal=True, enable_gqa=h != g
-        ).transpose(1, 2)
-        err = float((out.double() - want).abs().max()) if isinstance(out, Tensor) else math.inf
-        bound = 1e-5 if dtype in (torch.float64, torch.float32) else 5e-2
-        if not err <= bound:
-            return {**row, "status": "wrong", "note": f"max error {err:.3g} > {bound:g}"}
-        measured = []
-        for w in (world, 1):
-            jobs = [
-                ranks._shard_call(Job((q, k, v), {**kwargs, "_bench": how}), r, w, timeout)
-                for r in range(w)
-            ]
-            t0 = time.perf_counter()
-            parts = ranks._gang(jobs, timeout)
-            wall = time.perf_counter() - t0
-            measured.append((torch.stack([p.double() for p in parts]), wall))
-    except (Raised, BackendDied, TimeoutError, BackendError) as e:
-        return {**row, "status": "error", "note": str(e)[:300]}
-    (spread, wall), (alone, _) = measured
-    median = float(spread[:, 0].max())
-    if median * how["runs"] > wall:
-        return {**row, "status": "flagged", "note": "a rank's clock ran faster than the judge's"}
-    ring = 2 * (world - 1) / world * k.numel() * k.element_size()
-    sent = float(spread[:, 1].max())
-    return {
-        **row,
-        "status": "ok",
-        "ms": median * 1e3,
-        "ms_unsharded": float(alone[0, 0]) * 1e3,
-        "sent_per_rank": sent,
-        "sent_mean": float(spread[:, 1].mean()),
-        "ring_bytes": ring,
-        "sent_vs_ring": sent / ring if ring else math.nan,
-        "peak_per_rank": float(spread[:, 2].max()),
-        "peak_unsharded": float(alone[0, 2]),
-    }
+        sent = max(float(_tensor(p, r, (1,), "byte count")[0]) for r, p in enumerate(parts))
+    except _BadPartError as e:
+        return f"sent/rank: {e}"
+    k = args[1]
+    ring = 2 * (world - 1) / world * k.numel() * k.element_size()  # K and V, Dv = D
+    ratio = f", x{sent / ring:.2f}" if ring else ""
+    return f"sent/rank {sent / 2**20:.3f} MiB (ring {ring / 2**20:.3f} MiB{ratio})"
 
 
 def _executor(backend: Backend | str, api: str | None, **options: Any) -> RankGroup:
@@ -1680,6 +1622,9 @@ FAMILY = ApiFamily(
     invoke=_invoke,
     executor=_executor,
     world_size=DEFAULT_WORLD,
-    bench=_bench,
+    share=share_arguments,
+    reference="ring-reference",
+    bench_backends=("ring-reference", "allgather-reference", "alltoall-reference"),
+    bench_note=_bench_note,
     serve=serve_rank,
 )

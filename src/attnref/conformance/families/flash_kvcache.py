@@ -886,13 +886,6 @@ MUTANTS: tuple[Mutant, ...] = (
 )  # fmt: skip
 
 
-def _bench(args: Any, device: str, seqs: list[int], dtypes: list[str]) -> int:
-    """``attnref bench --api flash-kvcache`` (`attnref.bench.serving`)."""
-    from attnref.bench.serving import serving_cli
-
-    return serving_cli("flash-kvcache", args, device, seqs, dtypes)
-
-
 FAMILY = ApiFamily(
     name=NAME,
     summary="FlashAttention 2's flash_attn_with_kvcache: decoding against a contiguous or "
@@ -915,5 +908,4 @@ FAMILY = ApiFamily(
     mutants=MUTANTS,
     mutant_fn=_mutant_fn,
     bench_backends=("kvcache-reference", "kvcache-naive", "kvcache-sdpa", "flash-attn-kvcache"),
-    bench=_bench,
 )

@@ -611,13 +611,6 @@ MUTANTS: tuple[Mutant, ...] = (
 )  # fmt: skip
 
 
-def _bench(args: Any, device: str, seqs: list[int], dtypes: list[str]) -> int:
-    """``attnref bench --api flash-varlen`` (`attnref.bench.serving`)."""
-    from attnref.bench.serving import serving_cli
-
-    return serving_cli("flash-varlen", args, device, seqs, dtypes)
-
-
 FAMILY = ApiFamily(
     name=NAME,
     summary="FlashAttention 2's flash_attn_varlen_func: packed sequences (total, h, D) "
@@ -638,5 +631,4 @@ FAMILY = ApiFamily(
     mutants=MUTANTS,
     mutant_fn=_mutant_fn,
     bench_backends=("varlen-reference", "varlen-naive", "varlen-sdpa", "flash-attn-varlen"),
-    bench=_bench,
 )
