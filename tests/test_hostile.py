@@ -306,11 +306,13 @@ def _gone(pid: int) -> bool:
 @pytest.mark.skipif(
     not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's"
 )
-@pytest.mark.parametrize("how", ["SIGKILL", "SIGTERM"])
+@pytest.mark.parametrize("how", ["SIGKILL", "SIGTERM", "KeyboardInterrupt"])
 def test_a_hung_worker_ends_with_a_judge_that_is_killed(how: str, tmp_path: Path) -> None:
     """A backend that hangs in its call; the judge is killed (SIGKILL: no cleanup of its
-    own runs; SIGTERM: a CI step's timeout). Its worker, the processes between it and the
-    forkserver (the sandbox's), and the forkserver end too, within seconds."""
+    own runs; SIGTERM: a CI step's timeout) or ends with an exception (KeyboardInterrupt,
+    from SIGINT: a user's Ctrl-C, which the CLI reports and exits 130 on). Its worker, the
+    processes between it and the forkserver (the sandbox's), and the forkserver end too,
+    within seconds."""
     import os
     import select
     import signal
@@ -330,8 +332,11 @@ def test_a_hung_worker_ends_with_a_judge_that_is_killed(how: str, tmp_path: Path
                 if line.startswith("PIDS "):
                     chain = [int(x) for x in line.split()[1:]]
         assert len(chain) >= 2, "the worker never said its process ids"
-        judge.send_signal(getattr(signal, how))
-        judge.wait(30)
+        exception = how == "KeyboardInterrupt"
+        judge.send_signal(signal.SIGINT if exception else getattr(signal, how))
+        code = judge.wait(30)
+        if exception:
+            assert code == 130, code
         deadline = time.monotonic() + 20
         while not all(_gone(p) for p in chain) and time.monotonic() < deadline:
             time.sleep(0.2)
