@@ -17,9 +17,9 @@ import attnref
 PACKAGE = Path(attnref.__file__).parent
 #: the engine: what runs every family's audit, and must name none
 ENGINE = (
-    "attacks", "calls", "cases", "checks", "declarations", "family", "kernels", "mutants",
-    "options", "oracle", "profiles", "properties", "report", "runner", "serving",
-    "serving_checks", "strategies", "verdicts", "wire", "worker",
+    "attacks", "calls", "cases", "checks", "declarations", "executors", "family", "jobs",
+    "kernels", "mutants", "options", "oracle", "profiles", "properties", "report", "runner",
+    "sandboxed", "serving", "serving_checks", "strategies", "verdicts", "wire", "worker",
 )  # fmt: skip
 #: what lies above the engine: the registry and the resolution of backends by name
 ABOVE = ("attnref.conformance.families", "attnref.conformance.backends")

@@ -401,7 +401,7 @@ def test_the_input_check_sees_one_changed_element_in_every_layout_and_alignment(
     """The worker compares an input's bytes before and after a call as words, reading a
     contiguous input in place: a change of one element is seen whatever the input's
     offset, size-1 strides or byte count."""
-    from attnref.conformance.worker import _fingerprint, _same
+    from attnref.conformance.sandboxed import _fingerprint, _same
 
     base = torch.arange(2 * 3 * 5 * 7, dtype=torch.float16).reshape(2, 3, 5, 7)
     views = {
