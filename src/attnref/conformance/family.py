@@ -6,7 +6,9 @@ never imports a family: it looks up the one a backend names (`family_of`) in the
 that the registry, `attnref.conformance.families`, fills when it installs them. Each
 family is one module there, holding everything of its own: the convention, its adapter
 from a dense callable, its preset, its built-in backends, its properties and its
-mutants. An entry has:
+mutants. An entry, `ApiFamily`, is two parts: its `Convention` (what the engine needs to
+build a call, make it and read it) and its `Manifest` (built-ins, properties, mutants, an
+executor of its own, the bench's workload). The convention has:
 
 - a name (``--api NAME``) and the signature a function must have (`ApiFamily.check`);
 - the capabilities an undeclared function is taken to claim (`ApiFamily.defaults`);
@@ -41,6 +43,8 @@ __all__ = [
     "FAMILIES",
     "ApiFamily",
     "Arguments",
+    "Convention",
+    "Manifest",
     "family_of",
     "get_family",
     "pair",
@@ -58,9 +62,10 @@ def _no_builtins() -> list[Backend]:
     return []
 
 
-@dataclass(frozen=True)
-class ApiFamily:
-    """One calling convention, with what is its own (see the module docstring)."""
+@dataclass(frozen=True, kw_only=True)
+class Convention:
+    """How a backend of a family is called and read: all the engine needs of a family to
+    build a call, make it (in a worker: `invoke`, `share`) and read its answer."""
 
     name: str
     summary: str
@@ -84,6 +89,33 @@ class ApiFamily:
     #: keywords that a default declaration makes (a combination some libraries refuse),
     #: or ""
     error_hint: Callable[[Capabilities, dict[str, Any], str], str] = _no_hint
+    #: how a worker makes one call of this family's backend (None: ``backend(*args,
+    #: **kwargs)``): a family whose calls need a setup there (a process group) does it here
+    invoke: "Callable[[Backend, tuple[Any, ...], dict[str, Any]], Any] | None" = None
+    #: for a family whose executor spreads a call over processes: the arguments of one
+    #: process's share of a call, from the whole call's and the share the executor gave
+    #: (``share(args, kwargs, share) -> (args, kwargs)``; the bench's worker applies it
+    #: to a job whose case carries ``"_share"``)
+    share: "Callable[[tuple[Any, ...], dict[str, Any], dict[str, Any]], Arguments] | None" = None
+
+    def check(self, fn: object, spec: str) -> Callable[..., Any]:
+        """``fn`` if its signature can take this family's calls, else `BackendError`."""
+        return _check_signature(self, fn, spec)
+
+    def call(
+        self, backend: Backend, inputs: Inputs, lse: bool = False, **overrides: Any
+    ) -> Arguments:
+        """The arguments to call ``backend`` with for ``inputs`` (`Skip` if the
+        convention cannot express them); ``lse``: ask for the log-sum-exp too."""
+        return self.build(backend.capabilities, inputs, lse, overrides)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Manifest:
+    """What a family brings besides its convention: its built-in backends, properties and
+    mutants, how its backends run (an executor of its own, on how many processes), and
+    its bench's workload (default backends, the reference that hosts dry runs)."""
+
     #: its built-in backends (built on first use: some import optional parts of torch)
     builtins: Callable[[], list[Backend]] = _no_builtins
     #: the properties only its calls can have (run on its backends only)
@@ -94,20 +126,12 @@ class ApiFamily:
     mutant_fn: "Callable[[Mutant], Callable[..., Any]] | None" = None
     #: the backends ``attnref bench --api NAME`` times by default (empty: no bench)
     bench_backends: tuple[str, ...] = ()
-    #: how a worker makes one call of this family's backend (None: ``backend(*args,
-    #: **kwargs)``): a family whose calls need a setup there (a process group) does it here
-    invoke: "Callable[[Backend, tuple[Any, ...], dict[str, Any]], Any] | None" = None
     #: the executor a backend of this family runs in (None: one worker, `Supervised`, or
     #: the judge's own thread with ``isolate=False``): ``executor(backend, api,
     #: isolate=, threads=, memory_limit=, world_size=)``, e.g. one worker per rank
     executor: "Callable[..., Executor] | None" = None
     #: the processes one call runs on when the audit names none (``--world-size``)
     world_size: int = 1
-    #: for a family whose executor spreads a call over processes: the arguments of one
-    #: process's share of a call, from the whole call's and the share the executor gave
-    #: (``share(args, kwargs, share) -> (args, kwargs)``; the bench's worker applies it
-    #: to a job whose case carries ``"_share"``)
-    share: "Callable[[tuple[Any, ...], dict[str, Any], dict[str, Any]], Arguments] | None" = None
     #: the built-in backend of attnref's own code whose executor hosts the bench's dry
     #: loops for this family (it is never called there): a family with an executor of its
     #: own needs one of that executor's kind
@@ -122,36 +146,36 @@ class ApiFamily:
     #: threads=, memory_limit=)``
     serve: "Callable[..., int | None] | None" = None
 
-    def check(self, fn: object, spec: str) -> Callable[..., Any]:
-        """``fn`` if its signature can take this family's calls, else `BackendError`."""
-        if not callable(fn):
-            raise BackendError(f"{spec} is not callable (it is a {type(fn).__name__})")
-        try:
-            sig = inspect.signature(fn)
-        except (TypeError, ValueError):
-            return fn  # a builtin without a signature: trust it, calls will tell
-        params = sig.parameters
-        takes_kwargs = any(p.kind is p.VAR_KEYWORD for p in params.values())
-        takes_args = any(p.kind is p.VAR_POSITIONAL for p in params.values())
-        positional = [
-            p for p in params.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
-        ]
-        missing = [n for n in self.keywords if n not in params and not takes_kwargs]
-        if (len(positional) < self.positional and not takes_args) or missing:
-            lacks = f"; it lacks {', '.join(missing)}" if missing else ""
-            raise BackendError(
-                f"{spec} does not have the signature of the {self.name!r} API family, "
-                f"{self.signature}{lacks}; its signature is {sig}"
-                f"{_other_families(self.name, sig)}"
-            )
-        return fn
 
-    def call(
-        self, backend: Backend, inputs: Inputs, lse: bool = False, **overrides: Any
-    ) -> Arguments:
-        """The arguments to call ``backend`` with for ``inputs`` (`Skip` if the
-        convention cannot express them); ``lse``: ask for the log-sum-exp too."""
-        return self.build(backend.capabilities, inputs, lse, overrides)
+@dataclass(frozen=True, kw_only=True)
+class ApiFamily(Convention, Manifest):
+    """One family: its calling convention (`Convention`, what the engine needs) and its
+    manifest (`Manifest`, what it brings besides); see the module docstring."""
+
+
+def _check_signature(convention: Convention, fn: object, spec: str) -> Callable[..., Any]:
+    """``fn`` if its signature can take ``convention``'s calls, else `BackendError`."""
+    if not callable(fn):
+        raise BackendError(f"{spec} is not callable (it is a {type(fn).__name__})")
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return fn  # a builtin without a signature: trust it, calls will tell
+    params = sig.parameters
+    takes_kwargs = any(p.kind is p.VAR_KEYWORD for p in params.values())
+    takes_args = any(p.kind is p.VAR_POSITIONAL for p in params.values())
+    positional = [
+        p for p in params.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+    ]
+    missing = [n for n in convention.keywords if n not in params and not takes_kwargs]
+    if (len(positional) < convention.positional and not takes_args) or missing:
+        lacks = f"; it lacks {', '.join(missing)}" if missing else ""
+        raise BackendError(
+            f"{spec} does not have the signature of the {convention.name!r} API family, "
+            f"{convention.signature}{lacks}; its signature is {sig}"
+            f"{_other_families(convention.name, sig)}"
+        )
+    return fn
 
 
 #: the installed families, by name, in the registry's order (filled by
