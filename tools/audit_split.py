@@ -12,7 +12,6 @@ two versions can be timed side by side, alternating.
 """
 
 import argparse
-import glob
 import json
 import os
 import resource
@@ -27,12 +26,11 @@ TOOLS = Path(__file__).resolve().parent
 
 def split(src: str | None, extra: list[str], keep: str | None = None) -> dict[str, float]:
     with tempfile.TemporaryDirectory() as tmp:
-        stem = os.path.join(tmp, "calls")
         report = os.path.join(tmp, "report.json")
         path = [str(TOOLS)] + ([src] if src else [])
         env = {
             **os.environ,
-            "ATTNREF_TIMED_SDPA": stem,
+            "ATTNREF_TIMED_SDPA": "1",
             "PYTHONPATH": os.pathsep.join([*path, os.environ.get("PYTHONPATH", "")]),
             "OMP_NUM_THREADS": "1",
         }
@@ -46,10 +44,14 @@ def split(src: str | None, extra: list[str], keep: str | None = None) -> dict[st
         # the CPU time of the audit's processes (judge, forkserver, workers: each reaped
         # by its parent), steadier than the wall time on a shared machine
         cpu = sum(getattr(after, f) - getattr(before, f) for f in ("ru_utime", "ru_stime"))
-        calls = backend = 0.0
-        for name in glob.glob(stem + ".*"):
-            n, s = Path(name).read_text().split()
-            calls, backend = calls + int(n), backend + float(s)
+        # each worker's last running total (a worker restarted after a timeout is another)
+        totals: dict[str, tuple[int, float]] = {}
+        for line in done.stdout.splitlines():
+            if line.startswith("TIMED_SDPA "):
+                _, pid, n, s = line.split()
+                totals[pid] = (int(n), float(s))
+        calls = float(sum(n for n, _ in totals.values()))
+        backend = sum(s for _, s in totals.values())
         data = json.loads(Path(report).read_text()) if os.path.exists(report) else {}
         if keep and data:
             Path(keep).write_text(json.dumps(data, indent=1))

@@ -4,6 +4,9 @@
 judge's share of an audit (wall time against the time inside the backend's calls, summed
 in the worker). The figure is measured in the backend's process: it is the backend's
 word, used here only to size the judge against an honest kernel, never in a verdict.
+With ``ATTNREF_TIMED_SDPA`` set, each call prints its worker's running total on the
+audit's standard output (``TIMED_SDPA pid calls seconds``): the worker's sandbox lets it
+write no file outside its scratch folder.
 """
 
 import os
@@ -21,10 +24,8 @@ def sdpa(*args: Any, **kwargs: Any) -> Any:
     out = torch.nn.functional.scaled_dot_product_attention(*args, **kwargs)
     _TOTAL[0] += time.perf_counter() - t0
     _TOTAL[1] += 1
-    path = os.environ.get("ATTNREF_TIMED_SDPA")
-    if path:
-        with open(f"{path}.{os.getpid()}", "w") as f:
-            f.write(f"{_TOTAL[1]} {_TOTAL[0]:.6f}\n")
+    if os.environ.get("ATTNREF_TIMED_SDPA"):  # the host's id: a PID namespace's repeats
+        print(f"TIMED_SDPA {os.readlink('/proc/self')} {_TOTAL[1]} {_TOTAL[0]:.6f}", flush=True)
     return out
 
 
