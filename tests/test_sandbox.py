@@ -30,6 +30,15 @@ needs_landlock = pytest.mark.skipif(
 )
 
 
+def _offered() -> set[str]:
+    """The parts this platform cannot enforce, as a fresh process entering the sandbox
+    finds (a lifetime without user namespaces, say): what a report may list as missing."""
+    with tempfile.TemporaryDirectory() as scratch:
+        enforced = _inside("", Path(scratch))["enforced"]
+    assert isinstance(enforced, dict)
+    return set(enforced["missing"])
+
+
 def _inside(code: str, scratch: Path, network: bool = False) -> dict[str, object]:
     """Run ``code`` in a fresh interpreter inside the sandbox; what it prints as JSON."""
     prog = (
@@ -110,7 +119,8 @@ def test_the_worker_opens_no_socket_and_signals_no_one_outside(tmp_path: Path) -
     assert out["setsid"] == out["setpgid"] == 1
     enforced = out["enforced"]
     assert isinstance(enforced, dict)
-    assert not enforced["missing"]
+    # what the attacks above need is enforced; a lifetime only where the kernel allows
+    assert set(enforced["missing"]) <= {"lifetime"}, enforced
 
 
 @needs_landlock
@@ -219,7 +229,11 @@ def _judged_truly(proc: subprocess.CompletedProcess[str], targets: dict[str, Any
     assert "forged" not in data
     assert data["summary"]["ok"] is False
     assert data["sandbox"]["enforced"], data["sandbox"]
-    assert not data["sandbox"]["missing"], data["sandbox"]
+    # the report lists missing only what the platform cannot enforce, and never the parts
+    # these attacks meet (a detached grandchild without a PID namespace stays in the
+    # worker's process group: setsid is refused, and the judge kills the group)
+    missing = set(data["sandbox"]["missing"])
+    assert missing <= _offered() & {"lifetime"}, data["sandbox"]
 
 
 @needs_landlock
