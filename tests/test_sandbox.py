@@ -280,3 +280,24 @@ def test_require_sandbox_refuses_an_unconfined_worker(capsys: pytest.CaptureFixt
     assert code == 2
     err = capsys.readouterr().err
     assert "--require-sandbox: the backend's worker is not wholly confined" in err
+
+
+def test_switched_off_the_sandbox_is_reported_missing_and_refused_when_required(
+    tmp_path: Path,
+) -> None:
+    """``ATTNREF_NO_SANDBOX=1`` (a way around a platform where the sandbox breaks a
+    kernel): the audit runs, its first line and report say nothing was enforced, and
+    ``--require-sandbox`` refuses it."""
+    env = {**os.environ, _sandbox.NO_SANDBOX: "1"}
+    report = tmp_path / "r.json"
+    cmd = [sys.executable, "-m", "attnref", "audit", "--property", "forward", "--dtype",
+           "float32", "--no-progress", "--json", str(report)]  # fmt: skip
+    done = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True,
+                          timeout=300, check=False)  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.startswith("sandbox: NOT ENFORCED: all (switched off"), done.stdout
+    assert "all" in json.loads(report.read_text())["sandbox"]["missing"]
+    refused = subprocess.run([*cmd, "--require-sandbox"], env=env, cwd=ROOT,
+                             capture_output=True, text=True, timeout=300, check=False)  # fmt: skip
+    assert refused.returncode == 2, refused.stdout + refused.stderr
+    assert "not wholly confined: all: switched off" in refused.stderr
