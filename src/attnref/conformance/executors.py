@@ -10,6 +10,7 @@ the next call. `InProcess` runs the same jobs in a thread of the judge's own pro
 asks for (its own, for a family that spreads a call over several processes).
 """
 
+import atexit
 import contextlib
 import importlib
 import multiprocessing
@@ -251,6 +252,7 @@ class Supervised:
         parent, child = ctx.Pipe()
         _widen(parent, child)
         self._scratch = tempfile.mkdtemp(prefix="attnref-worker-")
+        _SCRATCHES.add(self._scratch)
         process = ctx.Process(
             target=serve,
             args=(
@@ -325,6 +327,7 @@ class Supervised:
         scratch, self._scratch = self._scratch, None
         if scratch is not None:  # what the worker wrote: not a byte outlives it
             shutil.rmtree(scratch, ignore_errors=True)
+            _SCRATCHES.discard(scratch)
 
     def run(self, job: Any, timeout: float, meanwhile: Meanwhile = None) -> Any:
         # large tensors in a sealed file sent after the message, small ones in it
@@ -434,6 +437,19 @@ DECLARATION_LIMIT = 2**20
 #: grace of `FRAME_GRACE` seconds past the call's deadline
 FRAME_RATE = 100 * 2**20
 FRAME_GRACE = 5.0
+
+
+#: the scratch folders of this process's workers not yet removed: what is left of them
+#: when the judge exits (a worker never closed) goes then; a judge killed by SIGKILL
+#: leaves its own
+_SCRATCHES: set[str] = set()
+
+
+@atexit.register
+def _remove_scratches() -> None:
+    for scratch in list(_SCRATCHES):
+        shutil.rmtree(scratch, ignore_errors=True)
+    _SCRATCHES.clear()
 
 
 def _read_sandbox(frame: bytes | bytearray, policy: _sandbox.Policy) -> dict[str, dict[str, str]]:
