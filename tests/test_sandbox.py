@@ -109,6 +109,18 @@ def test_the_worker_opens_no_socket_and_signals_no_one_outside(tmp_path: Path) -
     code += _try(f"os.kill({os.getpid()}, 0)") + "out['signal'] = ok\n"
     code += _try("os.setsid()") + "out['setsid'] = ok\n"
     code += _try("os.setpgid(0, 0)") + "out['setpgid'] = ok\n"
+    # x86-64's x32 ABI: socket(AF_INET, SOCK_STREAM) by its number with the x32 bit, which
+    # a filter that checks the architecture only would let through (an unfiltered kernel
+    # makes the socket, or has no x32: ENOSYS)
+    code += textwrap.dedent(
+        """
+        import ctypes, platform
+        libc = ctypes.CDLL(None, use_errno=True)
+        if platform.machine() == "x86_64":
+            r = libc.syscall(0x40000000 | 41, 2, 1, 0)
+            out["x32"] = ctypes.get_errno() if r < 0 else "done"
+        """
+    )
     with listener:
         out = _inside(code, tmp_path)
         listener.settimeout(0.2)
@@ -117,6 +129,7 @@ def test_the_worker_opens_no_socket_and_signals_no_one_outside(tmp_path: Path) -
     assert out["tcp"] == out["unix"] == out["udp"] == 1  # EPERM
     assert out["signal"] in (1, 3)  # EPERM, or ESRCH from a PID namespace of its own
     assert out["setsid"] == out["setpgid"] == 1
+    assert out.get("x32", 1) == 1  # EPERM: refused by the filter, not missing (ENOSYS)
     enforced = out["enforced"]
     assert isinstance(enforced, dict)
     # what the attacks above need is enforced; a lifetime only where the kernel allows

@@ -33,6 +33,7 @@ import ctypes
 import errno
 import os
 import platform
+import stat
 import struct
 import sys
 from dataclasses import dataclass, field
@@ -45,14 +46,12 @@ __all__ = ["NO_SANDBOX", "Enforced", "Policy", "enter", "landlock_abi", "scratch
 
 _SYS_CREATE_RULESET, _SYS_ADD_RULE, _SYS_RESTRICT_SELF = 444, 445, 446  # every arch
 _CREATE_RULESET_VERSION = 1
-_RULE_PATH_BENEATH, _RULE_NET_PORT = 1, 2
+_RULE_PATH_BENEATH = 1
 
 FS_EXECUTE = 1 << 0
 FS_WRITE_FILE = 1 << 1
 FS_READ_FILE = 1 << 2
 FS_READ_DIR = 1 << 3
-#: rights that only a directory's rule may hold (its entries: remove, make, link)
-FS_DIR_ONLY = sum(1 << i for i in range(4, 14))
 FS_TRUNCATE = 1 << 14  # ABI 3
 FS_IOCTL_DEV = 1 << 15  # ABI 5
 NET_BIND_TCP, NET_CONNECT_TCP = 1 << 0, 1 << 1  # ABI 4
@@ -64,6 +63,8 @@ _PR_SET_NO_NEW_PRIVS = 38
 
 _PR_SET_SECCOMP, _SECCOMP_MODE_FILTER = 22, 2
 _RET_ALLOW, _RET_ERRNO = 0x7FFF0000, 0x00050000
+#: x86-64's x32 system calls: the same architecture id, their numbers with this bit set
+_X32_SYSCALL_BIT = 0x40000000
 #: per architecture: its audit id, and the numbers of socket, setsid, setpgid, io_uring_setup
 _ARCHES = {
     "x86_64": (0xC000003E, {"socket": 41, "setsid": 112, "setpgid": 109, "io_uring": 425}),
@@ -162,8 +163,9 @@ def _check(result: int, what: str) -> int:
     return result
 
 
-def _landlock(scratch: str, abi: int, network: bool) -> list[str]:
-    """Restrict this process (and what it starts) with Landlock; the parts enforced."""
+def _landlock(scratch: str, abi: int, network: bool) -> bool:
+    """Restrict this process (and what it starts) with Landlock; whether signals are
+    scoped too (ABI 6)."""
     libc = _libc()
     libc.syscall.restype = ctypes.c_long
     handled_fs = _fs_rights(abi)
@@ -213,17 +215,10 @@ def _landlock(scratch: str, abi: int, network: bool) -> list[str]:
         _check(restricted, "landlock_restrict_self")
     finally:
         os.close(fd)
-    parts = [f"files (Landlock ABI {abi})"]
-    if handled_net:
-        parts.append("tcp")
-    if scoped:
-        parts.append("signals")
-    return parts
+    return bool(scoped)
 
 
 def _is_char(path: str) -> bool:
-    import stat
-
     try:
         return stat.S_ISCHR(os.stat(path).st_mode)
     except OSError:
@@ -241,13 +236,15 @@ def _seccomp(network: bool) -> None:
     def op(code: int, k: int, jt: int = 0, jf: int = 0) -> bytes:
         return struct.pack("=HBBI", code, jt, jf, k)
 
-    ld, jeq, ret = 0x20, 0x15, 0x06  # BPF_LD|W|ABS, BPF_JMP|JEQ|K, BPF_RET|K
+    ld, jeq, jge, ret = 0x20, 0x15, 0x35, 0x06  # BPF_LD|W|ABS, BPF_JMP|JEQ|K, JGE|K, RET|K
     n = len(refused)
+    # every call of another ABI (32-bit compat, whose socketcall would open a socket) and
+    # of x86-64's x32 ABI (the same numbers with a high bit) is refused: Python uses none
     program = [
         op(ld, 4),  # arch
-        op(jeq, arch, 1, 0),
-        op(ret, _RET_ALLOW),  # another ABI (x32, compat): not judged here, allowed
+        op(jeq, arch, 0, n + 3),  # another ABI: to the refusal
         op(ld, 0),  # the call's number
+        op(jge, _X32_SYSCALL_BIT, n + 1, 0),  # x32: to the refusal
         *[op(jeq, nr, n - i, 0) for i, nr in enumerate(refused)],
         op(ret, _RET_ALLOW),
         op(ret, _RET_ERRNO | errno.EPERM),
@@ -333,12 +330,12 @@ def enter(scratch: str, policy: Policy | None = None, *, contain: bool = True) -
         done.missing["signals"] = done.missing["files"]
         return done
     try:
-        parts = _landlock(scratch, abi, policy.network)
+        scoped = _landlock(scratch, abi, policy.network)
     except OSError as e:
-        done.missing["files"] = str(e)
+        done.missing["files"] = done.missing["signals"] = str(e)
         return done
     done.enforced["files"] = f"writes only in the scratch folder (Landlock ABI {abi})"
-    if "signals" in parts:
+    if scoped:
         done.enforced["signals"] = "none outside the sandbox (Landlock scope)"
     else:
         done.missing["signals"] = f"Landlock ABI {abi} has no signal scope (6 or later)"

@@ -141,9 +141,8 @@ def run_case(
         first = bench_inputs(case, seed)
     except torch.OutOfMemoryError as e:
         return BenchResult(backend.name, case, "skipped", flops, note=_first_line(e))
-    args, kwargs = backend_call(backend, first)
-    declared = skip_reason(backend, first, kwargs)
-    del first
+    declared = skip_reason(backend, first, backend_call(backend, first)[1])
+    del first  # not held while the backend runs: a large case's inputs
     if declared is not None:
         return BenchResult(backend.name, case, "skipped", flops, note=declared)
     m = measure(
@@ -181,11 +180,10 @@ def run_case(
     extra = family_of(backend).bench_note
     if ok and extra is not None:  # what the family measures besides (the backend's word)
         try:
-            said = extra(executor, args, kwargs, timeout)
+            said = extra(executor, *backend_call(backend, bench_inputs(case, seed)), timeout)
         except (Failure, Skip) as e:
             said = f"({str(e)[:100]})"
         note = f"{note}; {said}" if said else note
-    del args, kwargs
     return BenchResult(
         backend.name,
         case,

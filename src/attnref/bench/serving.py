@@ -9,9 +9,9 @@
   per second: ``total / median``.
 
 Each backend runs in its supervised worker and is timed and verified as the dense bench
-is (`attnref.bench.verified`): new values before every timed call, sampled outputs
-checked against attnref's reference in float64, the worker's clock checked against the
-judge's; shape checking is off while it runs. A backend that is
+is (`attnref.bench.verified`): new values before every timed call, the time the
+judge's clock saw less clean dry runs, every output checked whole against attnref's
+reference in float64; shape checking is off while it runs. A backend that is
 absent, or not declared for the dtype, gets a ``skipped`` row; one that raises, an
 ``error`` row. Rows are written as CSV and JSON.
 """
@@ -163,7 +163,7 @@ def run_serving(
             threads = torch.get_num_threads()
             if isolate:
                 worker: Executor = Supervised(b, api, threads=threads, jobs=JOBS)
-            else:  # the bench's jobs: registered here by attnref.bench.verified's import
+            else:  # trusted; the bench's jobs register in this process when measured
                 worker = InProcess(load_backend(b, api) if isinstance(b, str) else b)
             workers.append((name, worker))
         except BackendError as e:

@@ -41,7 +41,7 @@ Verify = Callable[[int, Any, str, int], "str | None"]
 class Measured:
     """What `measure` found: a status (``ok``, ``skipped``, ``error``, ``wrong``,
     ``flagged``), the call times on the judge's clock (the worker's, scaled), peak
-    memory, what verifying cost, and how many outputs were verified."""
+    memory, and what verifying cost."""
 
     status: str
     note: str = ""
@@ -49,7 +49,6 @@ class Measured:
     peak: int | None = None
     verify_s: float = 0.0
     wall_s: float = 0.0
-    verified: int = 0
 
 
 class CleanLoop:
@@ -144,11 +143,14 @@ def on_the_judges_clock(times: list[float], wall: float, dry_wall: float) -> lis
     """The worker's per-call ``times`` scaled to add up to what the judge's clock saw of
     the calls (``wall - dry_wall``): the worker's clock shapes the distribution, the
     judge's sets its size. Where the judge's clock cannot resolve the calls (less than
-    `SCHEDULER_NOISE` in all), the worker's times, capped at the batch's, are kept."""
+    `SCHEDULER_NOISE` in all), the worker's times are kept, capped at the batch's, but
+    never below what the judge saw: a worker cannot make its calls look faster than that."""
     judge = wall - dry_wall
     worker = sum(times)
-    if judge < SCHEDULER_NOISE or worker <= 0:
-        return [min(t, wall) for t in times]
+    if worker <= 0:
+        return [max(judge, 0.0) / len(times)] * len(times) if times else []
+    if judge < SCHEDULER_NOISE:
+        return [min(t * max(1.0, judge / worker), wall) for t in times]
     return [t * judge / worker for t in times]
 
 
@@ -245,5 +247,4 @@ def measure(
         peak,
         verify_s,
         time.perf_counter() - started,
-        len(checks),
     )

@@ -1,6 +1,6 @@
 """The bench's jobs, run in the backend's worker (`attnref.conformance.worker`).
 
-Three jobs per case, each one round trip, so that the judge's wall clock measures each:
+Its jobs, each one round trip, so that the judge's wall clock measures each:
 
 - ``bench_prepare``: build the case's inputs and the backend's arguments (kept in the
   worker), run the warm-up calls, measure one call's peak memory; returns the first
@@ -37,7 +37,8 @@ __all__ = ["BenchJob"]
 
 @dataclass
 class BenchJob:
-    """One of the bench's jobs: ``kind`` ``prepare``, ``time`` or ``dry``."""
+    """One of the bench's jobs: ``kind`` ``prepare``, ``time``, ``dry_prepare`` or
+    ``dry`` (the module docstring)."""
 
     kind: str
     case: dict[str, Any]

@@ -240,7 +240,6 @@ class Supervised:
         self.slowest = 0.0
         #: right outputs of earlier fresh_values calls, with their inputs' digests
         self.history: list[tuple[Tensor, str]] = []
-        self.last_read = 0.0  # seconds the last reply took to receive and decode
         self._process: multiprocessing.process.BaseProcess | None = None
         self._conn: multiprocessing.connection.Connection | None = None
         self._arena = Arena()  # the file large jobs' tensors cross in, reused
@@ -332,12 +331,7 @@ class Supervised:
     def run(self, job: Any, timeout: float, meanwhile: Meanwhile = None) -> Any:
         # large tensors in a sealed file sent after the message, small ones in it
         message, fd = encode_shared(job.message(), self._arena)
-        data = self.exchange(message, timeout, meanwhile, fd=fd)
-        t1 = time.perf_counter()
-        try:
-            return read_reply(data)
-        finally:  # decoding the reply, on the judge's clock
-            self.last_read += time.perf_counter() - t1
+        return read_reply(self.exchange(message, timeout, meanwhile, fd=fd))
 
     def exchange(
         self,
@@ -384,11 +378,9 @@ class Supervised:
                 self._stop()
                 self.restarts += 1
                 raise TimeoutError(f"no answer within {timeout:g} s (the worker was killed)")
-            t1 = time.perf_counter()
             data = self._receive(conn, t0 + timeout, limit)
             # from the send: the judge's work meanwhile too, where it took longer
             self.slowest = max(self.slowest, time.perf_counter() - t0)
-            self.last_read = time.perf_counter() - t1  # receiving it, on the judge's clock
         except TimeoutError:
             raise
         except (EOFError, OSError):  # the pipe broke: the worker is gone

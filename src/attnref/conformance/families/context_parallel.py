@@ -121,11 +121,15 @@ def _build(caps: Capabilities, inputs: Inputs, lse: bool, overrides: dict[str, A
 
 
 def _sharding(caps: Capabilities, inputs: Inputs) -> str:
-    """A dense case's sharding: zigzag when causal, contiguous otherwise, of those
-    declared (`Capabilities.cp_shardings`); with equal chunks declared, contiguous for
-    an odd length, which no zigzag cuts evenly."""
-    T = inputs.query.shape[-2]
-    want = "zigzag" if inputs.causal is not None else "contiguous"
+    """A dense case's sharding (`sharding_for`)."""
+    return sharding_for(caps, inputs.query.shape[-2], inputs.causal is not None)
+
+
+def sharding_for(caps: Capabilities, T: int, causal: bool) -> str:
+    """The sharding of a call of ``T`` tokens: zigzag when causal, contiguous otherwise,
+    of those declared (`Capabilities.cp_shardings`); with equal chunks declared,
+    contiguous for an odd length, which no zigzag cuts evenly."""
+    want = "zigzag" if causal else "contiguous"
     if caps.cp_equal_shards and T % 2:
         want = "contiguous"
     return want if want in caps.cp_shardings else caps.cp_shardings[0]
@@ -918,10 +922,7 @@ class RankGroup:
         case = dict(job.case)
         T = int(case["Tq"])
         caps = self.backend.capabilities
-        want = "zigzag" if case.get("causal") else "contiguous"
-        if caps.cp_equal_shards and T % 2:
-            want = "contiguous"
-        sharding = want if want in caps.cp_shardings else caps.cp_shardings[0]
+        sharding = sharding_for(caps, T, bool(case.get("causal")))  # as the ranks' calls are
         world = fitted_world(caps, T, self.world_size, sharding)
         if world is None:
             raise _outside(caps, T, self.world_size, sharding)
@@ -1088,14 +1089,14 @@ def _bench_note(executor: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
     if not isinstance(executor, RankGroup):
         return ""
     job = Job(args, {**kwargs, "_count": True})
-    executor._ensure(timeout, args[0].device)
-    world = executor._world_of(job)
-    parts = executor._gang([executor._shard_call(job, r, world, timeout) for r in range(world)],
-                           timeout)  # fmt: skip
     try:
+        executor._ensure(timeout, args[0].device)
+        world = executor._world_of(job)
+        jobs = [executor._shard_call(job, r, world, timeout) for r in range(world)]
+        parts = executor._gang(jobs, timeout)
         sent = max(float(_tensor(p, r, (1,), "byte count")[0]) for r, p in enumerate(parts))
-    except _BadPartError as e:
-        return f"sent/rank: {e}"
+    except (_BadPartError, Raised, BackendDied, TimeoutError, BackendError, Skip) as e:
+        return f"sent/rank not counted: {str(e)[:120]}"  # a note, never the row's verdict
     k = args[1]
     ring = 2 * (world - 1) / world * k.numel() * k.element_size()  # K and V, Dv = D
     ratio = f", x{sent / ring:.2f}" if ring else ""
