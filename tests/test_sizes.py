@@ -228,3 +228,16 @@ def test_the_gradient_property_keeps_its_long_cases_to_its_own_work(data: st.Dat
     gradient = PROPERTIES["gradient"]
     case = data.draw(gradient.cases(profile, caps))
     assert work(case) <= max(profile.max_grad_work, profile.max_scores * 256), case
+
+
+def test_a_sampled_oracle_on_another_device_than_its_rows_is_laid_out_there() -> None:
+    """The rows are drawn on the CPU, the oracle is computed where the case lives (a GPU):
+    laying it out must not mix devices (found on an H200: every row-sampled case failed
+    with an index on the CPU). The meta device stands in for a GPU here."""
+    from attnref.conformance.oracle import Expected, _spread_rows
+
+    value = torch.zeros(2, 3, 4, 5, dtype=torch.float64, device="meta")
+    sampled = Expected(value, torch.zeros_like(value), 0.0)
+    spread = _spread_rows(sampled, torch.tensor([1, 6, 7, 9]), 10, -2)
+    assert spread.value.shape == (2, 3, 10, 5)
+    assert spread.value.device.type == "meta"

@@ -357,6 +357,7 @@ def _spread_rows(sampled: Expected, rows: Int[Tensor, " n"], Tq: int, axis: int)
     query axis), zeros elsewhere, and `Expected.known` saying which rows are known."""
     shape = list(sampled.value.shape)
     shape[axis] = Tq
+    rows = rows.to(sampled.value.device)  # drawn on the CPU; the oracle may be on a GPU
     full = sampled.value.new_zeros(shape).index_copy_(axis, rows, sampled.value)
     err = sampled.ref_err.new_zeros(shape).index_copy_(axis, rows, sampled.ref_err)
     known = torch.zeros(Tq, dtype=torch.bool, device=full.device)
