@@ -4,9 +4,10 @@ The first two are written from scratch, not from attnref.distributed or the muta
 all-gather kernel that rebuilds the zigzag order as if the chunks were equal (wrong once
 the length is not a multiple of ``2W``), and a Ulysses kernel that deals the heads out
 round-robin on the way in and back in blocks on the way out. The rest wrap the ring
-reference and raise, die or hang on one rank, and print ``PLANTED_CP_PID`` and their
-process's id (the host's: a worker's sandbox lets it write no file, and gives it a PID
-namespace of its own), so a test can check that none is left running.
+reference and raise, die or hang on one rank, and name their thread and print the name
+(``PLANTED_CP_MARK``; a worker's sandbox lets it write no file, and gives it a PID
+namespace of its own, whose ids mean nothing outside), so a test can find their
+processes in the machine's ``/proc`` and check that none is left running.
 """
 
 import os
@@ -21,6 +22,7 @@ from torch import Tensor
 
 from attnref import distributed as D
 from attnref.conformance.declarations import Capabilities
+from tests.hostile.marks import mark, unique
 
 CAPS = Capabilities(
     family="context-parallel",
@@ -124,8 +126,13 @@ def ulysses_heads_mixed(
 ulysses_heads_mixed.capabilities = replace(CAPS, lse=False)  # type: ignore[attr-defined]
 
 
+_MARK: list[str] = []
+
+
 def _note_pid() -> None:
-    print("PLANTED_CP_PID", os.readlink("/proc/self"), flush=True)
+    if not _MARK:
+        _MARK.append(mark(unique("cprank")))
+    print("PLANTED_CP_MARK", _MARK[0], flush=True)
 
 
 _CALLS = [0]

@@ -1,6 +1,7 @@
 """The context-parallel family: references pass, class-30 bugs fail, misbehaving ranks are
 named and leave nothing behind (gloo, on this machine's CPU, four ranks)."""
 
+import contextlib
 import json
 import os
 import re
@@ -25,6 +26,7 @@ from attnref.conformance.families.context_parallel import (
 )
 from attnref.conformance.verdicts import one_line
 from attnref.conformance.worker import BackendDied, Raised, RemoteError, start_executor
+from tests.hostile.marks import pids_named
 
 CP = ("cp_agreement", "cp_gradients", "cp_world_size")
 QUICK = PROFILES["quick"]
@@ -89,18 +91,18 @@ def test_kernels_it_has_not_seen_with_a_class_30_bug_fail(name: str) -> None:
     assert "world_size=4" in failed.finding.reproducer
 
 
-def _pids(output: str) -> set[int]:
-    """The processes the ranks said they ran in (`tests.planted_cp`)."""
-    return {int(x) for x in re.findall(r"PLANTED_CP_PID (\d+)", output)}
+def _pids(output: str) -> set[str]:
+    """The names the ranks gave the threads they ran in (`tests.planted_cp`)."""
+    return set(re.findall(r"PLANTED_CP_MARK (\w+)", output))
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    stat = Path(f"/proc/{pid}/stat")
-    return not (stat.exists() and stat.read_text().split()[2] == "Z")  # a zombie is gone
+def _alive(name: str) -> bool:
+    """Whether a process with a thread called ``name`` still runs (a zombie is gone)."""
+    for pid in pids_named(name):
+        with contextlib.suppress(OSError):
+            if Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z":
+                return True
+    return False
 
 
 def _audit_cli(spec: str, tmp_path: Path, *extra: str) -> tuple[int, dict[str, Any], str]:

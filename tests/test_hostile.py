@@ -8,6 +8,7 @@ boundary are tested on bad input here too.
 
 import contextlib
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -118,6 +119,7 @@ def test_a_thread_rewriting_the_report_is_stopped_before_the_final_write(
          "tests.hostile.rewrites_report:kernel", "--property", "forward", "--dtype",
          "float32", "--no-progress", "--json", str(path)],
         cwd=ROOT, capture_output=True, text=True, timeout=300, check=False,
+        env={**os.environ, "ATTNREF_TEST_REPORT": str(path)},
     )  # fmt: skip
     assert proc.returncode == 1, proc.stdout + proc.stderr
     import time
@@ -318,6 +320,8 @@ def test_a_hung_worker_ends_with_a_judge_that_is_killed(how: str, tmp_path: Path
     import signal
     import time
 
+    from tests.hostile.marks import ancestors, pids_named
+
     cmd = [sys.executable, "-m", "attnref", "audit", "--backend", "tests.hostile.sleeps:kernel",
            "--property", "forward", "--dtype", "float32", "--no-progress"]  # fmt: skip
     judge = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE,
@@ -329,11 +333,11 @@ def test_a_hung_worker_ends_with_a_judge_that_is_killed(how: str, tmp_path: Path
         while not chain and time.monotonic() < deadline:
             if select.select([judge.stdout], [], [], 1.0)[0]:
                 line = judge.stdout.readline()
-                if line.startswith("PIDS "):
+                if line.startswith("MARK "):
                     # the worker's ancestors up to the judge, which is not one of them
-                    chain = [int(x) for x in line.split()[1:]]
-                    chain = chain[: chain.index(judge.pid)] if judge.pid in chain else chain
-        assert len(chain) >= 2, "the worker never said its process ids"
+                    (worker,) = pids_named(line.split()[1])
+                    chain = ancestors(worker, stop=judge.pid)
+        assert len(chain) >= 2, "the worker never said its name"
         exception = how == "KeyboardInterrupt"
         judge.send_signal(signal.SIGINT if exception else getattr(signal, how))
         code = judge.wait(30)

@@ -39,14 +39,16 @@ def _offered() -> set[str]:
     return set(enforced["missing"])
 
 
-def _inside(code: str, scratch: Path, network: bool = False) -> dict[str, object]:
-    """Run ``code`` in a fresh interpreter inside the sandbox; what it prints as JSON."""
+def _inside(code: str, scratch: Path, network: bool = False, policy: str = "") -> dict[str, object]:
+    """Run ``code`` in a fresh interpreter inside the sandbox (``policy``: the Python of
+    the policy, else a plain one); what it prints as JSON."""
+    policy = policy or f"_sandbox.Policy(network={network})"
     prog = (
         textwrap.dedent(
             f"""
         import json, os, socket, sys
         from attnref import _sandbox
-        enforced = _sandbox.enter({str(scratch)!r}, _sandbox.Policy(network={network}))
+        enforced = _sandbox.enter({str(scratch)!r}, {policy})
         out = {{"enforced": enforced.message()}}
         """
         )
@@ -149,12 +151,69 @@ def test_a_network_policy_leaves_sockets_open_and_still_confines_files(tmp_path:
     assert out["file"] == 13
 
 
+@needs_landlock
+def test_shared_memory_is_the_workers_own(tmp_path: Path) -> None:
+    """POSIX semaphores and shared memory (multiprocessing's locks, inductor's compile
+    pool) work in the worker, in a /dev/shm of its own that the machine's never sees:
+    Landlock alone would refuse them (the machine's /dev/shm is not the scratch folder)."""
+    name = f"attnref-test-{os.getpid()}-{time.monotonic_ns()}"
+    code = "import multiprocessing\n" + _try("multiprocessing.Lock()") + "out['lock'] = ok\n"
+    code += _try(f"open('/dev/shm/{name}', 'w').write('x')") + "out['file'] = ok\n"
+    code += "out['own'] = sorted(os.listdir('/dev/shm'))\n"
+    out = _inside(code, tmp_path)
+    enforced = out["enforced"]
+    assert isinstance(enforced, dict)
+    if "shared memory" not in enforced["enforced"]:
+        pytest.skip(f"no mount namespace here: {enforced['missing']}")
+    assert out["lock"] == out["file"] == "done"
+    assert out["own"] == [name]  # none of the machine's, and only what it wrote
+    assert not Path("/dev/shm", name).exists()
+
+
+@needs_landlock
+def test_a_driver_may_name_the_workers_threads_and_no_other_process(tmp_path: Path) -> None:
+    """CUDA's cuInit names the threads it starts by writing ``/proc/self/task/<tid>/comm``
+    (glibc's ``pthread_setname_np`` for another thread) and fails with error 304 where it
+    cannot: every CUDA audit on an H200 did, in a sandbox that let it write nothing in
+    ``/proc`` (and in a PID namespace whose thread ids ``/proc`` did not show). The worker
+    may write its own ``/proc/<pid>`` (its threads' names, ``clear_refs`` for the bench's
+    memory), no other process's."""
+    code = textwrap.dedent(
+        """
+        import ctypes, threading
+        libc = ctypes.CDLL(None)
+        started, stop = threading.Event(), threading.Event()
+        def wait():
+            started.set()
+            stop.wait()
+        t = threading.Thread(target=wait, daemon=True)
+        t.start()
+        started.wait()
+        out["named"] = libc.pthread_setname_np(ctypes.c_ulong(t.ident), b"cuda-EvtHandlr")
+        with open(f"/proc/self/task/{t.native_id}/comm") as f:
+            out["name"] = f.read().strip()
+        stop.set()
+        t.join()
+        """
+    )
+    code += _try("open('/proc/self/clear_refs', 'w').write('5')") + "out['clear_refs'] = ok\n"
+    code += _try(f"open('/proc/{os.getpid()}/comm', 'w').write('x')") + "out['judge'] = ok\n"
+    code += _try("open('/proc/1/comm', 'w').write('x')") + "out['first'] = ok\n"
+    out = _inside(code, tmp_path)
+    assert out["named"] == 0
+    assert out["name"] == "cuda-EvtHandlr"
+    assert out["clear_refs"] == "done"
+    # the test's own process: not in the worker's /proc (its PID namespace's), or refused
+    assert out["judge"] in (2, 13)  # ENOENT, EACCES
+    assert out["first"] == 13  # the namespace's reaper, or the machine's init
+
+
 def test_what_a_platform_does_not_enforce_is_listed_not_raised(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(_sandbox, "landlock_abi", lambda: 0)
 
-    def no_seccomp(network: bool) -> None:
+    def no_seccomp(network: bool, processes: bool = True) -> None:
         raise OSError(38, "no seccomp here")
 
     monkeypatch.setattr(_sandbox, "_seccomp", no_seccomp)
@@ -314,3 +373,44 @@ def test_switched_off_the_sandbox_is_reported_missing_and_refused_when_required(
                              capture_output=True, text=True, timeout=300, check=False)  # fmt: skip
     assert refused.returncode == 2, refused.stdout + refused.stderr
     assert "not wholly confined: all: switched off" in refused.stderr
+
+
+def test_parts_switched_off_by_name_are_listed_missing_and_the_rest_holds(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``ATTNREF_NO_SANDBOX=files,lifetime``: a way around a platform where one part
+    breaks a kernel. Those parts are missing (switched off), the others still hold."""
+    monkeypatch.setenv(_sandbox.NO_SANDBOX, "files, lifetime")
+    code = _try(f"open({str(tmp_path / 'outside')!r}, 'w')") + "out['file'] = ok\n"
+    code += _try("socket.socket(socket.AF_UNIX)") + "out['unix'] = ok\n"
+    (tmp_path / "scratch").mkdir()
+    out = _inside(code, tmp_path / "scratch", policy="_sandbox.Policy.from_environment()")
+    assert out["file"] == "done"  # files switched off
+    assert out["unix"] == 1  # the network still refused
+    enforced = out["enforced"]
+    assert isinstance(enforced, dict)
+    off = "switched off (ATTNREF_NO_SANDBOX=lifetime,files)"
+    assert enforced["missing"] == {"lifetime": off, "files": off}
+    assert {"processes", "network", "signals"} <= set(enforced["enforced"])
+
+
+@pytest.mark.parametrize("value", ["file", "files,bogus", ","])
+def test_a_bad_no_sandbox_value_is_named(value: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(_sandbox.NO_SANDBOX, value)
+    with pytest.raises(ValueError, match=r"it must be 1 .* or some of lifetime, processes"):
+        _sandbox.Policy.from_environment()
+
+
+@needs_landlock
+def test_the_probe_finds_the_part_a_driver_needs_switched_off() -> None:
+    """tools/sandbox_probe.py: work that opens a socket (as a driver might) runs once the
+    network part is off, and the probe says so; work that needs nothing runs whole."""
+    probe = [sys.executable, str(ROOT / "tools" / "sandbox_probe.py"), "--device", "cpu"]
+    work = ["--work", "import socket; socket.socket()"]
+    needs_socket = subprocess.run([*probe, *work], capture_output=True, text=True,
+                                  timeout=120, check=True)  # fmt: skip
+    assert needs_socket.stdout.strip() == "network", needs_socket.stderr
+    assert "the whole sandbox: FAILS: PermissionError" in needs_socket.stderr
+    plain = subprocess.run([*probe, "--work", "x = 1"], capture_output=True, text=True,
+                           timeout=120, check=True)  # fmt: skip
+    assert plain.stdout.strip() == "", plain.stderr

@@ -6,9 +6,10 @@ backend's has run. What it enforces, each where the kernel offers it:
 
 - **files** (Landlock, ABI 1): everything may be read and executed; only the worker's
   own scratch folder may be written (its ``TMPDIR`` and ``HOME``, and every compiler
-  cache pointed there), and the character devices of ``/dev`` (``/dev/null``, a GPU's)
-  written and, from ABI 5, driven by ``ioctl``. The judge's installation, the report's
-  folder, the working folder and site-packages are out of reach; so is mounting.
+  cache pointed there), its own ``/proc/<pid>`` (CUDA names its threads there), and the
+  character devices of ``/dev`` (``/dev/null``, a GPU's) written and, from ABI 5,
+  driven by ``ioctl``. The judge's installation, the report's folder, the working folder
+  and site-packages are out of reach; so is mounting.
 - **signals** (Landlock's scopes, ABI 6): no signal to a process outside the sandbox (the
   judge, the forkserver, other workers); no connection to an abstract UNIX socket made
   outside it. Tracing a process outside it is refused from ABI 1.
@@ -21,7 +22,10 @@ backend's has run. What it enforces, each where the kernel offers it:
   process make one): the worker and whatever it starts stay in one process group
   (``setsid`` and ``setpgid`` are refused) that the judge kills when it stops the
   worker; in a PID namespace of their own, the worker is its first process, and when it
-  ends, however it ends, the kernel kills every process in it.
+  ends, however it ends, the kernel kills every process in it. There it gets a ``/proc``
+  of its namespace's own.
+- **shared memory** (a mount namespace, private): a tmpfs of its own on ``/dev/shm``, so
+  that POSIX semaphores work without the machine's ``/dev/shm``.
 
 Why not a library: PyPI's ``landlock`` (1.0.0.dev5, alpha, May 2025) covers files only,
 not the network rules or the scopes; seccomp and namespaces need a few system calls
@@ -40,7 +44,7 @@ from dataclasses import dataclass, field
 
 from attnref._dies_with_parent import die_with_parent
 
-__all__ = ["NO_SANDBOX", "Enforced", "Policy", "enter", "landlock_abi", "scratch_env"]
+__all__ = ["NO_SANDBOX", "PARTS", "Enforced", "Policy", "enter", "landlock_abi", "scratch_env"]
 
 # ------------------------------------------------------------------ Landlock (uapi)
 
@@ -73,7 +77,10 @@ _ARCHES = {
 
 # ------------------------------------------------------------------ namespaces
 
-_CLONE_NEWUSER, _CLONE_NEWPID = 0x10000000, 0x20000000
+_CLONE_NEWUSER, _CLONE_NEWPID, _CLONE_NEWNS = 0x10000000, 0x20000000, 0x00020000
+_MS_NOSUID, _MS_NODEV, _MS_NOEXEC, _MS_REC, _MS_PRIVATE = 2, 4, 8, 1 << 14, 1 << 18
+#: where POSIX shared memory and semaphores live (glibc's ``shm_open``, ``sem_open``)
+SHM = "/dev/shm"
 
 #: the variables that point a worker's writes at its scratch folder: temporary files, the
 #: home folder, and the caches of the compilers a kernel may use
@@ -91,19 +98,43 @@ SCRATCH_VARIABLES = (
 )
 
 
-#: set to 1 in the judge's environment, the workers enter no sandbox (a way around a
-#: platform where it breaks a kernel: a driver that needs a file the sandbox refuses);
-#: the report says so, and ``--require-sandbox`` refuses it
+#: set to 1 in the judge's environment, the workers enter no sandbox; set to some of
+#: `PARTS`, comma-separated, they enter it without those (a way around a platform where
+#: a part breaks a kernel: a driver that needs a file, a call or a namespace the sandbox
+#: refuses; ``tools/sandbox_probe.py`` finds which). The report lists what was switched
+#: off as missing, and ``--require-sandbox`` refuses it
 NO_SANDBOX = "ATTNREF_NO_SANDBOX"
+
+#: the parts of the sandbox, as the report names them and `NO_SANDBOX` switches them off
+PARTS = ("lifetime", "processes", "network", "files", "signals")
 
 
 @dataclass(frozen=True)
 class Policy:
     """What a worker's sandbox allows beyond its scratch folder: ``network`` (sockets, for
-    a family whose processes talk to each other); ``off``: no sandbox at all (`NO_SANDBOX`)."""
+    a family whose processes talk to each other); ``off``: no sandbox at all;
+    ``without``: the `PARTS` switched off (both from `NO_SANDBOX`, `from_environment`)."""
 
     network: bool = False
     off: bool = False
+    without: frozenset[str] = frozenset()
+
+    @classmethod
+    def from_environment(cls, network: bool = False) -> "Policy":
+        """The policy `NO_SANDBOX` asks for (a ValueError naming the value where it is
+        neither 1 nor a list of `PARTS`)."""
+        value = os.environ.get(NO_SANDBOX, "").strip()
+        if value in ("", "0"):
+            return cls(network=network)
+        if value == "1":
+            return cls(network=network, off=True)
+        parts = frozenset(p.strip() for p in value.split(",") if p.strip())
+        if not parts or parts - set(PARTS):
+            raise ValueError(
+                f"{NO_SANDBOX}={value!r}: it must be 1 (no sandbox) or some of "
+                f"{', '.join(PARTS)}, comma-separated (the parts to switch off)"
+            )
+        return cls(network=network, without=parts)
 
     def allowed(self) -> dict[str, str]:
         """What the policy leaves open, part by part, with why (for the report)."""
@@ -163,16 +194,27 @@ def _check(result: int, what: str) -> int:
     return result
 
 
-def _landlock(scratch: str, abi: int, network: bool) -> bool:
-    """Restrict this process (and what it starts) with Landlock; whether signals are
-    scoped too (ABI 6)."""
+def _landlock(
+    scratch: str,
+    abi: int,
+    network: bool,
+    shm: bool = False,
+    *,
+    files: bool = True,
+    signals: bool = True,
+) -> bool:
+    """Restrict this process (and what it starts) with Landlock: with ``files``, writing
+    in ``scratch`` only (and in `SHM` with ``shm``: a private one); with ``signals``, no
+    signal out (ABI 6). Whether signals were scoped."""
     libc = _libc()
     libc.syscall.restype = ctypes.c_long
-    handled_fs = _fs_rights(abi)
+    handled_fs = _fs_rights(abi) if files else 0
     handled_net = NET_BIND_TCP | NET_CONNECT_TCP if abi >= 4 and not network else 0
     scoped = 0
-    if abi >= 6:
+    if abi >= 6 and signals:
         scoped = SCOPE_SIGNAL | (0 if network else SCOPE_ABSTRACT_UNIX_SOCKET)
+    if not (handled_fs or handled_net or scoped):
+        return False  # nothing to restrict (no signal scope before ABI 6)
     attr = struct.pack("=QQQ", handled_fs, handled_net, scoped)
     size = 8 if abi < 4 else 16 if abi < 6 else 24
     buf = ctypes.create_string_buffer(attr[:size], size)
@@ -198,15 +240,23 @@ def _landlock(scratch: str, abi: int, network: bool) -> bool:
             finally:
                 os.close(target)
 
-        allow("/", FS_EXECUTE | FS_READ_FILE | FS_READ_DIR)
-        allow(scratch, handled_fs)
-        device = FS_READ_FILE | FS_WRITE_FILE
-        device |= (FS_TRUNCATE if abi >= 3 else 0) | (FS_IOCTL_DEV if abi >= 5 else 0)
-        for folder in ("/dev", "/dev/dri"):
-            with contextlib.suppress(OSError), os.scandir(folder) as entries:
-                for entry in entries:
-                    if _is_char(entry.path):
-                        allow(entry.path, device)
+        if handled_fs:
+            allow("/", FS_EXECUTE | FS_READ_FILE | FS_READ_DIR)
+            allow(scratch, handled_fs)
+            # its own /proc/<pid> (its threads' names, which CUDA's cuInit writes, and
+            # clear_refs), held open so that the rule's inode stays the one procfs shows
+            with contextlib.suppress(OSError):
+                _PINNED.append(os.open("/proc/self", os.O_PATH | os.O_CLOEXEC))
+                allow("/proc/self", FS_WRITE_FILE | (FS_TRUNCATE if abi >= 3 else 0))
+            if shm:
+                allow(SHM, handled_fs)
+            device = FS_READ_FILE | FS_WRITE_FILE
+            device |= (FS_TRUNCATE if abi >= 3 else 0) | (FS_IOCTL_DEV if abi >= 5 else 0)
+            for folder in ("/dev", "/dev/dri"):
+                with contextlib.suppress(OSError), os.scandir(folder) as entries:
+                    for entry in entries:
+                        if _is_char(entry.path):
+                            allow(entry.path, device)
         if libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
             _check(-1, "prctl(PR_SET_NO_NEW_PRIVS)")
         restricted = libc.syscall(
@@ -218,6 +268,10 @@ def _landlock(scratch: str, abi: int, network: bool) -> bool:
     return bool(scoped)
 
 
+#: the worker's own ``/proc/<pid>``, open for its lifetime (`_landlock`)
+_PINNED: list[int] = []
+
+
 def _is_char(path: str) -> bool:
     try:
         return stat.S_ISCHR(os.stat(path).st_mode)
@@ -225,11 +279,12 @@ def _is_char(path: str) -> bool:
         return False
 
 
-def _seccomp(network: bool) -> None:
-    """A filter that refuses (EPERM) ``setsid`` and ``setpgid``, and unless ``network``
-    ``socket`` and ``io_uring_setup``, to this process and what it starts."""
+def _seccomp(network: bool, *, processes: bool = True) -> None:
+    """A filter that refuses (EPERM), to this process and what it starts, ``setsid`` and
+    ``setpgid`` (with ``processes``) and unless ``network`` ``socket`` and
+    ``io_uring_setup``; and every call of another ABI."""
     arch, numbers = _ARCHES[platform.machine()]
-    refused = [numbers["setsid"], numbers["setpgid"]]
+    refused = [numbers["setsid"], numbers["setpgid"]] if processes else []
     if not network:
         refused += [numbers["socket"], numbers["io_uring"]]
 
@@ -270,14 +325,17 @@ def _threads() -> int:
         return 1
 
 
-def _pid_namespace() -> int | None:
+def _pid_namespace() -> tuple[int, bool] | None:
     """Move what this process starts next into a new PID namespace (with a user namespace
-    around it where this process is not privileged); None where the kernel refuses."""
+    around it where this process is not privileged), and this process into a mount
+    namespace with a `SHM` of its own where the kernel allows one: the flags, and whether
+    that `SHM` was made (`_private_shm`); None where the kernel refuses a PID namespace."""
     if _threads() != 1:
         return None  # a user namespace needs a process of one thread
     libc = _libc()
     uid, gid = os.getuid(), os.getgid()
-    for flags in (_CLONE_NEWUSER | _CLONE_NEWPID, _CLONE_NEWPID):
+    user, pid, ns = _CLONE_NEWUSER, _CLONE_NEWPID, _CLONE_NEWNS
+    for flags in (user | pid | ns, pid | ns, user | pid, pid):
         if libc.unshare(flags) == 0:
             if flags & _CLONE_NEWUSER:  # the same ids inside as outside
                 with contextlib.suppress(OSError):
@@ -287,8 +345,33 @@ def _pid_namespace() -> int | None:
                         f.write(f"{uid} {uid} 1")
                     with open("/proc/self/gid_map", "w") as f:
                         f.write(f"{gid} {gid} 1")
-            return flags
+            return flags, bool(flags & _CLONE_NEWNS) and _private_shm()
     return None
+
+
+def _own_proc() -> bool:
+    """In the worker, in its PID and (private) mount namespaces: a ``/proc`` of the PID
+    namespace's own. Its threads' ids are then the ones ``/proc/self/task`` lists: a
+    driver that names its threads through ``/proc/self/task/<tid>/comm`` (CUDA's cuInit,
+    which fails with error 304 where it cannot) finds them, and the worker sees no
+    process outside its namespace. Whether it was mounted (where it was not, ``/proc``
+    is the machine's, and a thread's id there differs from the worker's own)."""
+    options = _MS_NOSUID | _MS_NODEV | _MS_NOEXEC
+    return bool(_libc().mount(b"proc", b"/proc", b"proc", options, None) == 0)
+
+
+def _private_shm() -> bool:
+    """In this process's new mount namespace: stop mounts propagating to the machine's
+    (every mount private), then a tmpfs of its own on `SHM`, which goes when the last
+    process of the namespace ends. Whether it was made (never the machine's `SHM`: where
+    the mounts cannot be made private, nothing is mounted)."""
+    if not os.path.isdir(SHM):
+        return False
+    libc = _libc()
+    if libc.mount(b"none", b"/", None, _MS_REC | _MS_PRIVATE, None) != 0:
+        return False
+    options = _MS_NOSUID | _MS_NODEV | _MS_NOEXEC
+    return bool(libc.mount(b"tmpfs", SHM.encode(), b"tmpfs", options, b"mode=1777") == 0)
 
 
 def enter(scratch: str, policy: Policy | None = None, *, contain: bool = True) -> Enforced:
@@ -312,33 +395,54 @@ def enter(scratch: str, policy: Policy | None = None, *, contain: bool = True) -
     if not sys.platform.startswith("linux"):
         done.missing["all"] = f"the sandbox is Linux-only (this is {sys.platform})"
         return done
-    if contain:
+    without = policy.without
+    off = f"switched off ({NO_SANDBOX}={','.join(p for p in PARTS if p in without)})"
+    if "lifetime" in without:
+        done.missing["lifetime"] = off
+    elif contain:
         _contain(done)
+    sockets = policy.network or "network" in without
+    processes = "processes" not in without
     try:
-        _seccomp(policy.network)
-        done.enforced["processes"] = "setsid and setpgid refused (seccomp)"
-        if not policy.network:
+        if processes or not sockets:
+            _seccomp(sockets, processes=processes)
+        if processes:
+            done.enforced["processes"] = "setsid and setpgid refused (seccomp)"
+        if not sockets:
             done.enforced["network"] = "no new socket (seccomp)"
     except (KeyError, OSError) as e:
         why = f"no seccomp filter for {platform.machine()}" if isinstance(e, KeyError) else str(e)
-        done.missing["processes"] = why
-        if not policy.network:
+        if processes:
+            done.missing["processes"] = why
+        if not sockets:
             done.missing["network"] = why
-    abi = landlock_abi()
+    for part in ("processes", "network"):
+        if part in without:
+            done.missing[part] = off
+    files, signals = "files" not in without, "signals" not in without
+    abi = landlock_abi() if files or signals else 0
     if abi == 0:
-        done.missing["files"] = "this kernel offers no Landlock (5.13 or later, enabled)"
-        done.missing["signals"] = done.missing["files"]
+        why = "this kernel offers no Landlock (5.13 or later, enabled)"
+        done.missing["files"] = why if files else off
+        done.missing["signals"] = why if signals else off
         return done
     try:
-        scoped = _landlock(scratch, abi, policy.network)
+        shm = "shared memory" in done.enforced
+        scoped = _landlock(scratch, abi, sockets, shm, files=files, signals=signals)
     except OSError as e:
-        done.missing["files"] = done.missing["signals"] = str(e)
+        done.missing["files"] = str(e) if files else off
+        done.missing["signals"] = str(e) if signals else off
         return done
-    done.enforced["files"] = f"writes only in the scratch folder (Landlock ABI {abi})"
+    if files:
+        done.enforced["files"] = f"writes only in the scratch folder (Landlock ABI {abi})"
+    else:
+        done.missing["files"] = off
     if scoped:
         done.enforced["signals"] = "none outside the sandbox (Landlock scope)"
-    else:
+    elif signals:
         done.missing["signals"] = f"Landlock ABI {abi} has no signal scope (6 or later)"
+    else:
+        done.missing["signals"] = off
     return done
 
 
@@ -348,8 +452,8 @@ def _contain(done: Enforced) -> None:
     first process, a reaper, which starts the worker and ends when it ends; its end
     ends every process in the namespace. Only the worker returns. Elsewhere nothing
     forks, and the process group is all that holds what the worker starts."""
-    flags = _pid_namespace()
-    if flags is None:
+    made = _pid_namespace()
+    if made is None:
         done.missing["lifetime"] = "no PID namespace (the kernel refused one)"
         return
     status_r, status_w = os.pipe()
@@ -362,6 +466,9 @@ def _contain(done: Enforced) -> None:
             os.close(status_w)  # ignores the signals it sends itself: abort() would not end it)
             die_with_parent()
             done.enforced["lifetime"] = "a PID namespace of its own, ended with the worker"
+            if made[1]:
+                done.enforced["shared memory"] = f"a {SHM} of its own (tmpfs), gone with it"
+                _own_proc()
             return
         while True:  # reap what the namespace orphans, until the worker ends
             try:

@@ -1,5 +1,7 @@
 """Returns zeros and, from a thread, keeps overwriting the audit's JSON report with a
-forged passing one (the path read from the judge's command line, found through /proc).
+forged passing one (the path read from the judge's command line, found through /proc;
+where the worker's /proc is its PID namespace's, and shows no judge, the path the test
+tells it in ``ATTNREF_TEST_REPORT``, as an attacker who guessed it).
 The sandbox refuses the write; before it, the judge's final write came after the worker
 was stopped."""
 
@@ -17,7 +19,9 @@ FORGED = {"summary": {"passed": 1, "failed": 0, "ok": True}, "forged": True}
 
 
 def _report_path() -> Path | None:
-    pid = int(os.readlink("/proc/self"))  # the host's id (os.getpid(): its PID namespace's)
+    if os.environ.get("ATTNREF_TEST_REPORT"):
+        return Path(os.environ["ATTNREF_TEST_REPORT"])
+    pid = int(os.readlink("/proc/self"))
     for _ in range(4):  # the worker, the forkserver, the judge
         try:
             argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")

@@ -225,8 +225,10 @@ class Supervised:
         self.spec = backend if isinstance(backend, str) else backend.spec or backend.name
         self.jobs = tuple(jobs)
         self.env = dict(env or {})
-        off = os.environ.get(_sandbox.NO_SANDBOX) == "1"
-        self.policy = _sandbox.Policy(network=network, off=off)
+        try:
+            self.policy = _sandbox.Policy.from_environment(network=network)
+        except ValueError as e:
+            raise BackendError(str(e)) from None
         #: what the worker's sandbox enforced, as its first frame said (before any code of
         #: the backend's ran): ``{"enforced": {part: how}, "missing": {part: why}, "allowed":
         #: {part: why}}``
