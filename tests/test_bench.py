@@ -371,6 +371,10 @@ def test_the_prepared_gpu_session_runs_dry_on_the_cpu(tmp_path: Path) -> None:
         "AUDIT_ARGS": "--backend torch-sdpa-math --property forward",
         "BENCH_ARGS": "--tiny --runs 1 --backend reference",
         "SERVING_ARGS": "--seq 8 --batch 2 --heads 2 --head-dim 8 --runs 1 --warmup 0",
+        "GAMES_ARGS": "--seq 16 --batch 1 --heads 2 --head-dim 8 --runs 10 --warmup 1",
+        # the smoke audits compile FlexAttention (slow, and broken in torch 2.13 on the
+        # CPU), and test_sandbox runs in this tier already
+        "SKIP": "smoke sandbox-tests",
         "OUT": str(tmp_path),
         "PYTHON": sys.executable,
     }
@@ -388,6 +392,11 @@ def test_the_prepared_gpu_session_runs_dry_on_the_cpu(tmp_path: Path) -> None:
     assert "gpu_audit exit: 0" in log
     assert "gpu_bench exit: 0" in log
     assert "serving bench exit: 0" in log
+    assert "side-stream audit exit: 1" in log
+    assert "escapes audit exit: 1" in log
+    # wrong on one timed call in ten: caught at any size (the clock game needs long calls)
+    assert "wrong: timed call" in log
+    assert "bench games exit: 1" in log
     assert "kvcache-reference" in (tmp_path / "gpu-serving.csv").read_text()
     assert "| `torch-sdpa-math` | 2 | 0 | 0 |" in (tmp_path / "gpu-audit.md").read_text()
     assert "| reference | bfloat16 |" in (tmp_path / "gpu-bench.md").read_text()

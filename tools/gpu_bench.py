@@ -87,6 +87,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--backend", action="append", help="default: every backend")
     parser.add_argument("--references", help="JSON file of published figures to draw")
     parser.add_argument("--tiny", action="store_true", help="toy sizes (CPU tests)")
+    parser.add_argument("--seq", type=int, nargs="+", help="default: 512 to 16384")
+    parser.add_argument("--dtype", nargs="+", choices=["bfloat16", "float16"])
+    parser.add_argument("--head-dim", type=int, nargs="+", help="default: 64 128")
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         print("gpu_bench: no CUDA device is present (use --device cpu --tiny)", file=sys.stderr)
@@ -95,9 +98,9 @@ def main(argv: list[str] | None = None) -> int:
     backends = [resolve_backend(b) for b in args.backend or BACKENDS]
     tiny = args.tiny
     cases = sweep_cases(
-        seqs=[16, 32] if tiny else [512, 1024, 2048, 4096, 8192, 16384],
-        dtypes=["bfloat16", "float16"],
-        head_dims=[8, 16] if tiny else [64, 128],
+        seqs=args.seq or ([16, 32] if tiny else [512, 1024, 2048, 4096, 8192, 16384]),
+        dtypes=args.dtype or ["bfloat16", "float16"],
+        head_dims=args.head_dim or ([8, 16] if tiny else [64, 128]),
         causal=[None, "top_left"],
         device=args.device,
         tokens=64 if tiny else 16384,
