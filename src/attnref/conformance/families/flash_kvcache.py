@@ -317,7 +317,7 @@ def _unweighted_splits(
     bounds = [Tk * s // splits for s in range(splits + 1)]
     outs, lses = [], []
     for lo, hi in itertools.pairwise(bounds):
-        part = torch.full((1, Tk), float("-inf"), dtype=torch.float64)
+        part = torch.full((1, Tk), float("-inf"), dtype=torch.float64, device=q.device)
         part[:, lo:hi] = 0.0
         o, m = attend_one(q, keys, values, key_mask=part, **kwargs)
         outs.append(o)
