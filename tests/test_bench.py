@@ -481,3 +481,27 @@ def test_the_packed_and_paged_benchmarks_refuse_a_backend_of_another_family() ->
     argv = ["--api", "flash-kvcache", "--backends", "varlen-reference", "--no-progress"]
     assert main(argv) == 2
     assert main(["--api", "flash-kvcache", "--page-size", "-1", "--no-progress"]) == 2
+
+
+def test_a_serving_workload_is_the_family_s_and_a_family_without_one_is_named() -> None:
+    """The bench asks the family for its workload (`ApiFamily.workload`): the label, the
+    tokens and the arguments come from there; a family without one, or pages for a
+    workload without pages, is a ValueError that names what would do."""
+    from attnref.bench.serving import ServingCase, serving_call, workload_of
+
+    decode = workload_of(ServingCase("flash-kvcache", B=3, h=4, g=2, Dh=8, seq=10, page=4))
+    assert decode.tokens == 3
+    assert decode.label == "B=3 h=4 g=2 Dh=8 cache=10 page 4 float32"
+    (q, k_cache, _), kwargs = decode.arguments(1)
+    assert q.shape == (3, 1, 4, 8)
+    assert k_cache.shape == (9, 4, 2, 8)  # 3 rows of 3 pages of 4 slots (11 tokens each)
+    assert kwargs["block_table"].shape == (3, 3)
+    prefill = ServingCase("flash-varlen", B=3, h=2, g=2, Dh=8, seq=8)
+    assert workload_of(prefill).tokens == 8 + 6 + 4
+    again = serving_call(prefill, 5)[0][0]
+    assert torch.equal(serving_call(prefill, 5)[0][0], again)  # a seed's values
+    assert not torch.equal(serving_call(prefill, 6)[0][0], again)
+    with pytest.raises(ValueError, match=r"serving workload \(flash-kvcache, flash-varlen\)"):
+        workload_of(ServingCase("sdpa", B=1, h=1, g=1, Dh=8, seq=8))
+    with pytest.raises(ValueError, match="the flash-varlen workload has no pages"):
+        workload_of(ServingCase("flash-varlen", B=1, h=1, g=1, Dh=8, seq=8, page=4))

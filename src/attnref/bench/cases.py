@@ -3,12 +3,15 @@
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, get_args
+from typing import Literal, get_args
 
 import torch
 from torch import Tensor
 
 from attnref.conformance.cases import Inputs
+from attnref.conformance.families import FAMILIES
+from attnref.conformance.family import Arguments
+from attnref.conformance.workloads import ServingCase, Workload
 from attnref.devices import DTYPES
 from attnref.masks import Alignment, causal_offset, check_alignment, valid_lens_to_mask
 
@@ -16,14 +19,13 @@ __all__ = [
     "MASKS",
     "BenchCase",
     "BenchMask",
-    "ServingApi",
-    "ServingCase",
     "bench_inputs",
     "case_flops",
     "padding_lengths",
     "serving_call",
     "sweep_cases",
     "visible_pairs",
+    "workload_of",
 ]
 
 #: no mask, or key padding: lengths spread from ``Tk`` down to ``Tk / 2`` over the batch
@@ -193,93 +195,22 @@ def bench_inputs(case: BenchCase, seed: int) -> Inputs:
     )
 
 
-# ------------------------------------------------------------ the serving workloads
-
-ServingApi = Literal["flash-varlen", "flash-kvcache"]
+# ------------------------------------------- the serving families' workloads
 
 
-@dataclass(frozen=True)
-class ServingCase:
-    """One shape of the packed or paged benchmark (module docstring)."""
-
-    api: ServingApi
-    B: int
-    h: int
-    g: int
-    Dh: int
-    seq: int
-    page: int = 0
-    dtype: str = "float32"
-    device: str = "cpu"
-
-    def __post_init__(self) -> None:
-        if self.api not in get_args(ServingApi):
-            apis = ", ".join(get_args(ServingApi))
-            raise ValueError(f"api must be one of {apis}, got {self.api!r}")
-        for name in ("B", "h", "g", "Dh", "seq"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.h % self.g:
-            raise ValueError(f"h ({self.h}) must be divisible by g ({self.g})")
-        if self.page < 0:
-            raise ValueError(f"page must be >= 0 (0: a contiguous cache), got {self.page}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
-
-    @property
-    def label(self) -> str:
-        shape = f"B={self.B} h={self.h} g={self.g} Dh={self.Dh}"
-        if self.api == "flash-varlen":
-            return f"{shape} longest={self.seq} {self.dtype}"
-        where = "contiguous" if self.page == 0 else f"page {self.page}"
-        return f"{shape} cache={self.seq} {where} {self.dtype}"
-
-    @property
-    def tokens(self) -> int:
-        """Tokens one call processes: one per row when decoding, the pack otherwise."""
-        return self.B if self.api == "flash-kvcache" else sum(_lengths(self))
+def workload_of(case: ServingCase) -> Workload:
+    """The workload ``case``'s family gives for it (a ValueError naming the families that
+    have one, where it has none, or a page size for a workload without pages)."""
+    family = FAMILIES.get(case.api)
+    if family is None or family.workload is None:
+        with_one = ", ".join(sorted(n for n, f in FAMILIES.items() if f.workload))
+        raise ValueError(f"api must be a family with a serving workload ({with_one}), "
+                         f"got {case.api!r}")  # fmt: skip
+    if case.page and family.serving_pages == (0,):
+        raise ValueError(f"page must be 0: the {case.api} workload has no pages")
+    return family.workload(case)
 
 
-def _lengths(case: ServingCase) -> list[int]:
-    """Sequence lengths spread evenly from ``seq`` down to ``seq / 2``."""
-    if case.B == 1:
-        return [case.seq]
-    return [case.seq - (case.seq // 2) * i // (case.B - 1) for i in range(case.B)]
-
-
-def serving_call(case: ServingCase, seed: int = 0) -> tuple[tuple[Any, ...], dict[str, Any]]:
+def serving_call(case: ServingCase, seed: int = 0) -> Arguments:
     """The arguments of one call of ``case``'s family, drawn from ``seed``."""
-    gen = torch.Generator().manual_seed(seed)
-    dtype, device = DTYPES[case.dtype], case.device
-
-    def randn(*shape: int) -> torch.Tensor:
-        return torch.randn(shape, generator=gen).to(dtype=dtype, device=device)
-
-    if case.api == "flash-varlen":
-        lengths = _lengths(case)
-        total = sum(lengths)
-        cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
-        cu = cu.to(device)
-        q, k, v = (
-            randn(total, case.h, case.Dh),
-            randn(total, case.g, case.Dh),
-            randn(total, case.g, case.Dh),
-        )
-        return (q, k, v, cu, cu, case.seq, case.seq), {"causal": True}
-    q = randn(case.B, 1, case.h, case.Dh)
-    k, v = randn(case.B, 1, case.g, case.Dh), randn(case.B, 1, case.g, case.Dh)
-    kwargs: dict[str, Any] = {
-        "k": k,
-        "v": v,
-        "cache_seqlens": torch.full((case.B,), case.seq, dtype=torch.int32, device=device),
-        "causal": True,
-    }
-    if case.page:
-        per_row = -(-(case.seq + 1) // case.page)
-        order = torch.randperm(case.B * per_row, generator=gen)
-        kwargs["block_table"] = order.reshape(case.B, per_row).to(torch.int32).to(device)
-        shape = (case.B * per_row, case.page)
-    else:
-        shape = (case.B, case.seq + 1)
-    k_cache, v_cache = randn(*shape, case.g, case.Dh), randn(*shape, case.g, case.Dh)
-    return (q, k_cache, v_cache), kwargs
+    return workload_of(case).arguments(seed)

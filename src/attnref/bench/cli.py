@@ -5,11 +5,10 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import get_args
 
 import torch
 
-from attnref.bench.cases import MASKS, ServingApi, sweep_cases
+from attnref.bench.cases import MASKS, sweep_cases
 from attnref.bench.output import format_table, plot_results, write_results
 from attnref.bench.runner import environment, run_benchmarks
 from attnref.bench.serving import serving_cli
@@ -152,7 +151,7 @@ def run_cli(args: argparse.Namespace) -> int:
     if args.warmup < 0:
         return _fail(f"--warmup must be >= 0, got {args.warmup}")
     family = get_family(args.api)
-    if args.api in get_args(ServingApi):  # a serving workload: decode or packed prefill
+    if family.workload is not None:  # a serving workload: decode or packed prefill
         return serving_cli(args.api, args, device, seqs, dtypes)
     # one call spread over several processes (context-parallel): causal, B = 1, h = 8 by
     # default, as its users shard a long sequence

@@ -29,9 +29,10 @@ import torch
 from tqdm import tqdm
 
 from attnref._checking import checking_enabled, set_checking
-from attnref.bench.cases import ServingApi, ServingCase, serving_call
+from attnref.bench.cases import serving_call, workload_of
 from attnref.conformance.backends import Backend
-from attnref.conformance.families import get_family
+from attnref.conformance.families import FAMILIES
+from attnref.conformance.workloads import ServingCase
 from attnref.devices import DTYPES
 
 __all__ = [
@@ -42,12 +43,13 @@ __all__ = [
     "run_serving",
     "serving_call",
     "serving_cli",
+    "workload_of",
     "write_serving",
 ]
 
-#: the backends each family's benchmark runs by default (absent ones are skipped)
+#: the backends each serving family's benchmark runs by default (absent ones skipped)
 SERVING_BACKENDS: dict[str, tuple[str, ...]] = {
-    api: get_family(api).bench_backends for api in ("flash-kvcache", "flash-varlen")
+    name: family.bench_backends for name, family in FAMILIES.items() if family.workload
 }
 
 
@@ -100,9 +102,7 @@ def _verify(case: ServingCase, seed: int, raw: Any, what: str, draw: int = 0) ->
     (a serving call's queries are few: ``draw`` is not needed)."""
     from attnref.conformance.backends import BUILTIN_BACKENDS
 
-    reference = BUILTIN_BACKENDS[
-        "kvcache-reference" if case.api == "flash-kvcache" else "varlen-reference"
-    ]
+    reference = BUILTIN_BACKENDS[workload_of(case).oracle]
 
     def f64(x: Any) -> Any:
         return x.to(torch.float64) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
@@ -176,7 +176,7 @@ def run_serving(
     try:
         for case in cases:
             for name, executor in workers:
-                bar.set_postfix_str(f"{name} {case.label}")
+                bar.set_postfix_str(f"{name} {workload_of(case).label}")
                 if isinstance(executor, str):
                     results.append(ServingResult(name, case, "error", note=executor))
                 else:
@@ -219,7 +219,9 @@ def _run_one(
         median = None if m.times is None else statistics.median(m.times)
         return ServingResult(backend.name, case, status, median, None, runs, m.note)
     median = statistics.median(m.times)
-    return ServingResult(backend.name, case, "ok", median, case.tokens / median, runs, m.note)
+    return ServingResult(
+        backend.name, case, "ok", median, workload_of(case).tokens / median, runs, m.note
+    )
 
 
 def format_serving(results: Sequence[ServingResult]) -> str:
@@ -228,7 +230,9 @@ def format_serving(results: Sequence[ServingResult]) -> str:
     for r in results:
         med = "-" if r.median_s is None else f"{r.median_s * 1e3:.3f} ms"
         rate = "-" if r.tokens_per_s is None else f"{r.tokens_per_s:,.0f}"
-        lines.append(f"{r.backend:<22} {r.case.label:<58} {med:>10} {rate:>12}  {r.note}")
+        lines.append(
+            f"{r.backend:<22} {workload_of(r.case).label:<58} {med:>10} {rate:>12}  {r.note}"
+        )
     return "\n".join(lines)
 
 
@@ -248,9 +252,9 @@ def write_serving(
     return [csv_path, json_path]
 
 
-def serving_cli(api: ServingApi, args: Any, device: str, seqs: list[int], dtypes: list[str]) -> int:
-    """``attnref bench --api flash-kvcache|flash-varlen``: the bench entry of those two
-    families (each names itself as ``api``); the exit code."""
+def serving_cli(api: str, args: Any, device: str, seqs: list[int], dtypes: list[str]) -> int:
+    """``attnref bench --api NAME`` for a family with a serving workload
+    (`ApiFamily.workload`: flash-kvcache, flash-varlen); the exit code."""
     from attnref.bench.runner import environment
     from attnref.conformance.backends import BackendError, resolve_backend
     from attnref.conformance.worker import start_forkserver
@@ -259,10 +263,11 @@ def serving_cli(api: ServingApi, args: Any, device: str, seqs: list[int], dtypes
         print(f"attnref bench: {message}", file=sys.stderr)
         return 2
 
-    pages = args.page_size if args.page_size is not None else [0, 16]
+    family_pages = FAMILIES[api].serving_pages
+    pages = args.page_size if args.page_size is not None else list(family_pages)
     if any(p < 0 for p in pages):
         return _fail(f"--page-size values must be >= 0 (0: contiguous), got {pages}")
-    if api == "flash-varlen":
+    if family_pages == (0,):  # a workload without pages
         pages = [0]
 
     start_forkserver()

@@ -101,8 +101,9 @@ def _arguments(backend: Backend, case: dict[str, Any], seed: int) -> tuple[Any, 
     share of a call spread over several, `ApiFamily.share`) gives that share's."""
     case = dict(case)
     share = case.pop("_share", None)
-    if "api" in case:
-        from attnref.bench.cases import ServingCase, serving_call
+    if "api" in case:  # the family's workload for the shape
+        from attnref.bench.cases import serving_call
+        from attnref.conformance.workloads import ServingCase
 
         return serving_call(ServingCase(**case), seed)
     args, kwargs = backend_call(backend, bench_inputs(BenchCase(**case), seed))

@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     from attnref.conformance.mutants import Mutant
     from attnref.conformance.properties import Property
     from attnref.conformance.worker import Executor
+    from attnref.conformance.workloads import ServingCase, Workload
 
 __all__ = [
     "FAMILIES",
@@ -126,6 +127,11 @@ class Manifest:
     mutant_fn: "Callable[[Mutant], Callable[..., Any]] | None" = None
     #: the backends ``attnref bench --api NAME`` times by default (empty: no bench)
     bench_backends: tuple[str, ...] = ()
+    #: a serving family's workload for a shape (`attnref.conformance.workloads`), which
+    #: ``attnref bench --api NAME`` times in place of the dense sweep (None: it has none)
+    workload: "Callable[[ServingCase], Workload] | None" = None
+    #: the page sizes its serving bench sweeps by default ((0,): a workload with no pages)
+    serving_pages: tuple[int, ...] = (0,)
     #: the executor a backend of this family runs in (None: one worker, `Supervised`, or
     #: the judge's own thread with ``isolate=False``): ``executor(backend, api,
     #: isolate=, threads=, memory_limit=, world_size=)``, e.g. one worker per rank

@@ -57,6 +57,7 @@ from attnref.conformance.serving_checks import agree, expect_rotated, guard, jud
 from attnref.conformance.strategies import cache_strategy
 from attnref.conformance.verdicts import Failure, Skip
 from attnref.conformance.worker import Job
+from attnref.conformance.workloads import ServingCase, Workload
 from attnref.kvcache import kvcache_attention
 from attnref.rotary import halves_from_interleaved
 
@@ -886,6 +887,37 @@ MUTANTS: tuple[Mutant, ...] = (
 )  # fmt: skip
 
 
+def _decode_workload(case: ServingCase) -> Workload:
+    """One decoding step: ``B`` rows each hold ``seq`` cached tokens and append one
+    (``k``, ``v`` given), in a contiguous cache or in pages of ``page`` slots whose
+    physical order is shuffled; one query per row, causal. ``B`` tokens a call."""
+
+    def arguments(seed: int) -> Arguments:
+        gen = torch.Generator().manual_seed(seed)
+        B, g, Dh, device = case.B, case.g, case.Dh, case.device
+        q = case.randn(gen, B, 1, case.h, Dh)
+        k, v = case.randn(gen, B, 1, g, Dh), case.randn(gen, B, 1, g, Dh)
+        kwargs: dict[str, Any] = {
+            "k": k,
+            "v": v,
+            "cache_seqlens": torch.full((B,), case.seq, dtype=torch.int32, device=device),
+            "causal": True,
+        }
+        if case.page:
+            per_row = -(-(case.seq + 1) // case.page)
+            order = torch.randperm(B * per_row, generator=gen)
+            kwargs["block_table"] = order.reshape(B, per_row).to(torch.int32).to(device)
+            shape = (B * per_row, case.page)
+        else:
+            shape = (B, case.seq + 1)
+        k_cache, v_cache = case.randn(gen, *shape, g, Dh), case.randn(gen, *shape, g, Dh)
+        return (q, k_cache, v_cache), kwargs
+
+    where = "contiguous" if case.page == 0 else f"page {case.page}"
+    label = f"{case.shape} cache={case.seq} {where} {case.dtype}"
+    return Workload(label, case.B, arguments, oracle="kvcache-reference")
+
+
 FAMILY = ApiFamily(
     name=NAME,
     summary="FlashAttention 2's flash_attn_with_kvcache: decoding against a contiguous or "
@@ -908,4 +940,6 @@ FAMILY = ApiFamily(
     mutants=MUTANTS,
     mutant_fn=_mutant_fn,
     bench_backends=("kvcache-reference", "kvcache-naive", "kvcache-sdpa", "flash-attn-kvcache"),
+    workload=_decode_workload,
+    serving_pages=(0, 16),
 )

@@ -56,6 +56,7 @@ from attnref.conformance.serving_checks import Results, agree, guard, judge
 from attnref.conformance.strategies import pack_strategy
 from attnref.conformance.verdicts import Failure, Skip
 from attnref.conformance.worker import Job
+from attnref.conformance.workloads import ServingCase, Workload, spread_lengths
 from attnref.varlen import check_cu_seqlens, seqlens, varlen_attention
 
 __all__ = [
@@ -611,6 +612,24 @@ MUTANTS: tuple[Mutant, ...] = (
 )  # fmt: skip
 
 
+def _prefill_workload(case: ServingCase) -> Workload:
+    """One packed causal prefill: ``B`` sequences whose lengths spread evenly from ``seq``
+    down to ``seq / 2``, packed end to end; every token of the pack a call."""
+    lengths = spread_lengths(case)
+
+    def arguments(seed: int) -> Arguments:
+        gen = torch.Generator().manual_seed(seed)
+        total = sum(lengths)
+        cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+        cu = cu.to(case.device)
+        q = case.randn(gen, total, case.h, case.Dh)
+        k, v = case.randn(gen, total, case.g, case.Dh), case.randn(gen, total, case.g, case.Dh)
+        return (q, k, v, cu, cu, case.seq, case.seq), {"causal": True}
+
+    label = f"{case.shape} longest={case.seq} {case.dtype}"
+    return Workload(label, sum(lengths), arguments, oracle="varlen-reference")
+
+
 FAMILY = ApiFamily(
     name=NAME,
     summary="FlashAttention 2's flash_attn_varlen_func: packed sequences (total, h, D) "
@@ -631,4 +650,5 @@ FAMILY = ApiFamily(
     mutants=MUTANTS,
     mutant_fn=_mutant_fn,
     bench_backends=("varlen-reference", "varlen-naive", "varlen-sdpa", "flash-attn-varlen"),
+    workload=_prefill_workload,
 )
