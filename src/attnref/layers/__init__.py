@@ -6,6 +6,7 @@ from attnref.layers.attention import (
     MultiHeadAttention,
     NadarayaWatson,
 )
+from attnref.layers.latent import LatentCache, MultiHeadLatentAttention, mla_softmax_scale
 from attnref.layers.positional import (
     LearnedPositionalEmbedding,
     SinusoidalPositionalEncoding,
@@ -44,8 +45,10 @@ __all__ = [
     "EncoderBlock",
     "EncoderDecoder",
     "Generator",
+    "LatentCache",
     "LearnedPositionalEmbedding",
     "MultiHeadAttention",
+    "MultiHeadLatentAttention",
     "NadarayaWatson",
     "PositionWiseFFN",
     "PreNormResidual",
@@ -57,5 +60,6 @@ __all__ = [
     "TransformerDecoder",
     "TransformerEncoder",
     "make_model",
+    "mla_softmax_scale",
     "sinusoidal_encoding",
 ]
