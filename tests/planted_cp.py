@@ -221,3 +221,33 @@ def slow_clock(q: Tensor, k: Tensor, v: Tensor, **kwargs: Any) -> Any:
 
 for _fn in (wrong_one_in_ten, slow_clock):
     _fn.capabilities = CAPS  # type: ignore[attr-defined]
+
+
+def _forkserver_reachable() -> str:
+    """Whether this process can connect to a forkserver socket (in a ``pymp-*`` folder
+    of the judge's temporary folder, the scratch folder's parent; earlier runs may have
+    left dead ones): ``done`` if to any, else ``none``."""
+    import glob
+    import socket
+
+    judge_tmp = os.path.dirname(os.environ.get("TMPDIR", "/tmp/x"))
+    for path in glob.glob(os.path.join(judge_tmp, "pymp-*", "listener-*")):
+        try:
+            with socket.socket(socket.AF_UNIX) as s:
+                s.connect(path)
+            return "done"
+        except OSError:
+            continue
+    return "none"
+
+
+def reaches_forkserver(q: Tensor, k: Tensor, v: Tensor, **kwargs: Any) -> Any:
+    """The ring reference, after trying to connect to the forkserver's socket (which
+    forks, for whoever asks, a process outside any sandbox) and printing how it went:
+    ``PLANTED_CP_FORKSERVER done`` or ``none``."""
+    # one write of one line, which the ranks' lines cannot split
+    os.write(1, f"PLANTED_CP_FORKSERVER {_forkserver_reachable()}\n".encode())
+    return D.ring_attention(q, k, v, **kwargs)
+
+
+reaches_forkserver.capabilities = CAPS  # type: ignore[attr-defined]

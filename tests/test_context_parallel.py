@@ -146,6 +146,28 @@ def test_a_rank_that_raises_dies_or_hangs_is_named_and_nothing_is_left(
     assert not [p for p in pids if _alive(p)], "a rank's process outlived the audit"
 
 
+@pytest.mark.slow  # two audits of two ranks: 11 s (tests/test_sandbox.py has the mechanism)
+def test_a_rank_cannot_reach_the_forkserver_s_socket(tmp_path: Path) -> None:
+    """A context-parallel worker keeps its sockets (its ranks meet over TCP), but the
+    forkserver's socket, whose owner forks a process outside any sandbox for whoever
+    asks, lies in a folder the worker's mount namespace covers: no connection is made
+    to it, where with no sandbox one is (the control)."""
+    code, _, output = _audit_cli("tests.planted_cp:reaches_forkserver", tmp_path)
+    assert code == 0, output
+    seen = set(re.findall(r"PLANTED_CP_FORKSERVER (done|none)", output))
+    if "sandbox: NOT ENFORCED" in output and "lifetime" in output:
+        pytest.skip("no namespaces here: the folder cannot be covered")
+    assert seen == {"none"}, output
+    env = {**os.environ, "ATTNREF_NO_SANDBOX": "1"}
+    done = subprocess.run(
+        [sys.executable, "-m", "attnref", "audit", "--api", "context-parallel",
+         "--world-size", "2", "--backend", "tests.planted_cp:reaches_forkserver",
+         "--dtype", "float32", "--no-progress", "--property", "cp_agreement"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600, check=False,
+    )  # fmt: skip
+    assert "PLANTED_CP_FORKSERVER done" in done.stdout + done.stderr
+
+
 def test_the_family_refuses_what_it_cannot_run() -> None:
     with pytest.raises(BackendError, match="one process per rank"):
         start_executor("ring-reference", "context-parallel", isolate=False)

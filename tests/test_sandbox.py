@@ -208,6 +208,34 @@ def test_a_driver_may_name_the_workers_threads_and_no_other_process(tmp_path: Pa
     assert out["first"] == 13  # the namespace's reaper, or the machine's init
 
 
+@needs_landlock
+@pytest.mark.parametrize("hide", [True, False])
+def test_a_worker_with_sockets_cannot_reach_the_forkserver_s(tmp_path: Path, hide: bool) -> None:
+    """A family whose workers may open sockets (context-parallel) must still not reach
+    the forkserver's socket: it forks, for whoever asks, a process outside any sandbox.
+    Its folder is covered, in the worker's mount namespace, by an empty one (``hidden``);
+    uncovered (the control), the connection is made."""
+    folder = Path(tempfile.mkdtemp(prefix="pymp-", dir="/tmp"))  # a socket path is short
+    listener = socket.socket(socket.AF_UNIX)
+    try:
+        listener.bind(str(folder / "listener"))
+        listener.listen(1)
+        code = _try(f"socket.socket(socket.AF_UNIX).connect({str(folder / 'listener')!r})")
+        code += "out['connect'] = ok\n"
+        (tmp_path / "scratch").mkdir()
+        hidden = (str(folder),) if hide else ()
+        policy = f"_sandbox.Policy(network=True, hidden={hidden!r})"
+        out = _inside(code, tmp_path / "scratch", policy=policy)
+        enforced = out["enforced"]
+        assert isinstance(enforced, dict)
+        if "shared memory" not in enforced["enforced"]:
+            pytest.skip(f"no mount namespace here: {enforced['missing']}")
+        assert out["connect"] == (2 if hide else "done")  # ENOENT: nothing in the folder
+    finally:
+        listener.close()
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 def test_what_a_platform_does_not_enforce_is_listed_not_raised(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

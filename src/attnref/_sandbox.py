@@ -118,14 +118,18 @@ class Policy:
     network: bool = False
     off: bool = False
     without: frozenset[str] = frozenset()
+    #: folders the worker must not see into, each covered (in its mount namespace) by an
+    #: empty one of its own: the forkserver's socket's, which a worker that may open
+    #: sockets could otherwise ask for a process outside the sandbox
+    hidden: tuple[str, ...] = ()
 
     @classmethod
-    def from_environment(cls, network: bool = False) -> "Policy":
+    def from_environment(cls, network: bool = False, hidden: tuple[str, ...] = ()) -> "Policy":
         """The policy `NO_SANDBOX` asks for (a ValueError naming the value where it is
         neither 1 nor a list of `PARTS`)."""
         value = os.environ.get(NO_SANDBOX, "").strip()
         if value in ("", "0"):
-            return cls(network=network)
+            return cls(network=network, hidden=hidden)
         if value == "1":
             return cls(network=network, off=True)
         parts = frozenset(p.strip() for p in value.split(",") if p.strip())
@@ -134,7 +138,7 @@ class Policy:
                 f"{NO_SANDBOX}={value!r}: it must be 1 (no sandbox) or some of "
                 f"{', '.join(PARTS)}, comma-separated (the parts to switch off)"
             )
-        return cls(network=network, without=parts)
+        return cls(network=network, without=parts, hidden=hidden)
 
     def allowed(self) -> dict[str, str]:
         """What the policy leaves open, part by part, with why (for the report)."""
@@ -360,6 +364,15 @@ def _own_proc() -> bool:
     return bool(_libc().mount(b"proc", b"/proc", b"proc", options, None) == 0)
 
 
+def _cover(folder: str) -> bool:
+    """In the worker's private mount namespace: an empty tmpfs over ``folder``, so that
+    what lies there (a socket) is out of its reach; whether it was mounted."""
+    if not os.path.isdir(folder):
+        return False
+    options = _MS_NOSUID | _MS_NODEV | _MS_NOEXEC
+    return bool(_libc().mount(b"tmpfs", folder.encode(), b"tmpfs", options, b"mode=700") == 0)
+
+
 def _private_shm() -> bool:
     """In this process's new mount namespace: stop mounts propagating to the machine's
     (every mount private), then a tmpfs of its own on `SHM`, which goes when the last
@@ -400,7 +413,7 @@ def enter(scratch: str, policy: Policy | None = None, *, contain: bool = True) -
     if "lifetime" in without:
         done.missing["lifetime"] = off
     elif contain:
-        _contain(done)
+        _contain(done, policy.hidden)
     sockets = policy.network or "network" in without
     processes = "processes" not in without
     try:
@@ -446,7 +459,7 @@ def enter(scratch: str, policy: Policy | None = None, *, contain: bool = True) -
     return done
 
 
-def _contain(done: Enforced) -> None:
+def _contain(done: Enforced, hidden: tuple[str, ...] = ()) -> None:
     """`enter`'s ``contain``: where the kernel allows a PID namespace, this process (the
     one the judge knows, which stays outside and only waits) starts the namespace's
     first process, a reaper, which starts the worker and ends when it ends; its end
@@ -469,6 +482,8 @@ def _contain(done: Enforced) -> None:
             if made[1]:
                 done.enforced["shared memory"] = f"a {SHM} of its own (tmpfs), gone with it"
                 _own_proc()
+                for folder in hidden:
+                    _cover(folder)
             return
         while True:  # reap what the namespace orphans, until the worker ends
             try:

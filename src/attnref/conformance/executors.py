@@ -12,6 +12,7 @@ asks for (its own, for a family that spreads a call over several processes).
 
 import atexit
 import contextlib
+import dataclasses
 import importlib
 import multiprocessing
 import multiprocessing.connection
@@ -254,6 +255,8 @@ class Supervised:
         _widen(parent, child)
         self._scratch = tempfile.mkdtemp(prefix="attnref-worker-")
         _SCRATCHES.add(self._scratch)
+        _forkserver.start()  # running, so that its socket's folder is known to hide
+        policy = dataclasses.replace(self.policy, hidden=_hidden())
         process = ctx.Process(
             target=serve,
             args=(
@@ -266,7 +269,7 @@ class Supervised:
                 loader(),
                 self.env,
                 self._scratch,
-                self.policy,
+                policy,
                 self.jobs,
             ),
             daemon=True,
@@ -444,6 +447,18 @@ def _remove_scratches() -> None:
     for scratch in list(_SCRATCHES):
         shutil.rmtree(scratch, ignore_errors=True)
     _SCRATCHES.clear()
+
+
+def _hidden() -> tuple[str, ...]:
+    """The folders a worker must not see into: the forkserver's socket's (a worker that
+    may open sockets could ask the forkserver for a process outside any sandbox)."""
+    try:
+        from multiprocessing import forkserver
+
+        address = forkserver._forkserver._forkserver_address  # type: ignore[attr-defined]
+    except (ImportError, AttributeError):
+        return ()
+    return (os.path.dirname(address),) if isinstance(address, str) else ()
 
 
 def _read_sandbox(frame: bytes | bytearray, policy: _sandbox.Policy) -> dict[str, dict[str, str]]:
