@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from torch import Tensor
 
 from attnref.layers import LatentCache, MultiHeadLatentAttention, mla_softmax_scale
+from attnref.mla import mla_kvcache_attention
 
 
 @st.composite
@@ -126,6 +127,80 @@ def test_decoding_with_a_latent_cache_equals_the_full_forward(
     assert cache.rope_keys is not None
     assert cache.latent.shape == (x.shape[0], T, m.kv_rank)
     assert cache.rope_keys.shape == (x.shape[0], T, m.rope_head_dim)
+
+
+def _paged(rows: Tensor, page: int, gen: torch.Generator) -> tuple[Tensor, Tensor]:
+    """``rows (B, T, D)`` in a paged cache ``(blocks, page, 1, D)`` whose physical pages
+    are shuffled, with NaN in every slot no valid token holds (and one spare page), and a
+    block table padded with a huge page id: what FlashMLA's own tests do."""
+    B, T, D = rows.shape
+    per_row = -(-T // page) + 1  # one logical page more than needed: padded with a huge id
+    used = -(-T // page)
+    blocks = B * used + 1
+    cache = torch.full((blocks, page, 1, D), torch.nan, dtype=rows.dtype)
+    order = torch.randperm(blocks, generator=gen)[: B * used].reshape(B, used)
+    table = torch.full((B, per_row), 2**30, dtype=torch.int32)
+    table[:, :used] = order.to(torch.int32)
+    for b in range(B):
+        for t in range(T):
+            cache[order[b, t // page], t % page, 0] = rows[b, t]
+    return cache, table
+
+
+@given(config=mla_configs(), data=st.data())
+def test_the_layer_s_absorbed_decode_is_flash_mla_s_call(
+    config: tuple[MultiHeadLatentAttention, Tensor], data: st.DataObject
+) -> None:
+    """The law only MLA has, through FlashMLA's convention: the layer's last ``Tq``
+    tokens equal `mla_kvcache_attention` on the absorbed queries against its latent rows
+    in a shuffled paged cache (NaN in unused slots, a table padded with huge ids), V the
+    cache's first ``kv_rank`` dims, the model's scale, bottom-right causal; then W_UV and
+    W_O. With no key for a query (``Tq`` past the cache) the kernel's answer is 0, +inf."""
+    m, x = config
+    B, T, _ = x.shape
+    Tq = data.draw(st.integers(1, T))
+    page = data.draw(st.integers(1, 4))
+    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16)))
+    with torch.no_grad():
+        latent, k_pe = m.latent_rows(x)
+        q_nope, q_pe = m.queries(x[:, T - Tq :], T - Tq)
+        w_uk, w_uv = m.up_projections()
+        q = torch.cat((torch.einsum("bhtn,hnc->bhtc", q_nope, w_uk), q_pe), -1)
+        cache, table = _paged(torch.cat((latent, k_pe), -1), page, gen)
+        seqlens = torch.full((B,), T, dtype=torch.int32)
+        out, lse = mla_kvcache_attention(
+            q.transpose(1, 2), cache, table, seqlens, m.kv_rank,
+            softmax_scale=m.softmax_scale, causal=True,
+        )  # fmt: skip
+        heads = torch.einsum("bthc,hvc->bhtv", out, w_uv)
+        got = m.output_proj(heads.transpose(1, 2).flatten(2))
+        torch.testing.assert_close(got, m(x)[:, T - Tq :])
+        assert lse.dtype == torch.float32
+        assert bool(torch.isfinite(lse).all())
+        # a sequence one key shorter than its queries: the first query sees no key
+        short = torch.full((B,), Tq - 1, dtype=torch.int32)
+        out, lse = mla_kvcache_attention(
+            q.transpose(1, 2), cache, table, short, m.kv_rank, causal=True
+        )
+        assert bool((out[:, 0] == 0).all())
+        assert bool(torch.isposinf(lse[:, :, 0]).all())
+        assert bool(torch.isfinite(lse[:, :, 1:]).all())
+
+
+def test_flash_mla_s_default_scale_is_its_head_dim_s() -> None:
+    """``softmax_scale=None`` is the kernel's ``D ** -0.5`` (576 in DeepSeek V3), which a
+    caller of a model must not rely on."""
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 1, 2, 12, generator=gen, dtype=torch.float64)
+    cache = torch.randn(2, 4, 1, 12, generator=gen, dtype=torch.float64)
+    table, lengths = torch.tensor([[1, 0]], dtype=torch.int32), torch.tensor([7], dtype=torch.int32)
+    default, _ = mla_kvcache_attention(q, cache, table, lengths, 8)
+    explicit, _ = mla_kvcache_attention(q, cache, table, lengths, 8, softmax_scale=12**-0.5)
+    other, _ = mla_kvcache_attention(q, cache, table, lengths, 8, softmax_scale=9**-0.5)
+    torch.testing.assert_close(default, explicit)
+    assert not torch.allclose(default, other)
+    with pytest.raises(ValueError, match=r"head_dim_v must be an int in 1 \.\. 12"):
+        mla_kvcache_attention(q, cache, table, lengths, 13)
 
 
 def test_the_scale_is_the_qk_head_dims_with_yarn_not_the_latent_rows() -> None:

@@ -157,6 +157,29 @@ class MultiHeadLatentAttention(nn.Module):
         return w[:, : self.nope_head_dim], w[:, self.nope_head_dim :]
 
     @checked
+    def queries(
+        self, x: Float[Tensor, "B T {self.num_hiddens}"], start: int = 0
+    ) -> tuple[
+        Float[Tensor, "B h T {self.nope_head_dim}"], Float[Tensor, "B h T {self.rope_head_dim}"]
+    ]:
+        """Each head's query for tokens at positions ``start ..``: its position-free part
+        ``q_nope`` and its rotated part ``q_pe``."""
+        B, T, _ = x.shape
+        q = self.q_up(self.q_norm(self.q_down(x))).view(B, T, self.num_heads, self.qk_head_dim)
+        q = q.transpose(1, 2)  # (B, h, T, d_qk)
+        return q[..., : self.nope_head_dim], self.rotary(q[..., self.nope_head_dim :], start)
+
+    @checked
+    def latent_rows(
+        self, x: Float[Tensor, "B T {self.num_hiddens}"], start: int = 0
+    ) -> tuple[Float[Tensor, "B T {self.kv_rank}"], Float[Tensor, "B T {self.rope_head_dim}"]]:
+        """What a cache keeps of tokens at positions ``start ..``: the latent ``c_kv``
+        (normed) and the rotated key ``k_pe`` every head shares."""
+        kv = self.kv_down(x)  # (B, T, kv_rank + d_rope)
+        latent = self.kv_norm(kv[..., : self.kv_rank])
+        return latent, self.rotary(kv[..., self.kv_rank :], start)
+
+    @checked
     def forward(
         self,
         x: Float[Tensor, "B T {self.num_hiddens}"],
@@ -174,15 +197,11 @@ class MultiHeadLatentAttention(nn.Module):
                 the query and the output (FlashMLA's call) rather than up-projecting
                 every cached row (the same result, up to rounding).
         """
-        B, T, _ = x.shape
+        B = x.shape[0]
         start = 0 if cache is None else cache.position
-        h, nope, rope = self.num_heads, self.nope_head_dim, self.rope_head_dim
-        q = self.q_up(self.q_norm(self.q_down(x))).view(B, T, h, self.qk_head_dim)
-        q = q.transpose(1, 2)  # (B, h, T, d_qk)
-        q_nope, q_pe = q[..., :nope], self.rotary(q[..., nope:], start)
-        kv = self.kv_down(x)  # (B, T, kv_rank + d_rope)
-        latent = self.kv_norm(kv[..., : self.kv_rank])
-        k_pe = self.rotary(kv[..., self.kv_rank :], start)  # one rotary key for all heads
+        h, rope = self.num_heads, self.rope_head_dim
+        q_nope, q_pe = self.queries(x, start)
+        latent, k_pe = self.latent_rows(x, start)
         if cache is not None:
             latent, k_pe = cache.append(latent, k_pe)
         w_uk, w_uv = self.up_projections()
