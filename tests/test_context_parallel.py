@@ -5,9 +5,11 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -147,25 +149,34 @@ def test_a_rank_that_raises_dies_or_hangs_is_named_and_nothing_is_left(
 
 
 @pytest.mark.slow  # two audits of two ranks: 11 s (tests/test_sandbox.py has the mechanism)
-def test_a_rank_cannot_reach_the_forkserver_s_socket(tmp_path: Path) -> None:
+def test_a_rank_cannot_reach_a_forkserver_s_socket() -> None:
     """A context-parallel worker keeps its sockets (its ranks meet over TCP), but the
-    forkserver's socket, whose owner forks a process outside any sandbox for whoever
-    asks, lies in a folder the worker's mount namespace covers: no connection is made
-    to it, where with no sandbox one is (the control)."""
-    code, _, output = _audit_cli("tests.planted_cp:reaches_forkserver", tmp_path)
-    assert code == 0, output
-    seen = set(re.findall(r"PLANTED_CP_FORKSERVER (done|none)", output))
-    if "sandbox: NOT ENFORCED" in output and "lifetime" in output:
-        pytest.skip("no namespaces here: the folder cannot be covered")
-    assert seen == {"none"}, output
-    env = {**os.environ, "ATTNREF_NO_SANDBOX": "1"}
-    done = subprocess.run(
-        [sys.executable, "-m", "attnref", "audit", "--api", "context-parallel",
-         "--world-size", "2", "--backend", "tests.planted_cp:reaches_forkserver",
-         "--dtype", "float32", "--no-progress", "--property", "cp_agreement"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600, check=False,
-    )  # fmt: skip
-    assert "PLANTED_CP_FORKSERVER done" in done.stdout + done.stderr
+    forkservers' sockets (one forks, for whoever connects, a process outside any
+    sandbox) lie in the judge's temporary folder, which the worker's mount namespace
+    covers: no connection is made, where with no sandbox one is (the control). The judge
+    here has a temporary folder of its own: the control must not reach the forkservers
+    of the tests beside it (a connection that sends nothing crashes one)."""
+    root = tempfile.mkdtemp(prefix="cp-", dir="/tmp")
+    try:
+        cmd = [sys.executable, "-m", "attnref", "audit", "--api", "context-parallel",
+               "--world-size", "2", "--backend", "tests.planted_cp:reaches_forkserver",
+               "--dtype", "float32", "--no-progress", "--property", "cp_agreement"]  # fmt: skip
+        seen, outputs = {}, {}
+        for off in ("", "1"):
+            env = {**os.environ, "TMPDIR": root, "ATTNREF_NO_SANDBOX": off}
+            done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
+                                  timeout=600, check=False)  # fmt: skip
+            output = done.stdout + done.stderr
+            # (the control's connection, which sends nothing, crashes its forkserver)
+            assert done.returncode == 0 or off, output
+            seen[off] = set(re.findall(r"PLANTED_CP_FORKSERVER (done|none)", output))
+            outputs[off] = output
+        if "shared memory" not in outputs[""].splitlines()[0]:
+            pytest.skip("no namespaces here: the folder cannot be covered")
+        assert seen[""] == {"none"}, outputs[""]
+        assert "done" in seen["1"], outputs["1"]
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
 
 
 def test_the_family_refuses_what_it_cannot_run() -> None:

@@ -210,30 +210,38 @@ def test_a_driver_may_name_the_workers_threads_and_no_other_process(tmp_path: Pa
 
 @needs_landlock
 @pytest.mark.parametrize("hide", [True, False])
-def test_a_worker_with_sockets_cannot_reach_the_forkserver_s(tmp_path: Path, hide: bool) -> None:
+def test_a_worker_with_sockets_cannot_reach_a_forkserver_s(hide: bool) -> None:
     """A family whose workers may open sockets (context-parallel) must still not reach
-    the forkserver's socket: it forks, for whoever asks, a process outside any sandbox.
-    Its folder is covered, in the worker's mount namespace, by an empty one (``hidden``);
-    uncovered (the control), the connection is made."""
-    folder = Path(tempfile.mkdtemp(prefix="pymp-", dir="/tmp"))  # a socket path is short
+    a forkserver's socket, its judge's or another judge's: a forkserver forks, for
+    whoever connects, a process outside any sandbox (and crashes on a connection that
+    sends nothing). The judge's temporary folder, where they listen, is covered in the
+    worker's mount namespace by an empty one (``hidden``), but for the worker's scratch
+    folder inside it, which stays its own and the judge's. Uncovered (the control), the
+    connection is made."""
+    root = Path(tempfile.mkdtemp(prefix="j-", dir="/tmp"))  # a socket path is short
+    (root / "pymp-x").mkdir()
+    scratch = root / "attnref-worker-x"
+    scratch.mkdir()
     listener = socket.socket(socket.AF_UNIX)
     try:
-        listener.bind(str(folder / "listener"))
+        listener.bind(str(root / "pymp-x" / "listener"))
         listener.listen(1)
-        code = _try(f"socket.socket(socket.AF_UNIX).connect({str(folder / 'listener')!r})")
+        code = _try(f"socket.socket(socket.AF_UNIX).connect({str(root / 'pymp-x' / 'listener')!r})")
         code += "out['connect'] = ok\n"
-        (tmp_path / "scratch").mkdir()
-        hidden = (str(folder),) if hide else ()
+        code += _try(f"open({str(scratch / 'made')!r}, 'w').write('x')") + "out['scratch'] = ok\n"
+        hidden = (str(root),) if hide else ()
         policy = f"_sandbox.Policy(network=True, hidden={hidden!r})"
-        out = _inside(code, tmp_path / "scratch", policy=policy)
+        out = _inside(code, scratch, policy=policy)
         enforced = out["enforced"]
         assert isinstance(enforced, dict)
         if "shared memory" not in enforced["enforced"]:
             pytest.skip(f"no mount namespace here: {enforced['missing']}")
         assert out["connect"] == (2 if hide else "done")  # ENOENT: nothing in the folder
+        assert out["scratch"] == "done"
+        assert (scratch / "made").read_text() == "x"  # the scratch folder is the judge's
     finally:
         listener.close()
-        shutil.rmtree(folder, ignore_errors=True)
+        shutil.rmtree(root, ignore_errors=True)
 
 
 def test_what_a_platform_does_not_enforce_is_listed_not_raised(

@@ -78,7 +78,7 @@ _ARCHES = {
 # ------------------------------------------------------------------ namespaces
 
 _CLONE_NEWUSER, _CLONE_NEWPID, _CLONE_NEWNS = 0x10000000, 0x20000000, 0x00020000
-_MS_NOSUID, _MS_NODEV, _MS_NOEXEC, _MS_REC, _MS_PRIVATE = 2, 4, 8, 1 << 14, 1 << 18
+_MS_NOSUID, _MS_NODEV, _MS_NOEXEC, _MS_BIND, _MS_REC, _MS_PRIVATE = 2, 4, 8, 4096, 1 << 14, 1 << 18
 #: where POSIX shared memory and semaphores live (glibc's ``shm_open``, ``sem_open``)
 SHM = "/dev/shm"
 
@@ -119,8 +119,10 @@ class Policy:
     off: bool = False
     without: frozenset[str] = frozenset()
     #: folders the worker must not see into, each covered (in its mount namespace) by an
-    #: empty one of its own: the forkserver's socket's, which a worker that may open
-    #: sockets could otherwise ask for a process outside the sandbox
+    #: empty one of its own, but for its scratch folder where that lies inside: for a
+    #: worker that may open sockets, the judge's temporary folder, where the forkservers
+    #: of this judge and of any other listen (each forks, for whoever connects, a process
+    #: outside any sandbox; a connection that sends nothing crashes it)
     hidden: tuple[str, ...] = ()
 
     @classmethod
@@ -364,13 +366,28 @@ def _own_proc() -> bool:
     return bool(_libc().mount(b"proc", b"/proc", b"proc", options, None) == 0)
 
 
-def _cover(folder: str) -> bool:
+def _cover(folder: str, keep: str = "") -> bool:
     """In the worker's private mount namespace: an empty tmpfs over ``folder``, so that
-    what lies there (a socket) is out of its reach; whether it was mounted."""
+    what lies there (a socket) is out of its reach, with ``keep`` (its scratch folder),
+    where it lies inside, bound back in place; whether ``folder`` was covered."""
     if not os.path.isdir(folder):
         return False
-    options = _MS_NOSUID | _MS_NODEV | _MS_NOEXEC
-    return bool(_libc().mount(b"tmpfs", folder.encode(), b"tmpfs", options, b"mode=700") == 0)
+    folder, keep = os.path.realpath(folder), os.path.realpath(keep) if keep else ""
+    inside = bool(keep) and keep != folder and os.path.commonpath([folder, keep]) == folder
+    libc = _libc()
+    held = os.open(keep, os.O_PATH | os.O_CLOEXEC) if inside else -1
+    try:
+        options = _MS_NOSUID | _MS_NODEV | _MS_NOEXEC
+        if libc.mount(b"tmpfs", folder.encode(), b"tmpfs", options, b"mode=1777") != 0:
+            return False
+        if inside:  # the scratch folder again, where it was (its path is in TMPDIR)
+            os.makedirs(keep, exist_ok=True)
+            source = f"/proc/self/fd/{held}".encode()
+            libc.mount(source, keep.encode(), None, _MS_BIND, None)
+        return True
+    finally:
+        if held >= 0:
+            os.close(held)
 
 
 def _private_shm() -> bool:
@@ -413,7 +430,7 @@ def enter(scratch: str, policy: Policy | None = None, *, contain: bool = True) -
     if "lifetime" in without:
         done.missing["lifetime"] = off
     elif contain:
-        _contain(done, policy.hidden)
+        _contain(done, policy.hidden, scratch)
     sockets = policy.network or "network" in without
     processes = "processes" not in without
     try:
@@ -459,7 +476,7 @@ def enter(scratch: str, policy: Policy | None = None, *, contain: bool = True) -
     return done
 
 
-def _contain(done: Enforced, hidden: tuple[str, ...] = ()) -> None:
+def _contain(done: Enforced, hidden: tuple[str, ...] = (), keep: str = "") -> None:
     """`enter`'s ``contain``: where the kernel allows a PID namespace, this process (the
     one the judge knows, which stays outside and only waits) starts the namespace's
     first process, a reaper, which starts the worker and ends when it ends; its end
@@ -483,7 +500,7 @@ def _contain(done: Enforced, hidden: tuple[str, ...] = ()) -> None:
                 done.enforced["shared memory"] = f"a {SHM} of its own (tmpfs), gone with it"
                 _own_proc()
                 for folder in hidden:
-                    _cover(folder)
+                    _cover(folder, keep)
             return
         while True:  # reap what the namespace orphans, until the worker ends
             try:

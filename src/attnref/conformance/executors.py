@@ -256,7 +256,8 @@ class Supervised:
         self._scratch = tempfile.mkdtemp(prefix="attnref-worker-")
         _SCRATCHES.add(self._scratch)
         _forkserver.start()  # running, so that its socket's folder is known to hide
-        policy = dataclasses.replace(self.policy, hidden=_hidden())
+        hidden = _hidden(self._scratch) if self.policy.network else ()
+        policy = dataclasses.replace(self.policy, hidden=hidden)
         process = ctx.Process(
             target=serve,
             args=(
@@ -449,16 +450,23 @@ def _remove_scratches() -> None:
     _SCRATCHES.clear()
 
 
-def _hidden() -> tuple[str, ...]:
-    """The folders a worker must not see into: the forkserver's socket's (a worker that
-    may open sockets could ask the forkserver for a process outside any sandbox)."""
+def _hidden(scratch: str) -> tuple[str, ...]:
+    """The folders a worker that may open sockets must not see into: the judge's
+    temporary folder (its scratch folder's; the worker keeps that one), where this
+    judge's forkserver and any other judge's listen, each forking a process outside any
+    sandbox for whoever connects; and this forkserver's folder, wherever it is."""
+    folders = [os.path.dirname(scratch)]
     try:
         from multiprocessing import forkserver
 
         address = forkserver._forkserver._forkserver_address  # type: ignore[attr-defined]
     except (ImportError, AttributeError):
-        return ()
-    return (os.path.dirname(address),) if isinstance(address, str) else ()
+        address = None
+    if isinstance(address, str):
+        own = os.path.dirname(address)
+        if os.path.commonpath([own, folders[0]]) != folders[0]:
+            folders.append(own)
+    return tuple(folders)
 
 
 def _read_sandbox(frame: bytes | bytearray, policy: _sandbox.Policy) -> dict[str, dict[str, str]]:
