@@ -23,7 +23,6 @@ from attnref._checking import checked_internal
 from attnref.conformance.calls import arguments, check_output, digest, invoke, raise_for_error
 from attnref.conformance.cases import Case, Inputs, build
 from attnref.conformance.checks import Context
-from attnref.conformance.family import family_of
 from attnref.conformance.oracle import close
 from attnref.conformance.verdicts import Failure, Skip
 from attnref.conformance.worker import InternalError, Job, Raised, Series, series_outcomes
@@ -59,7 +58,7 @@ def _output(ctx: Context, raw: Any, inputs: Inputs, job: Job | None = None) -> T
         raise_for_error(ctx.backend, raw.error, job)
     if isinstance(raw, InternalError):
         raise Failure(str(raw).splitlines()[0])
-    out, _ = family_of(ctx.backend).read(raw, inputs, False)
+    out, _ = ctx.family.read(raw, inputs, False)
     expected_shape = (*inputs.query.shape[:-1], inputs.value.shape[-1])
     return check_output(out, expected_shape, inputs).detach().to(torch.float64)
 

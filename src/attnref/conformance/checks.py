@@ -28,10 +28,10 @@ from torch import Tensor
 
 from attnref import functional as F
 from attnref._checking import checked, checked_internal
-from attnref.conformance.calls import arguments, call, call_lse, invoke, native_causal
+from attnref.conformance.calls import arguments, call, call_lse, invoke
 from attnref.conformance.cases import Case, Inputs, build
 from attnref.conformance.declarations import Backend, Capabilities, EmptyRow
-from attnref.conformance.family import family_of
+from attnref.conformance.family import ApiFamily, family_of
 from attnref.conformance.oracle import (
     Expected,
     close,
@@ -100,13 +100,18 @@ class Context:
     _sampled: list[tuple[int, Tensor]] = field(default_factory=list, repr=False, compare=False)
 
     @functools.cached_property
+    def family(self) -> ApiFamily:
+        """The backend's API family, resolved once for the checks that use this context."""
+        return family_of(self.backend)
+
+    @functools.cached_property
     def caps(self) -> Capabilities:
         """The backend's declaration as it holds in this dtype (`Capabilities.for_dtype`)."""
         return self.backend.capabilities.for_dtype(self.dtype)
 
     def native(self, inputs: Inputs) -> bool:
         """Whether the backend applies the causal diagonal of ``inputs`` itself."""
-        return native_causal(self.caps, inputs, self.backend.api)
+        return self.family.native_causal(self.caps, inputs)
 
     def build(self, case: Case) -> Inputs:
         self._oracles.clear()  # a new case: the oracles of the last one are not needed
@@ -406,7 +411,7 @@ def agree_grads(ctx: Context, case: Case, inputs: Inputs, **overrides: Any) -> N
         (*inputs.query.shape[:-1], inputs.value.shape[-1]), generator=rng(case, 1)
     ).to(device=inputs.query.device, dtype=inputs.query.dtype)
     args, kwargs = arguments(ctx.backend, inputs, **overrides)  # the job makes Q, K, V leaves
-    family = family_of(ctx.backend)
+    family = ctx.family
     job = Job(args, kwargs, family.to_layout(d_out, inputs))
     # the oracle's gradients are computed while the backend's run (as `Context.run` does
     # for outputs); one that fails is computed again below, where it raises
@@ -722,7 +727,7 @@ def batch(ctx: Context, case: Case) -> None:
 
 
 def dropout_zero(ctx: Context, case: Case) -> None:
-    if not family_of(ctx.backend).dropout:
+    if not ctx.family.dropout:
         raise Skip(f"the {ctx.backend.api} convention takes no dropout_p")
     inputs = ctx.build(case)
     first = ctx.agree(inputs, "first call with dropout_p=0")
