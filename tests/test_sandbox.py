@@ -237,6 +237,8 @@ def test_a_worker_with_sockets_cannot_reach_a_forkserver_s(hide: bool) -> None:
         if "shared memory" not in enforced["enforced"]:
             pytest.skip(f"no mount namespace here: {enforced['missing']}")
         assert out["connect"] == (2 if hide else "done")  # ENOENT: nothing in the folder
+        assert ("forkservers" in enforced["enforced"]) is hide  # the record says so
+        assert "forkservers" not in enforced["missing"]
         assert out["scratch"] == "done"
         assert (scratch / "made").read_text() == "x"  # the scratch folder is the judge's
     finally:

@@ -126,12 +126,12 @@ class Policy:
     hidden: tuple[str, ...] = ()
 
     @classmethod
-    def from_environment(cls, network: bool = False, hidden: tuple[str, ...] = ()) -> "Policy":
+    def from_environment(cls, network: bool = False) -> "Policy":
         """The policy `NO_SANDBOX` asks for (a ValueError naming the value where it is
         neither 1 nor a list of `PARTS`)."""
         value = os.environ.get(NO_SANDBOX, "").strip()
         if value in ("", "0"):
-            return cls(network=network, hidden=hidden)
+            return cls(network=network)
         if value == "1":
             return cls(network=network, off=True)
         parts = frozenset(p.strip() for p in value.split(",") if p.strip())
@@ -140,7 +140,7 @@ class Policy:
                 f"{NO_SANDBOX}={value!r}: it must be 1 (no sandbox) or some of "
                 f"{', '.join(PARTS)}, comma-separated (the parts to switch off)"
             )
-        return cls(network=network, without=parts, hidden=hidden)
+        return cls(network=network, without=parts)
 
     def allowed(self) -> dict[str, str]:
         """What the policy leaves open, part by part, with why (for the report)."""
@@ -355,15 +355,19 @@ def _pid_namespace() -> tuple[int, bool] | None:
     return None
 
 
-def _own_proc() -> bool:
+#: what `enter` says of the folders it covered (`Policy.hidden`)
+COVERED = "the judge's temporary folder covered: no forkserver's socket in reach"
+
+
+def _own_proc() -> None:
     """In the worker, in its PID and (private) mount namespaces: a ``/proc`` of the PID
     namespace's own. Its threads' ids are then the ones ``/proc/self/task`` lists: a
     driver that names its threads through ``/proc/self/task/<tid>/comm`` (CUDA's cuInit,
     which fails with error 304 where it cannot) finds them, and the worker sees no
-    process outside its namespace. Whether it was mounted (where it was not, ``/proc``
-    is the machine's, and a thread's id there differs from the worker's own)."""
+    process outside its namespace. Where it cannot be mounted, ``/proc`` stays the
+    machine's, and a thread's id there differs from the worker's own."""
     options = _MS_NOSUID | _MS_NODEV | _MS_NOEXEC
-    return bool(_libc().mount(b"proc", b"/proc", b"proc", options, None) == 0)
+    _libc().mount(b"proc", b"/proc", b"proc", options, None)
 
 
 def _cover(folder: str, keep: str = "") -> bool:
@@ -431,6 +435,11 @@ def enter(scratch: str, policy: Policy | None = None, *, contain: bool = True) -
         done.missing["lifetime"] = off
     elif contain:
         _contain(done, policy.hidden, scratch)
+    if policy.hidden and "forkservers" not in done.enforced:
+        done.missing["forkservers"] = (
+            "the judge's temporary folder is not covered (no mount namespace): a "
+            "forkserver's socket, which forks a process outside any sandbox, is in reach"
+        )
     sockets = policy.network or "network" in without
     processes = "processes" not in without
     try:
@@ -499,8 +508,9 @@ def _contain(done: Enforced, hidden: tuple[str, ...] = (), keep: str = "") -> No
             if made[1]:
                 done.enforced["shared memory"] = f"a {SHM} of its own (tmpfs), gone with it"
                 _own_proc()
-                for folder in hidden:
-                    _cover(folder, keep)
+                covered = [_cover(folder, keep) for folder in hidden]  # each, whatever fails
+                if hidden and all(covered):
+                    done.enforced["forkservers"] = COVERED
             return
         while True:  # reap what the namespace orphans, until the worker ends
             try:

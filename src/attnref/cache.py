@@ -16,7 +16,9 @@ the same call).
   positions are kept (a query sees those and itself, none earlier), so its memory stays
   bounded however long the sequence grows; its position still counts every token.
 - `RepresentationCache`: D2L's alternative: the history of the layer's *input*
-  ``(B, t, H)``, projected again in full at every step. Slower; the same results.
+  ``(B, t, H)``, projected again in full at every step. Slower; the same results. Any
+  history of per-token rows fits it: multi-head latent attention keeps its latent rows
+  ``[c_kv, k_pe]`` there (`attnref.layers.MultiHeadLatentAttention`).
 
 `DecoderCache` holds one `LayerCache` per layer; its position is its first layer's, so
 there is one counter, not one per level.

@@ -14,7 +14,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 from torch import Tensor
 
-from attnref.layers import LatentCache, MultiHeadLatentAttention, mla_softmax_scale
+from attnref.cache import RepresentationCache
+from attnref.layers import MultiHeadLatentAttention, mla_softmax_scale
 from attnref.mla import mla_kvcache_attention
 
 
@@ -117,16 +118,14 @@ def test_decoding_with_a_latent_cache_equals_the_full_forward(
     m, x = config
     T = x.shape[1]
     prompt = data.draw(st.integers(0, T - 1))
-    cache = LatentCache()
+    cache = RepresentationCache()
     with torch.no_grad():
         full = m(x, absorbed=absorbed)
         steps = [m(x[:, :prompt], cache=cache, absorbed=absorbed)] if prompt else []
         steps += [m(x[:, t : t + 1], cache=cache, absorbed=absorbed) for t in range(prompt, T)]
     torch.testing.assert_close(torch.cat(steps, dim=1), full)
-    assert cache.latent is not None
-    assert cache.rope_keys is not None
-    assert cache.latent.shape == (x.shape[0], T, m.kv_rank)
-    assert cache.rope_keys.shape == (x.shape[0], T, m.rope_head_dim)
+    assert cache.history is not None  # one row a token, nothing per head
+    assert cache.history.shape == (x.shape[0], T, m.kv_rank + m.rope_head_dim)
 
 
 def _paged(rows: Tensor, page: int, gen: torch.Generator) -> tuple[Tensor, Tensor]:

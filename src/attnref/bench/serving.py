@@ -1,12 +1,9 @@
-"""``attnref bench --api flash-kvcache|flash-varlen``: decode and packed-prefill speed.
+"""``attnref bench --api NAME`` for a family with a serving workload: tokens per second.
 
-- ``flash-kvcache``: one decoding step per call. ``B`` rows each hold ``seq`` cached
-  tokens and append one (``k``, ``v`` given), in a contiguous cache or in pages of
-  ``page`` slots whose physical order is shuffled; one query per row, causal. The rate
-  is decode tokens per second: ``B / median``.
-- ``flash-varlen``: one packed causal prefill per call: ``B`` sequences whose lengths
-  spread evenly from ``seq`` down to ``seq / 2``, packed end to end. The rate is tokens
-  per second: ``total / median``.
+The family says what one call of a `ServingCase` shape is (`ApiFamily.workload`: its
+arguments, label and tokens; flash-kvcache's is one decoding step against a contiguous
+or shuffled paged cache, flash-varlen's one packed causal prefill); the rate is the
+workload's tokens over the median call.
 
 Each backend runs in its supervised worker and is timed and verified as the dense bench
 is (`attnref.bench.verified`): new values before every timed call, the time the

@@ -11,7 +11,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from jaxtyping import Float
+from torch import Tensor
 
+from attnref._checking import checked
 from attnref.conformance.family import Arguments
 from attnref.devices import DTYPES
 
@@ -50,7 +53,8 @@ class ServingCase:
     def shape(self) -> str:
         return f"B={self.B} h={self.h} g={self.g} Dh={self.Dh}"
 
-    def randn(self, gen: torch.Generator, *shape: int) -> torch.Tensor:
+    @checked
+    def randn(self, gen: torch.Generator, *shape: int) -> Float[Tensor, "..."]:
         """Standard normal values of ``shape`` from ``gen``, in the case's dtype and device."""
         return torch.randn(shape, generator=gen).to(dtype=DTYPES[self.dtype], device=self.device)
 

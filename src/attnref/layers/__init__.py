@@ -6,7 +6,7 @@ from attnref.layers.attention import (
     MultiHeadAttention,
     NadarayaWatson,
 )
-from attnref.layers.latent import LatentCache, MultiHeadLatentAttention, mla_softmax_scale
+from attnref.layers.latent import MultiHeadLatentAttention, mla_softmax_scale
 from attnref.layers.positional import (
     LearnedPositionalEmbedding,
     SinusoidalPositionalEncoding,
@@ -45,7 +45,6 @@ __all__ = [
     "EncoderBlock",
     "EncoderDecoder",
     "Generator",
-    "LatentCache",
     "LearnedPositionalEmbedding",
     "MultiHeadAttention",
     "MultiHeadLatentAttention",

@@ -7,8 +7,9 @@ Per token ``x`` (width ``H``), with ``h`` heads (docs/mla.md has the equations):
   (``d_rope``), the latter rotated by the token's position;
 - keys and values: ``[c_kv, k_pe] = x W_DKV``; ``c_kv = RMSNorm(c_kv)`` (rank
   ``kv_rank``), the **latent**; ``k_pe`` (``d_rope`` dims) is rotated, and shared by every
-  head. ``(c_kv, k_pe)``, ``kv_rank + d_rope`` numbers a token (576 in DeepSeek V3), is
-  all a cache keeps (`LatentCache`);
+  head. The row ``[c_kv, k_pe]``, ``kv_rank + d_rope`` numbers a token (576 in DeepSeek
+  V3), is all a cache keeps: a `attnref.cache.RepresentationCache` of those rows, the
+  layout of FlashMLA's cache;
 - per head ``i``: ``k_i = [c_kv W_UK_i, k_pe]``, ``v_i = c_kv W_UV_i``, and
   ``o_i = softmax(scale * q_i k_i^T) v_i``; the output ``[o_1 .. o_h] W_O``.
 
@@ -37,9 +38,10 @@ from torch import Tensor, nn
 
 from attnref import functional as F
 from attnref._checking import checked
+from attnref.cache import RepresentationCache
 from attnref.rotary import RotaryEmbedding
 
-__all__ = ["LatentCache", "MultiHeadLatentAttention", "mla_softmax_scale"]
+__all__ = ["MultiHeadLatentAttention", "mla_softmax_scale"]
 
 
 def mla_softmax_scale(qk_head_dim: int, rope_factor: float = 1.0, mscale: float = 1.0) -> float:
@@ -55,29 +57,6 @@ def mla_softmax_scale(qk_head_dim: int, rope_factor: float = 1.0, mscale: float 
         m = 0.1 * mscale * math.log(rope_factor) + 1.0
         scale *= m * m
     return scale
-
-
-class LatentCache:
-    """What MLA caches of each token: its latent ``c_kv`` (``kv_rank``) and its rotated
-    ``k_pe`` (``d_rope``), ``(B, T, kv_rank)`` and ``(B, T, d_rope)``; nothing per head."""
-
-    def __init__(self) -> None:
-        self.latent: Tensor | None = None
-        self.rope_keys: Tensor | None = None
-
-    @property
-    def position(self) -> int:
-        """Tokens cached so far: the position of the next one."""
-        return 0 if self.latent is None else self.latent.shape[1]
-
-    def append(self, latent: Tensor, rope_keys: Tensor) -> tuple[Tensor, Tensor]:
-        """Add this step's rows; every row cached so far, this step's last."""
-        if self.latent is None or self.rope_keys is None:
-            self.latent, self.rope_keys = latent, rope_keys
-        else:
-            self.latent = torch.cat((self.latent, latent), dim=1)
-            self.rope_keys = torch.cat((self.rope_keys, rope_keys), dim=1)
-        return self.latent, self.rope_keys
 
 
 class MultiHeadLatentAttention(nn.Module):
@@ -150,7 +129,13 @@ class MultiHeadLatentAttention(nn.Module):
         self.output_proj = nn.Linear(num_heads * v_head_dim, num_hiddens, bias=False)
         self.rotary = RotaryEmbedding(rope_head_dim, rope_base, interleaved=True)
 
-    def up_projections(self) -> tuple[Tensor, Tensor]:
+    @checked
+    def up_projections(
+        self,
+    ) -> tuple[
+        Float[Tensor, "{self.num_heads} {self.nope_head_dim} {self.kv_rank}"],
+        Float[Tensor, "{self.num_heads} {self.v_head_dim} {self.kv_rank}"],
+    ]:
         """``W_UK (h, d_nope, kv_rank)`` and ``W_UV (h, d_v, kv_rank)``: per head, the maps
         from a latent row to that head's key (its position-free part) and value."""
         w = self.kv_up.weight.view(self.num_heads, self.nope_head_dim + self.v_head_dim, -1)
@@ -185,14 +170,15 @@ class MultiHeadLatentAttention(nn.Module):
         x: Float[Tensor, "B T {self.num_hiddens}"],
         *,
         causal: bool = True,
-        cache: LatentCache | None = None,
+        cache: RepresentationCache | None = None,
         absorbed: bool = False,
     ) -> Float[Tensor, "B T {self.num_hiddens}"]:
         """Self-attention of the tokens ``x``, which sit after the ``cache``'s (if any).
 
         Args:
             causal: each token sees the tokens up to itself (bottom-right against a cache).
-            cache: the latent rows of the tokens before ``x``; this step's are appended.
+            cache: the latent rows ``[c_kv, k_pe]`` ``(B, t, kv_rank + d_rope)`` of the
+                tokens before ``x``; this step's are appended.
             absorbed: attend over the latent rows with the up-projections folded into
                 the query and the output (FlashMLA's call) rather than up-projecting
                 every cached row (the same result, up to rounding).
@@ -202,8 +188,9 @@ class MultiHeadLatentAttention(nn.Module):
         h, rope = self.num_heads, self.rope_head_dim
         q_nope, q_pe = self.queries(x, start)
         latent, k_pe = self.latent_rows(x, start)
-        if cache is not None:
-            latent, k_pe = cache.append(latent, k_pe)
+        if cache is not None:  # one row a token: the latent, then the rotary key
+            rows = cache.append(torch.cat((latent, k_pe), dim=-1))
+            latent, k_pe = rows[..., : self.kv_rank], rows[..., self.kv_rank :]
         w_uk, w_uv = self.up_projections()
         if absorbed:
             q_latent = torch.einsum("bhtn,hnc->bhtc", q_nope, w_uk)  # (B, h, T, kv_rank)
