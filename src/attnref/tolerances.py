@@ -54,6 +54,7 @@ __all__ = [
     "attention_atol",
     "score_condition",
     "score_eps",
+    "score_rounding",
     "tolerance",
 ]
 
@@ -84,6 +85,18 @@ def score_eps(dtype: torch.dtype) -> float:
     """Machine epsilon of the precision scores are computed in for inputs of ``dtype``."""
     eps: float = torch.finfo(torch.float64 if dtype == torch.float64 else torch.float32).eps
     return eps
+
+
+def score_rounding(dtype: torch.dtype, head_dim: int) -> float:
+    """How far rounding moves a score, relative to ``kappa`` (`score_condition`), for
+    inputs of ``dtype`` and dot products of ``head_dim`` terms: ``(2 + sqrt(D)) u_c``
+    (``u_c``, the unit roundoff of the compute precision, `score_eps` / 2): a rounding of
+    each product and of the scaling, and ``sqrt(D) u_c`` for the sum over the ``D`` dims
+    (the probabilistic bound of recursive summation, as for the sums over keys:
+    Higham and Mary, SIAM J. Sci. Comput. 41(5), 2019). A correct float32 kernel was
+    ``8 u_c kappa`` off an LSE of 1325 over ``D = 192`` (outlier channels, scale 2.5),
+    past the ``2 u_c kappa`` this once allowed (docs/conformance.md)."""
+    return (2 + math.sqrt(max(head_dim, 0))) * score_eps(dtype) / 2
 
 
 def tolerance(dtype: torch.dtype) -> Tolerance:
@@ -148,9 +161,9 @@ def attention_atol(
 ) -> float:
     """The absolute error no correct attention in the inputs' dtype can be asked to beat.
 
-    ``max(atol[dtype], (eps * kappa + 2 u + 2 sqrt(n) u_c) * max|V|)``: ``kappa``
-    (`score_condition`) bounds how far rounding a dot product in precision ``eps``
-    (`score_eps` of the inputs' dtype) moves a score, and the softmax passes a score
+    ``max(atol[dtype], (r * kappa + 2 u + 2 sqrt(n) u_c) * max|V|)``: ``r * kappa``
+    (`score_rounding`, `score_condition`) bounds how far rounding a dot product of ``D``
+    terms in the compute precision moves a score, and the softmax passes a score
     error on to the output scaled by at most ``max|V|``; ``u`` (the unit roundoff of the
     inputs' dtype) covers rounding the probabilities to that dtype before ``P @ V``, as
     fused kernels do, and ``u`` more rounding the output, which is at most ``max|V|``, to
@@ -179,4 +192,5 @@ def attention_atol(
     Tk = key.shape[-2]
     n = Tk if visible is None else int(visible.expand(*query.shape[:-1], Tk).sum(-1).max())
     sums = 2 * math.sqrt(n) * score_eps(query.dtype) / 2  # 2 sqrt(n) u_c
-    return max(atol, (score_eps(query.dtype) * kappa + 2 * u + sums) * float(v.max()))
+    rounding = score_rounding(query.dtype, query.shape[-1])
+    return max(atol, (rounding * kappa + 2 * u + sums) * float(v.max()))

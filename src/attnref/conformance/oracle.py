@@ -36,6 +36,7 @@ from attnref.tolerances import (
     attention_atol,
     score_condition,
     score_eps,
+    score_rounding,
     tolerance,
 )
 
@@ -393,7 +394,8 @@ def expect_lse(
     stored = torch.finfo(ldtype)
     biggest = float(oracle[finite].abs().max()) if bool(finite.any()) else 0.0
     eps = score_eps(inputs.query.dtype)
-    computed = 2 * (eps * (kappa + _bias_bound(whole)) + stored.eps * biggest)
+    rounding = score_rounding(inputs.query.dtype, inputs.query.shape[-1])
+    computed = 2 * (rounding * kappa + eps * _bias_bound(whole) + stored.eps * biggest)
     floor = max(tolerance(ldtype).atol, computed)
     if rows is None:
         return Expected(oracle, ref_err, floor)
@@ -444,7 +446,7 @@ def expect_sink_grad(inputs: Inputs, d_out: Float[Tensor, "*batch h Tq Dv"]) -> 
     terms = (sink_w * dots).reshape(-1, *dots.shape[-2:]).sum(dim=(0, 2))  # (h,)
     dtype = inputs.query.dtype
     kappa = score_condition(inputs.query, inputs.key, inputs.scale, inputs.visible())
-    rel = torch.finfo(dtype).eps + 2 * score_eps(dtype) * kappa
+    rel = torch.finfo(dtype).eps + 2 * score_rounding(dtype, inputs.query.shape[-1]) * kappa
     computed = rel * float(terms.max()) if terms.numel() else 0.0
     # the gradient is stored in the sinks' own dtype (float32), and may be summed there
     # from parts (per sample, per packed sequence, per block): a rounding of each term
@@ -504,7 +506,7 @@ def expect_grads(
     # one rounding to the dtype, plus what a score error of eps * kappa does to P (twice
     # that, relatively: the error of a weight and of its row's normaliser)
     kappa = score_condition(inputs.query, inputs.key, inputs.scale, inputs.visible())
-    rel = torch.finfo(dtype).eps + 2 * score_eps(dtype) * kappa
+    rel = torch.finfo(dtype).eps + 2 * score_rounding(dtype, inputs.query.shape[-1]) * kappa
     group = inputs.query.shape[-3] // inputs.key.shape[-3]
     terms = _gradient_terms(inputs64, d_out64)
     out = []
