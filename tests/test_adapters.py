@@ -123,3 +123,29 @@ def test_flashinfer_style_decode_through_the_adapter_passes_and_its_tail_bug_fai
     )
     report = audit(bad, properties=["kvcache"], dtypes=(torch.float32,), progress=False)
     assert not report.ok
+
+
+def test_flashinfer_mla_csr_layout_is_the_block_table_in_csr_form() -> None:
+    from examples.adapters.flashinfer_mla import csr_layout
+
+    block_table = torch.tensor([[5, 2, 9], [0, 9, 9], [7, 9, 9]], dtype=torch.int32)
+    indptr, indices = csr_layout(torch.tensor([7, 4, 0]), block_table, 4)
+    assert indptr.tolist() == [0, 2, 3, 3]
+    assert indices.tolist() == [5, 2, 0]
+
+
+@pytest.mark.usefixtures("unchecked")
+def test_flashinfer_style_mla_through_the_adapter_passes_and_a_base2_lse_fails() -> None:
+    """The MLA adapter on FlashInfer's convention written in plain torch (split query and
+    cache, CSR pages, a base-2 LSE): it passes the mla family's own properties, and taking
+    the base-2 LSE as natural (class 35) is caught."""
+    from attnref.conformance import audit
+    from attnref.conformance.properties import PROPERTIES
+
+    props = [p.id for p in PROPERTIES.values() if p.families == ("mla",)]
+    good = load_backend("examples.adapters.flashinfer_mla:flashinfer_reference", "mla")
+    report = audit(good, properties=props, dtypes=(torch.float32,), progress=False, isolate=False)
+    assert report.ok, report.format_table()
+    bad = load_backend("examples.adapters.flashinfer_mla:flashinfer_lse_base2", "mla")
+    report = audit(bad, properties=["mla"], dtypes=(torch.float32,), progress=False)
+    assert not report.ok

@@ -371,6 +371,7 @@ def test_the_prepared_gpu_session_runs_dry_on_the_cpu(tmp_path: Path) -> None:
         "AUDIT_ARGS": "--backend torch-sdpa-math --property forward",
         "BENCH_ARGS": "--tiny --runs 1 --backend reference",
         "SERVING_ARGS": "--seq 8 --batch 2 --heads 2 --head-dim 8 --runs 1 --warmup 0",
+        "MLA_ARGS": "--seq 8 --batch 2 --heads 2 --head-dim 9 --runs 1 --warmup 0",
         "GAMES_ARGS": "--seq 16 --batch 1 --heads 2 --head-dim 8 --runs 10 --warmup 1",
         # the smoke audits compile FlexAttention (slow, and broken in torch 2.13 on the
         # CPU), and test_sandbox runs in this tier already
@@ -392,6 +393,7 @@ def test_the_prepared_gpu_session_runs_dry_on_the_cpu(tmp_path: Path) -> None:
     assert "gpu_audit exit: 0" in log
     assert "gpu_bench exit: 0" in log
     assert "serving bench exit: 0" in log
+    assert "mla bench exit: 0" in log
     assert "side-stream audit exit: 1" in log
     assert "escapes audit exit: 1" in log
     # wrong on one timed call in ten: caught at any size (the clock game needs long calls)
@@ -501,7 +503,30 @@ def test_a_serving_workload_is_the_family_s_and_a_family_without_one_is_named() 
     again = serving_call(prefill, 5)[0][0]
     assert torch.equal(serving_call(prefill, 5)[0][0], again)  # a seed's values
     assert not torch.equal(serving_call(prefill, 6)[0][0], again)
-    with pytest.raises(ValueError, match=r"serving workload \(flash-kvcache, flash-varlen\)"):
+    with pytest.raises(ValueError, match=r"serving workload \(flash-kvcache, flash-varlen, mla\)"):
         workload_of(ServingCase("sdpa", B=1, h=1, g=1, Dh=8, seq=8))
     with pytest.raises(ValueError, match="the flash-varlen workload has no pages"):
         workload_of(ServingCase("flash-varlen", B=1, h=1, g=1, Dh=8, seq=8, page=4))
+
+
+def test_the_mla_decode_bench_reads_bytes_and_verifies_the_output_of_out_lse() -> None:
+    """The mla family's workload: one decoding step over a paged latent cache, timed on
+    the one timing path; its rows show GB/s of cache read, the output of each ``(out,
+    lse)`` is verified, and a kernel that attends its last page's tail is listed wrong."""
+    from attnref.bench.serving import ServingCase, run_serving, workload_of
+
+    case = ServingCase("mla", B=2, h=4, g=1, Dh=18, seq=100, page=64)
+    work = workload_of(case)
+    assert work.bytes == 2 * 100 * 18 * 4
+    (_, cache, _, _, dv), kwargs = work.arguments(0)
+    assert dv == 16
+    assert cache.shape == (4, 64, 1, 18)
+    assert kwargs["softmax_scale"] == 192**-0.5
+    ok, wrong = run_serving(
+        ["mla-reference", "mutant.mla_tail_counted"], [case], runs=3, warmup=0,
+        progress=False,
+    )  # fmt: skip
+    assert ok.status == "ok", ok.note
+    assert ok.gb_per_s is not None
+    assert "GB/s of cache read" in ok.note
+    assert wrong.status == "wrong", wrong.note

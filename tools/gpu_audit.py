@@ -52,6 +52,10 @@ BACKENDS = (
     "flash-attn-kvcache",
     "varlen-flex",
     "kvcache-flex",
+    # multi-head latent attention (FlashMLA's call): FlashMLA where installed, and torch's
+    # SDPA on the gathered latent rows
+    "flash-mla",
+    "mla-sdpa",
 )
 
 #: options of this tool that a child audit gets from its parent, not from the command

@@ -127,6 +127,12 @@ stamp() { echo "== $1 at $(($(date +%s) - t0)) s"; }
         --out "$work/gpu-serving" ${SERVING_ARGS:---seq 1024 8192 --page-size 0 256 \
         --batch 32 --heads 32 --kv-heads 8 --head-dim 128 --dtype bfloat16 --runs 10}
     echo "serving bench exit: $?"
+    # MLA decode (DeepSeek's 576/512 latent rows, 128 heads): GB/s of cache read
+    # shellcheck disable=SC2086
+    timeout 40 "$PY" -m attnref.bench --api mla --device "$DEVICE" --no-progress \
+        --out "$work/gpu-mla" ${MLA_ARGS:---seq 1024 8192 --page-size 64 --batch 32 \
+        --heads 128 --head-dim 576 --dtype bfloat16 --runs 10}
+    echo "mla bench exit: $?"
 
     # 4. the bench's games, on a GPU: both must be flagged, torch's SDPA ok
     stamp "phase 4: the bench's games"
@@ -143,4 +149,5 @@ tar -czf "$OUT/gpu-results.tgz" -C "$work" .
 cp "$work/gpu-audit/README.md" "$OUT/gpu-audit.md" 2>/dev/null
 cp "$work/gpu-bench/README.md" "$OUT/gpu-bench.md" 2>/dev/null
 cp "$work/gpu-serving/serving.csv" "$OUT/gpu-serving.csv" 2>/dev/null
+cp "$work/gpu-mla/serving.csv" "$OUT/gpu-mla.csv" 2>/dev/null
 echo "results: $OUT/gpu-results.tgz"

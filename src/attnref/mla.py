@@ -10,8 +10,9 @@ every query head. **V is the cache itself**: its first ``head_dim_v`` dims (512)
 the tail of the last page, a page the table pads with a huge id). Causal, with several
 queries a sequence, is bottom-right: query ``j`` sees the keys at positions up to
 ``cache_seqlens[b] - Tq + j``. Returns ``out (B, Tq, h, head_dim_v)`` and the
-log-sum-exp ``(B, h, Tq)`` in float32, natural log; a query that sees no key gets zeros
-and an LSE of ``+inf`` (FlashMLA's).
+log-sum-exp ``(B, h, Tq)`` in float32 (float64 for float64 inputs, the audit's oracle
+precision), natural log; a query that sees no key gets zeros and an LSE of ``+inf``
+(FlashMLA's).
 
 The scale: ``softmax_scale=None`` is the kernel's default, ``D ** -0.5`` (``576 **
 -0.5``), which is **not** the model's (``d_qk ** -0.5`` times YaRN's ``mscale ** 2``:
@@ -62,4 +63,4 @@ def mla_kvcache_attention(
         softmax_scale=softmax_scale, causal=causal, return_softmax_lse=True,
     )  # fmt: skip
     lse = torch.where(torch.isneginf(lse), torch.inf, lse)  # a row with no key: +inf
-    return out, lse.to(torch.float32)
+    return out, lse.to(torch.float64 if q.dtype == torch.float64 else torch.float32)

@@ -62,6 +62,8 @@ class ServingResult:
     tokens_per_s: float | None = None
     runs: int = 0
     note: str = ""
+    #: the workload's bytes over the median (`Workload.bytes`), or None
+    gb_per_s: float | None = None
 
     def row(self) -> dict[str, Any]:
         out = asdict(self.case)
@@ -72,6 +74,7 @@ class ServingResult:
             tokens_per_s=None if self.tokens_per_s is None else round(self.tokens_per_s, 3),
             runs=self.runs,
             note=self.note,
+            gb_per_s=None if self.gb_per_s is None else round(self.gb_per_s, 3),
         )
         return out
 
@@ -104,10 +107,14 @@ def _verify(case: ServingCase, seed: int, raw: Any, what: str, draw: int = 0) ->
     def f64(x: Any) -> Any:
         return x.to(torch.float64) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
 
+    workload = workload_of(case)
     args, kwargs = serving_call(case, seed)
-    exact = reference(*map(f64, args), **{k: f64(v) for k, v in kwargs.items()})
+    exact = workload.output(reference(*map(f64, args), **{k: f64(v) for k, v in kwargs.items()}))
     args, kwargs = serving_call(case, seed)  # the reference appends to the cache
-    rounded = reference(*args, **kwargs)
+    rounded = workload.output(reference(*args, **kwargs))
+    raw = workload.output(raw)
+    assert isinstance(exact, torch.Tensor)
+    assert isinstance(rounded, torch.Tensor)
     if type(raw) is not torch.Tensor:
         return f"{what}: returned {type(raw).__name__}, not a tensor"
     if raw.shape != exact.shape or raw.dtype != DTYPES[case.dtype]:
@@ -116,7 +123,9 @@ def _verify(case: ServingCase, seed: int, raw: Any, what: str, draw: int = 0) ->
     if not bool(torch.isfinite(got).all()):
         return f"{what}: NaN/inf values where the reference is finite"
     own = float((rounded.to(torch.float64) - exact).abs().max()) if exact.numel() else 0.0
-    scale = max(1.0, float(args[2].abs().max()))
+    values = workload.values(args)
+    assert isinstance(values, torch.Tensor)
+    scale = max(1.0, float(values.abs().max()))
     bound = 16 * max(own, torch.finfo(DTYPES[case.dtype]).eps) * scale
     error = float((got - exact).abs().max()) if exact.numel() else 0.0
     if error > bound:
@@ -216,9 +225,12 @@ def _run_one(
         median = None if m.times is None else statistics.median(m.times)
         return ServingResult(backend.name, case, status, median, None, runs, m.note)
     median = statistics.median(m.times)
-    return ServingResult(
-        backend.name, case, "ok", median, workload_of(case).tokens / median, runs, m.note
-    )
+    work = workload_of(case)
+    note, rate = m.note, None
+    if work.bytes:
+        rate = work.bytes / median / 1e9
+        note = f"{rate:,.1f} GB/s of cache read; {note}"
+    return ServingResult(backend.name, case, "ok", median, work.tokens / median, runs, note, rate)
 
 
 def format_serving(results: Sequence[ServingResult]) -> str:

@@ -118,6 +118,8 @@ class Case:
     logits: Logits = "randn"
     level: float = 0.0  # the size of what ``logits`` does (scores, or a channel factor)
     v_offset: float = 0.0  # V's mean (over channels, with a spread)
+    #: multi-head latent attention (the ``mla`` family): V is K's leading ``Dv`` dims
+    latent: bool = False
     #: what a family's own cases add, as (name, value) pairs (context-parallel: the world
     #: size and the sharding); read with `Case.option`
     options: tuple[tuple[str, Any], ...] = ()
@@ -158,6 +160,11 @@ class Case:
             raise ValueError(f"Case.cached must hold lengths >= 0, got {self.cached!r}")
         if self.seqlens and self.cached:
             raise ValueError("a case is a pack (seqlens) or a cache (cached), not both")
+        if self.latent and self.Dv > self.Dh:
+            raise ValueError(
+                f"Case.latent: V is K's leading Dv dims, so Dv must be at most Dh = "
+                f"{self.Dh}, got {self.Dv}"
+            )
         if self.rotary % 2 or self.rotary > self.Dh:
             raise ValueError(
                 f"Case.rotary must be even and at most Dh = {self.Dh}, got {self.rotary}"
@@ -268,6 +275,8 @@ def build(case: Case, dtype: torch.dtype, device: str | torch.device = "cpu") ->
         # logits) must be the same with the poison as without (masked_keys compares them)
         poison_gen = torch.Generator().manual_seed(case.seed + 104729)
         k, v = _plant(case, q, k, v, mask, poison_gen)
+    if case.latent:  # MLA: the values are the latent rows' leading dims
+        v = k[..., : case.Dv]
     q, k, v = (t.to(device=device, dtype=dtype) for t in (q, k, v))
     if case.layout == "sliced":  # a view with a storage offset and a non-unit row stride
         k = torch.cat([torch.zeros_like(k[..., :1]), k, k], dim=-1)[..., 1 : case.Dh + 1]

@@ -190,6 +190,11 @@ class Capabilities:
     #: the only head dims taken (Dqk and Dv), e.g. powers of two; () : any up to
     #: ``max_head_dim``. Cases draw among them
     head_dims: tuple[int, ...] = ()
+    #: multi-head latent attention (the ``mla`` family): one key/value head, and the
+    #: values are the keys' leading ``Dv`` dims (V is the cached latent row itself).
+    #: Cases are drawn so (``g = 1``, ``Dv <= Dqk``; with ``head_dims``, the keys take
+    #: the largest and the values the next); a call that breaks the tie is skipped
+    latent_values: bool = False
     #: (context-parallel) only the process group of every rank the audit started: no
     #: call on a subgroup (a smaller world size), which some libraries hang on
     cp_full_group: bool = False
@@ -312,6 +317,7 @@ class Capabilities:
             or self.window_required
             or self.sinks_required
             or bool(self.head_dims)
+            or self.latent_values
             or self.sink_shared
             or bool(self.sink_values)
             or self.cp_equal_shards
@@ -382,6 +388,11 @@ def not_tested(caps: Capabilities) -> list[str]:
     )
     add(bool(caps.head_dims), "head dims other than those listed", f"head_dims={caps.head_dims}")
     add(not caps.zero_head_dim, "Dqk = 0", "zero_head_dim=False")
+    add(
+        caps.latent_values,
+        "values other than the keys' leading dims, several key/value heads",
+        "latent_values=True: a property that changes V apart from K is skipped",
+    )
     add(not caps.gradients, "gradients", "gradients=False")
     add(not caps.explicit_scale, "an explicit scale", "explicit_scale=False")
     add(caps.self_attention_only, "Tq != Tk", "self_attention_only=True")

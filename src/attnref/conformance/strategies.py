@@ -549,9 +549,26 @@ def inside(
         case = replace(case, Dh=Dh, rotary=min(case.rotary, Dh - Dh % 2))
     if caps.head_dims and case.Dv not in caps.head_dims:
         case = replace(case, Dv=case.Dh if not caps.distinct_value_dim else pick(caps.head_dims))
+    if caps.latent_values:
+        case = _latent(case, caps)
     if case.sinks and (caps.sink_values or caps.sink_shared):
         case = replace(case, sink=pick(caps.sink_values or _SHARED_SINKS))
     return case
+
+
+def _latent(case: Case, caps: Capabilities) -> Case:
+    """``case`` as multi-head latent attention takes it (`Capabilities.latent_values`):
+    one key/value head, V the keys' leading ``Dv`` dims (``Dv <= Dqk``; with declared
+    head dims, the keys take the largest and the values the next below it)."""
+    Dh, Dv = max(case.Dh, case.Dv), min(case.Dh, case.Dv)
+    if caps.head_dims:
+        Dh = max(caps.head_dims)
+        Dv = max((d for d in caps.head_dims if d < Dh), default=Dh)
+    if not caps.distinct_value_dim:
+        Dv = Dh
+    return replace(
+        case, g=1, Dh=Dh, Dv=Dv, latent=True, rotary=min(case.rotary, Dh - Dh % 2), v_offset=0.0
+    )
 
 
 def narrowed(

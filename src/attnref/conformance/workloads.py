@@ -59,6 +59,14 @@ class ServingCase:
         return torch.randn(shape, generator=gen).to(dtype=DTYPES[self.dtype], device=self.device)
 
 
+def _same(result: object) -> object:
+    return result
+
+
+def _third(args: tuple[object, ...]) -> object:
+    return args[2]
+
+
 @dataclass(frozen=True)
 class Workload:
     """One call of a serving family at one shape (`ServingCase`), as the bench needs it."""
@@ -70,8 +78,17 @@ class Workload:
     #: the call's ``(args, kwargs)`` for a seed: fresh values, the same for the same seed
     arguments: Callable[[int], Arguments]
     #: the built-in backend (of the same family) whose output, in float64 and in the
-    #: case's dtype, judges a timed call's; V is the third positional argument
+    #: case's dtype, judges a timed call's
     oracle: str
+    #: the output tensor of a call's result (a family whose call returns ``(out, lse)``
+    #: picks the first); given the backend's untrusted result, it only selects
+    output: Callable[[object], object] = _same
+    #: V among a call's positional arguments (its largest value scales the bound)
+    values: Callable[[tuple[object, ...]], object] = _third
+    #: the bytes one call must read at least (its cache, for a memory-bound decode): the
+    #: bench shows them over the median as GB/s, to set against the device's memory
+    #: bandwidth (the roofline of a memory-bound kernel); 0: not shown
+    bytes: int = 0
 
 
 def spread_lengths(case: ServingCase) -> list[int]:

@@ -14,6 +14,7 @@ from attnref.conformance.families import (
     flash,
     flash_kvcache,
     flash_varlen,
+    mla,
     sdpa,
 )
 from attnref.conformance.family import FAMILIES, ApiFamily, family_of, get_family
@@ -48,7 +49,12 @@ def install(*families: ApiFamily) -> dict[str, ApiFamily]:
 
 # the families, one line each
 install(
-    sdpa.FAMILY, flash.FAMILY, flash_varlen.FAMILY, flash_kvcache.FAMILY, context_parallel.FAMILY
+    sdpa.FAMILY,
+    flash.FAMILY,
+    flash_varlen.FAMILY,
+    flash_kvcache.FAMILY,
+    context_parallel.FAMILY,
+    mla.FAMILY,
 )
 
 #: the properties of the kill matrix (docs/kill-matrix.md): those aimed at attention bugs

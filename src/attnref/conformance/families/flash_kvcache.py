@@ -132,7 +132,16 @@ def read_cache(out: object, call: CacheCall, lse: bool) -> tuple[list[object], l
     ``(h, Tq)``."""
     first, lse_out = pair(out, "return_softmax_lse=True") if lse else (out, None)
     B, Tq, h = call.q.shape[:3]
-    Dv = call.v_cache.shape[-1]
+    return per_row(first, lse_out, (B, Tq, h, call.v_cache.shape[-1]), lse)
+
+
+def per_row(
+    first: object, lse_out: object, shape: tuple[int, int, int, int], lse: bool
+) -> tuple[list[object], list[object] | None]:
+    """A decode call's output ``(B, Tq, h, Dv)`` and LSE ``(B, h, Tq)`` (``shape`` is
+    ``(B, Tq, h, Dv)``) as each row's ``(h, Tq, Dv)`` and ``(h, Tq)``: `Failure` for a
+    tensor of another shape (anything else is left for the checks to name)."""
+    B, Tq, h, Dv = shape
     outs: list[object] = [first] * B
     if isinstance(first, Tensor):
         if tuple(first.shape) != (B, Tq, h, Dv):

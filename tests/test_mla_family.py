@@ -1,0 +1,109 @@
+"""The ``mla`` family (FlashMLA's ``flash_mla_with_kvcache``): its cases, its built-ins
+and the kernels of tests/planted_mla.py, written apart from its mutants."""
+
+from dataclasses import replace
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from attnref.conformance import PROFILES, PROPERTIES, Case, resolve_backend
+from attnref.conformance.cases import build
+from attnref.conformance.families.mla import HUGE_BLOCK, build_latent, tied
+from attnref.conformance.strategies import case_strategy, inside
+from tests.planted_mla import UNSEEN
+from tests.test_audit import KILL, run
+
+MLA_PROPS = [p.id for p in PROPERTIES.values() if p.applies_to("mla")]
+
+
+def _caps(name: str = "mla-reference"):  # type: ignore[no-untyped-def]
+    return resolve_backend(name).capabilities
+
+
+@settings(max_examples=40, deadline=None)
+@given(data=st.data())
+def test_latent_cases_tie_the_values_to_the_keys(data: st.DataObject) -> None:
+    """Any dense case moved inside a latent declaration has one KV head, Dv <= Dqk, and
+    builds V as K's leading dims (whatever layout, poison or value shaping it draws);
+    with FlashMLA's head dims, 576 and 512."""
+    caps = _caps()
+    case = data.draw(case_strategy("forward", PROFILES["quick"], caps))
+    moved = inside(case, caps)
+    assert moved.g == 1
+    assert moved.latent
+    assert moved.Dv <= moved.Dh
+    x = build(moved, torch.float32)
+    assert tied(x)
+    flash = replace(caps, head_dims=(576, 512))
+    assert (inside(case, flash).Dh, inside(case, flash).Dv) == (576, 512)
+
+
+def test_a_call_that_unties_v_is_skipped_with_its_reason() -> None:
+    """value_affine changes V apart from K: the mla convention cannot express it."""
+    report = run("mla-reference", properties=["value_affine", "forward"], dtypes=(torch.float32,))
+    by = {r.property: r for r in report.results}
+    assert by["forward"].status == "pass", report.format_table()
+    assert by["value_affine"].status == "skip", report.format_table()
+
+
+def test_the_cache_of_an_mla_case_holds_nan_where_no_sequence_reads() -> None:
+    """Unused slots and the tail of each last page are NaN, the table past a sequence's
+    pages is FlashMLA's huge id, and the tokens sit where the table says."""
+    case = Case("mla", h=4, g=1, Dh=12, Dv=8, cached=(5, 0, 9), Tq=2, page=4, pad=2, seed=3)
+    call = build_latent(case, torch.float32)
+    assert call.block_table.shape == (3, 3 + 2)
+    assert bool((call.block_table[1, 1:] == HUGE_BLOCK).all())
+    assert bool((call.block_table[0, 2:] == HUGE_BLOCK).all())
+    read = torch.zeros(call.k_cache.shape[:2], dtype=torch.bool)
+    for b, n in enumerate(case.cached):
+        for t in range(n):
+            page, slot = int(call.block_table[b, t // 4]), t % 4
+            read[page, slot] = True
+            assert torch.equal(call.k_cache[page, slot, 0], call.rows[b].key[0, t])
+        assert torch.equal(call.rows[b].value, call.rows[b].key[..., :8])
+    assert bool(call.k_cache[~read].isnan().all())
+
+
+@pytest.mark.parametrize(
+    ("name", "dtype"),
+    [
+        ("mla-sdpa", torch.float32),
+        pytest.param("mla-reference", torch.bfloat16, marks=pytest.mark.slow),
+    ],
+)
+def test_the_mla_built_ins_pass_a_full_audit(name: str, dtype: torch.dtype) -> None:
+    """Every property the family can meet (its own and the dense ones through its
+    layout); masks, windows and gradients skipped as declared."""
+    report = run(name, dtypes=(dtype,))
+    assert report.ok, report.format_table()
+    judged = {r.property for r in report.results if r.status == "pass"}
+    assert {"mla", "mla_pages", "mla_batch", "mla_decode", "mla_merge", "forward"} <= judged
+
+
+@pytest.mark.slow
+def test_the_independent_mla_kernel_itself_passes() -> None:
+    backend = resolve_backend("tests.planted_mla:correct_mla", api="mla")
+    report = run(backend, properties=MLA_PROPS, dtypes=(torch.float32,))
+    assert report.ok, report.format_table()
+
+
+@pytest.mark.parametrize("name", list(UNSEEN))
+def test_mla_kernels_with_bugs_the_mutants_do_not_plant_are_failed(name: str) -> None:
+    """Kernels of classes 25, 27 and 35 written in tests/planted_mla.py on their own: the
+    properties of the family aimed at each class fail them."""
+    backend = resolve_backend(f"tests.planted_mla:{name}", api="mla")
+    aimed = [p.id for p in PROPERTIES.values() if UNSEEN[name] in p.classes and p.applies_to("mla")]
+    report = run(backend, properties=aimed, dtypes=(torch.float32,), fail_fast=True, profile=KILL)
+    assert not report.ok, report.format_table()
+
+
+def test_a_kernel_that_ignores_the_caller_s_scale_is_told_so() -> None:
+    """The scale trap: outputs that match the kernel's default ``D ** -0.5`` in place of
+    the scale passed are named as such."""
+    backend = resolve_backend("tests.planted_mla:scale_ignored_many_heads", api="mla")
+    report = run(backend, properties=["mla"], dtypes=(torch.float32,), profile=KILL)
+    (result,) = report.results
+    assert result.status == "fail", report.format_table()
+    assert "the scale trap" in result.message, result.message
