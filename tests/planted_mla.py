@@ -113,3 +113,27 @@ UNSEEN: dict[str, int] = {
     "nan_tail_unmasked": 27,
     "split_unscaled": 25,
 }
+
+
+def flashmla_signature(
+    q: Tensor,
+    k_cache: Tensor,
+    block_table: Tensor,
+    cache_seqlens: Tensor,
+    head_dim_v: int,
+    tile_scheduler_metadata: object,
+    num_splits: None = None,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+) -> tuple[Tensor, Tensor]:
+    """The correct kernel with FlashMLA's exact signature: the scheduler metadata has no
+    default, and ``num_splits`` must be None (FlashMLA asserts both)."""
+    assert num_splits is None, "num_splits must be None"
+    out: tuple[Tensor, Tensor] = correct_mla(
+        q, k_cache, block_table, cache_seqlens, head_dim_v, softmax_scale=softmax_scale,
+        causal=causal,
+    )  # fmt: skip
+    return out
+
+
+flashmla_signature.capabilities = CLAIMS  # type: ignore[attr-defined]

@@ -9,6 +9,7 @@ boundary are tested on bad input here too.
 import contextlib
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -29,7 +30,9 @@ PROPS = ("forward", "fresh_values", "settled_output")
 #: backend, the property that meets its attack, the cause its report must name
 CATALOGUE = [
     ("tests.hostile:returns_zeros", "forward", "max error"),
-    ("tests.hostile:returns_empty", "forward", "max error"),
+    # torch.empty's memory may hold an earlier output of the same call (the allocator
+    # decides): forward sees garbage, or fresh_values an earlier call's result
+    ("tests.hostile:returns_empty", "forward fresh_values", "max error|earlier call's result"),
     (
         "tests.hostile:zeroes_inputs",
         "forward",
@@ -79,14 +82,14 @@ def test_every_attack_on_the_judge_fails_with_its_cause_named(
     spec: str, prop: str, cause: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     path = tmp_path / "report.json"
-    code = _audit(spec, path, (prop,))
+    code = _audit(spec, path, tuple(prop.split()))
     out = capsys.readouterr().out
     assert code == 1, out
     data = json.loads(path.read_text())
     assert data["summary"]["ok"] is False
     assert data["trusted"] is False
     messages = [r["message"] for r in data["results"] if r["status"] == "fail"]
-    assert any(cause in m for m in messages), messages
+    assert any(re.search(cause, m) for m in messages), messages
     assert "FAILED" in out
 
 
@@ -161,6 +164,19 @@ def test_the_codec_carries_layouts_and_plain_data() -> None:
     assert torch.equal(back[0], t)
     assert back[1] == [1, 2.5, None, True, "x"]
     assert torch.equal(back[2]["k"], base[:, 0, :1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_float8_tensors_cross_bit_for_bit(dtype: torch.dtype) -> None:
+    """FP8 caches cross the boundary as they are: every byte, NaN and saturated values
+    included, strides and offset kept."""
+    values = torch.tensor([0.0, -0.0, 1.5, -448.0, 57344.0, float("nan"), 2**-9, 3.0])
+    t = values.to(dtype).reshape(2, 4)[:, 1:]
+    (back,) = decode(encode((t,)))
+    assert back.dtype == dtype
+    assert back.shape == t.shape
+    assert back.stride() == t.stride()
+    assert torch.equal(back.view(torch.uint8), t.view(torch.uint8))
 
 
 class _Sub(torch.Tensor):

@@ -107,3 +107,12 @@ def test_a_kernel_that_ignores_the_caller_s_scale_is_told_so() -> None:
     (result,) = report.results
     assert result.status == "fail", report.format_table()
     assert "the scale trap" in result.message, result.message
+
+
+def test_a_kernel_with_flash_mla_s_own_signature_is_called_as_flash_mla_is() -> None:
+    """FlashMLA's tile_scheduler_metadata has no default: the audit gives it None (a
+    port schedules its own work), and never passes num_splits, which FlashMLA asserts is
+    None."""
+    backend = resolve_backend("tests.planted_mla:flashmla_signature", api="mla")
+    report = run(backend, properties=["mla", "forward"], dtypes=(torch.float32,))
+    assert report.ok, report.format_table()

@@ -50,6 +50,8 @@ DTYPES: dict[str, torch.dtype] = {
         torch.float32,
         torch.float16,
         torch.bfloat16,
+        torch.float8_e4m3fn,  # FP8 KV caches (FlashAttention 3's, vLLM's, FlashMLA's)
+        torch.float8_e5m2,
         torch.int64,
         torch.int32,
         torch.int16,

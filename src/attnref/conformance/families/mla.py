@@ -19,6 +19,7 @@ built-in backends, the properties only this call can have, the mutants and the b
 decode workload.
 """
 
+import inspect
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -222,6 +223,20 @@ def latent_arguments(caps: Capabilities, call: LatentCall, overrides: dict[str, 
     kwargs.update(overrides)
     args = (call.q, call.k_cache, call.block_table, call.cache_seqlens, call.head_dim_v)
     return args, kwargs
+
+
+def _invoke(backend: Backend, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """One call, in the worker: a function whose ``tile_scheduler_metadata`` has no
+    default (FlashMLA's own signature) is given ``None`` for it, which a port that
+    schedules its own work takes; a function without the parameter is not given it."""
+    try:
+        params = inspect.signature(backend.fn).parameters
+    except (TypeError, ValueError):
+        params = {}  # type: ignore[assignment]
+    meta = params.get("tile_scheduler_metadata")
+    if meta is not None and meta.default is meta.empty and len(args) < 6:
+        kwargs = {"tile_scheduler_metadata": None, **kwargs}
+    return backend(*args, **kwargs)
 
 
 def _page_for(caps: Capabilities) -> int:
@@ -809,6 +824,7 @@ FAMILY = ApiFamily(
     from_layout=flash_back,
     native_causal=flash_native_causal,
     dropout=False,
+    invoke=_invoke,
     builtins=_builtins,
     properties=PROPERTIES,
     mutants=MUTANTS,
