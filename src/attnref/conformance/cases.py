@@ -120,6 +120,9 @@ class Case:
     v_offset: float = 0.0  # V's mean (over channels, with a spread)
     #: multi-head latent attention (the ``mla`` family): V is K's leading ``Dv`` dims
     latent: bool = False
+    #: an FP8 cache (flash-kvcache): q, K and V stored in this format ("e4m3fn",
+    #: "e5m2"; "": none) with per-KV-head descales
+    fp8: str = ""
     #: what a family's own cases add, as (name, value) pairs (context-parallel: the world
     #: size and the sharding); read with `Case.option`
     options: tuple[tuple[str, Any], ...] = ()
@@ -160,6 +163,8 @@ class Case:
             raise ValueError(f"Case.cached must hold lengths >= 0, got {self.cached!r}")
         if self.seqlens and self.cached:
             raise ValueError("a case is a pack (seqlens) or a cache (cached), not both")
+        if self.fp8 not in ("", "e4m3fn", "e5m2"):
+            raise ValueError(f"Case.fp8 must be '', 'e4m3fn' or 'e5m2', got {self.fp8!r}")
         if self.latent and self.Dv > self.Dh:
             raise ValueError(
                 f"Case.latent: V is K's leading Dv dims, so Dv must be at most Dh = "

@@ -27,6 +27,7 @@ from attnref.masks import Alignment
 
 __all__ = [
     "DEFAULT_API",
+    "FP8_FORMATS",
     "PRESETS",
     "VARIANTS",
     "Backend",
@@ -124,6 +125,13 @@ class BackendError(Exception):
     """A backend could not be resolved or does not have SDPA's signature."""
 
 
+#: the FP8 formats of an FP8 KV cache, by the name a declaration gives them
+FP8_FORMATS: dict[str, torch.dtype] = {
+    "e4m3fn": torch.float8_e4m3fn,
+    "e5m2": torch.float8_e5m2,
+}
+
+
 @dataclass(frozen=True)
 class Capabilities:
     """What a backend declares it supports. The audit draws its cases inside the
@@ -172,6 +180,13 @@ class Capabilities:
     rotary: bool = False  # rotary_cos / rotary_sin for the new tokens, both layouts
     paged: bool = False  # a paged cache through block_table
     page_multiple: int = 1  # page sizes must be multiples of this (FlashAttention 2: 256)
+    #: (flash-kvcache) the FP8 formats of q, K and V it takes with FlashAttention 3's
+    #: per-KV-head ``q_descale``, ``k_descale``, ``v_descale`` (of "e4m3fn", "e5m2"); such
+    #: a call returns bfloat16, FlashAttention 3's output
+    fp8: tuple[str, ...] = ()
+    #: it rounds the probabilities P to the FP8 format before ``P V`` (FlashAttention 3):
+    #: the bound of an FP8 call grows by that rounding
+    fp8_rounds_p: bool = False
     # narrow libraries: what they take of the whole space
     #: only self-attention: queries and keys of one length (Tq = Tk); cases are drawn so,
     #: and a property that needs Tq != Tk (decode, merge) is skipped
@@ -267,6 +282,11 @@ class Capabilities:
             raise ValueError(
                 f"Capabilities.cp_shardings must name one or both of {', '.join(SHARDINGS)}, "
                 f"got {self.cp_shardings!r}"
+            )
+        unknown = [f for f in self.fp8 if f not in FP8_FORMATS]
+        if unknown:
+            raise ValueError(
+                f"Capabilities.fp8: unknown format {unknown[0]!r} (use {', '.join(FP8_FORMATS)})"
             )
         if self.page_multiple < 1:
             raise ValueError(f"Capabilities.page_multiple must be >= 1, got {self.page_multiple!r}")

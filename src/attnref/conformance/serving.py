@@ -174,6 +174,12 @@ class CacheCall:
     k_after: Tensor | None = None
     v_after: Tensor | None = None
     written: Tensor | None = None
+    #: an FP8 call: q, K and V stored in FP8 and FlashAttention 3's descales, float32
+    #: ``(B, g)``, one per row and KV head (the rows hold the dequantized values, exact
+    #: in float64)
+    q_descale: Tensor | None = None
+    k_descale: Tensor | None = None
+    v_descale: Tensor | None = None
 
     @property
     def first(self) -> Inputs:
@@ -349,3 +355,56 @@ def dense_cache(inputs: Inputs) -> CacheCall:
         torch.full((B,), Tk, dtype=torch.int32, device=q.device),
         alibi_slopes=slopes,
     )
+
+
+def _descales(B: int, g: int, gen: torch.Generator) -> Tensor:
+    """``(B, g)`` float32 scales from 1/8 to 8, none within a factor of sqrt(2) of 1:
+    a scale of 1 hides the bugs of class 34."""
+    e = torch.rand((B, g), generator=gen) * 6 - 3  # log2 of the scale
+    e = torch.where(e.abs() < 0.5, e.sign() * 0.5 + e, e)
+    return torch.exp2(e).to(torch.float32)
+
+
+def quantize(call: CacheCall, fmt: str, seed: int) -> CacheCall:
+    """``call`` (built in float64, nothing appended, no rotary) with q, K and V stored
+    in FP8 ``fmt`` and FlashAttention 3's descales: each row's values divided by its
+    KV head's scale, then rounded to FP8 (saturating); its dense inputs rebuilt from
+    the stored values times the scales, exact in float64. Slots no row uses hold the
+    garbage rounded as it is."""
+    from attnref.conformance.declarations import FP8_FORMATS
+
+    if call.k_new is not None or call.rotary_cos is not None:
+        raise ValueError("an FP8 cache call appends nothing and has no rotary")
+    fp8 = FP8_FORMATS[fmt]
+    B, _, h, _ = call.q.shape
+    g = call.k_cache.shape[2]
+    gen = torch.Generator().manual_seed(seed * 31 + 17)
+    dq, dk, dv = (_descales(B, g, gen).to(call.q.device) for _ in range(3))
+    per_head = dq.repeat_interleave(h // g, dim=1)  # (B, h): each query head's KV head's
+    q8 = (call.q / per_head[:, None, :, None]).to(fp8)
+    k8, v8 = call.k_cache.to(fp8), call.v_cache.to(fp8)
+    rows = []
+    page = call.k_cache.shape[1]
+    for b, x in enumerate(call.rows):
+        n = x.key.shape[-2]
+        r = b if call.cache_batch_idx is None else int(call.cache_batch_idx[b])
+        slots = cache_slots(b, range(n), call.block_table, page, r)
+        if slots:
+            idx_r = torch.tensor([s[0] for s in slots], device=call.q.device)
+            idx_s = torch.tensor([s[1] for s in slots], device=call.q.device)
+            k8[idx_r, idx_s] = (call.k_cache[idx_r, idx_s] / dk[b][:, None]).to(fp8)
+            v8[idx_r, idx_s] = (call.v_cache[idx_r, idx_s] / dv[b][:, None]).to(fp8)
+            keys = k8[idx_r, idx_s].double() * dk[b][:, None].double()  # (n, g, Dh)
+            values = v8[idx_r, idx_s].double() * dv[b][:, None].double()
+        else:
+            keys = x.key.new_zeros(0, x.key.shape[0], x.key.shape[-1])
+            values = x.value.new_zeros(0, x.value.shape[0], x.value.shape[-1])
+        query = q8[b].double() * per_head[b][None, :, None].double()  # (Tq, h, Dh)
+        rows.append(
+            replace(x, query=query.transpose(0, 1), key=keys.transpose(0, 1),
+                    value=values.transpose(0, 1))
+        )  # fmt: skip
+    return replace(
+        call, rows=tuple(rows), q=q8, k_cache=k8, v_cache=v8, k_after=None, v_after=None,
+        written=None, q_descale=dq, k_descale=dk, v_descale=dv,
+    )  # fmt: skip

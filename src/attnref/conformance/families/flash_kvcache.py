@@ -18,14 +18,14 @@ from typing import Any
 
 import torch
 from hypothesis import strategies as st
-from jaxtyping import Float, Int
+from jaxtyping import Float, Int, Shaped
 from torch import Tensor
 
 from attnref._checking import checked_internal
-from attnref.conformance.calls import invoke
+from attnref.conformance.calls import check_output, invoke
 from attnref.conformance.cases import Case, Inputs
 from attnref.conformance.checks import Context, law, rng
-from attnref.conformance.declarations import Backend, Capabilities
+from attnref.conformance.declarations import FP8_FORMATS, Backend, Capabilities
 from attnref.conformance.families.flash import (
     FLASH_ATTN_2,
     declared,
@@ -50,9 +50,10 @@ from attnref.conformance.families.sdpa import (
 )
 from attnref.conformance.family import ApiFamily, Arguments, pair
 from attnref.conformance.mutants import Mutant
+from attnref.conformance.oracle import Expected, close, expect
 from attnref.conformance.profiles import Profile
 from attnref.conformance.properties import Property, some_variants
-from attnref.conformance.serving import GARBAGE, CacheCall, build_cache, dense_cache
+from attnref.conformance.serving import GARBAGE, CacheCall, build_cache, dense_cache, quantize
 from attnref.conformance.serving_checks import agree, expect_rotated, guard, judge
 from attnref.conformance.strategies import cache_strategy
 from attnref.conformance.verdicts import Failure, Skip
@@ -121,6 +122,12 @@ def cache_arguments(
     kwargs.update(flash_kwargs(caps, call.first, call.alibi_slopes))
     if call.num_splits:
         kwargs["num_splits"] = call.num_splits
+    if call.q_descale is not None:
+        fmt = next(n for n, d in FP8_FORMATS.items() if d == call.q.dtype)
+        if fmt not in caps.fp8:
+            raise Skip(f"an FP8 ({fmt}) cache not declared")
+        kwargs["q_descale"], kwargs["k_descale"] = call.q_descale, call.k_descale
+        kwargs["v_descale"] = call.v_descale
     if lse:
         kwargs["return_softmax_lse"] = True
     kwargs.update(overrides or {})
@@ -338,6 +345,82 @@ def _unweighted_splits(
     return out, torch.logsumexp(torch.stack(lses), dim=0)  # the LSE itself is right
 
 
+def dequantized(
+    fn: Callable[..., Any], name: str, *, bugs: frozenset[str] = frozenset()
+) -> Callable[..., Any]:
+    """``fn`` (``flash_attn_with_kvcache``'s signature) that also takes FP8 q, K and V
+    with FlashAttention 3's descales (float32 ``(batch, num_heads_k)``, one per row and
+    KV head): each row's q, cache and values dequantized to float32 with its own scales
+    (a query head by its KV head's), ``fn`` called on that row, the output returned in
+    bfloat16, FlashAttention 3's; the LSE in float32. Without FP8 inputs, ``fn`` itself.
+
+    ``bugs`` plants the class-34 bugs, for the mutants: ``v_descale_dropped``,
+    ``k_descale_twice``, ``descale_per_tensor`` (the first row's first KV head's scales
+    for every head and row), ``descale_neighbour_group`` (KV head ``j``'s query heads
+    read KV head ``j + 1``'s scales).
+    """
+
+    @checked_internal
+    def kvcache(
+        q: Shaped[Tensor, "B Tq h D"],
+        k_cache: Shaped[Tensor, "rows slots g D"],
+        v_cache: Shaped[Tensor, "rows slots g Dv"],
+        *args: Any,
+        q_descale: Float[Tensor, "B g"] | None = None,
+        k_descale: Float[Tensor, "B g"] | None = None,
+        v_descale: Float[Tensor, "B g"] | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        if q.dtype not in FP8_FORMATS.values():
+            return fn(q, k_cache, v_cache, *args, **kwargs)
+        if args:
+            raise ValueError("an FP8 call takes its arguments after v_cache by keyword")
+        B, _, h, _ = q.shape
+        g = k_cache.shape[2]
+        ones = torch.ones((B, g), dtype=torch.float32, device=q.device)
+        dq, dk, dv = (ones if d is None else d.float() for d in (q_descale, k_descale, v_descale))
+        if "v_descale_dropped" in bugs:
+            dv = ones
+        if "k_descale_twice" in bugs:
+            dk = dk * dk
+        if "descale_per_tensor" in bugs:
+            dq, dk, dv = (d[:1, :1].expand(B, g) for d in (dq, dk, dv))
+        if "descale_neighbour_group" in bugs:
+            dq, dk, dv = (d.roll(-1, dims=1) for d in (dq, dk, dv))
+        outs, lses = [], []
+        for b in range(B):
+            one = {k: _row_of(k, v, b) for k, v in kwargs.items()}
+            if one.get("block_table") is None and one.get("cache_batch_idx") is None:
+                # a contiguous cache: row b's is cache row b, whatever the batch's size
+                one["cache_batch_idx"] = torch.tensor([b], dtype=torch.int32, device=q.device)
+            result = fn(
+                q[b : b + 1].float() * dq[b].repeat_interleave(h // g)[None, None, :, None],
+                k_cache.float() * dk[b][None, None, :, None],
+                v_cache.float() * dv[b][None, None, :, None],
+                **one,
+            )
+            out, lse = result if kwargs.get("return_softmax_lse") else (result, None)
+            outs.append(out.to(torch.bfloat16))
+            lses.append(lse)
+        if kwargs.get("return_softmax_lse"):
+            return torch.cat(outs), torch.cat([x.float() for x in lses if x is not None])
+        return torch.cat(outs)
+
+    kvcache.__name__ = kvcache.__qualname__ = name
+    kvcache.__doc__ = f"{fn.__doc__ or ''}\n\nWith FP8 caches (FlashAttention 3's descales)."
+    return kvcache
+
+
+def _row_of(name: str, value: Any, b: int) -> Any:
+    """Batch row ``b``'s share of keyword ``name`` of a decode call."""
+    per_row = ("cache_seqlens", "block_table", "cache_batch_idx", "k", "v")
+    if name in per_row and isinstance(value, Tensor) and value.dim() >= 1:
+        return value[b : b + 1]
+    if name == "alibi_slopes" and isinstance(value, Tensor) and value.dim() == 2:
+        return value[b : b + 1]
+    return value
+
+
 # ------------------------------------------------------------------ the builtins
 
 
@@ -352,13 +435,14 @@ kvcache_flex = declared(
     kvcache_form(flash_flex, "kvcache_flex"),
     flash_caps(replace(FLEX_CAPS, **_SERVING), "flash-kvcache"),
 )
+_FP8: dict[str, Any] = {"fp8": tuple(FP8_FORMATS)}
 kvcache_reference = declared(
-    kvcache_attention,
-    flash_caps(replace(REFERENCE_CAPS, **_SERVING), "flash-kvcache"),
+    dequantized(kvcache_attention, "kvcache_reference"),
+    flash_caps(replace(REFERENCE_CAPS, **_SERVING, **_FP8), "flash-kvcache"),
 )
 kvcache_naive = declared(
-    kvcache_form(flash_naive, "kvcache_naive"),
-    flash_caps(replace(NAIVE_CAPS, **_SERVING), "flash-kvcache"),
+    dequantized(kvcache_form(flash_naive, "kvcache_naive"), "kvcache_naive"),
+    flash_caps(replace(NAIVE_CAPS, **_SERVING, **_FP8), "flash-kvcache"),
 )
 kvcache_sdpa = declared(
     kvcache_form(flash_form(sdpa_with_bias, "flash_sdpa"), "kvcache_sdpa"),
@@ -761,6 +845,193 @@ def _shift_cases(p: Profile, c: Capabilities) -> st.SearchStrategy[Case]:
     return draw()
 
 
+# ------------------------------------------------------------------ FP8 caches
+
+
+def _fp8_expected(ctx: Context, x: Inputs, fmt: str) -> Expected:
+    """The oracle of an FP8 row ``x`` (dequantized, exact in float64), held to a call
+    that returns bfloat16: the bounds of the same values rounded to bfloat16 (a kernel
+    may dequantize to its output dtype, as vLLM does, or fold the scales into float32
+    scores, as FlashAttention 3 does), plus what rounding them moves the oracle by; for a
+    kernel that declares it rounds P to FP8 before ``P V`` (`Capabilities.fp8_rounds_p`),
+    that rounding too: ``u`` of the format for each normal probability and half the
+    smallest subnormal for each of the ``n`` keys, times max |V|."""
+    half = x.to(torch.bfloat16)
+    e = expect(half, ctx.caps.empty_row, ctx.native(half))
+    exact = expect(x, ctx.caps.empty_row, ctx.native(x))
+    moved = torch.nan_to_num((e.value - exact.value).abs(), nan=0.0)
+    floor = e.floor
+    if ctx.caps.fp8_rounds_p and x.value.numel():
+        fp8 = torch.finfo(FP8_FORMATS[fmt])
+        subnormal = fp8.smallest_normal * fp8.eps  # the spacing below smallest_normal
+        n = x.key.shape[-2]
+        v = float(torch.nan_to_num(x.value.abs(), nan=0.0).max())
+        floor += (fp8.eps / 2 + n * subnormal / 2) * v
+    return replace(exact, ref_err=e.ref_err + moved, floor=floor)
+
+
+def _fp8_call(ctx: Context, case: Case, **scales: Tensor) -> tuple[CacheCall, list[Tensor]]:
+    """``case``'s FP8 call (its descales replaced by ``scales``, the rows rebuilt) and
+    each row's output, its bounds kept as each row's oracle for the laws."""
+    if ctx.dtype != torch.bfloat16:
+        raise Skip("an FP8 call returns bfloat16 (FlashAttention 3's): audited in the bfloat16 run")
+    if case.fp8 not in ctx.caps.fp8:
+        raise Skip(f"an FP8 ({case.fp8}) cache not declared")
+    call = quantize(build_cache(case, torch.float64, ctx.device), case.fp8, case.seed)
+    if scales:
+        call = _rescaled(call, **scales)
+    args, kwargs = cache_arguments(ctx.caps, call, False)
+    guard(ctx, call.first.to(torch.bfloat16), kwargs)
+    raw = invoke(ctx.backend, Job(args, kwargs), ctx.timeout, ctx.executor)
+    outs, _ = read_cache(raw, call, False)
+    checked = []
+    for o, x in zip(outs, call.rows, strict=True):
+        half = x.to(torch.bfloat16)
+        checked.append(check_output(o, (*x.query.shape[:-1], x.value.shape[-1]), half).detach())
+        ctx.keep(x, _fp8_expected(ctx, x, case.fp8))
+    return call, checked
+
+
+def _rescaled(call: CacheCall, **scales: Tensor) -> CacheCall:
+    """``call`` with some of its descales replaced (``q_descale=...``), its rows'
+    dequantized values rebuilt from the stored FP8 values: a change of the scales alone."""
+    assert call.q_descale is not None
+    assert call.k_descale is not None
+    assert call.v_descale is not None
+    old = {"q_descale": call.q_descale, "k_descale": call.k_descale, "v_descale": call.v_descale}
+    new = {**old, **scales}
+    h, g = call.q.shape[2], call.k_cache.shape[2]
+
+    def factor(name: str, b: int, heads: int) -> Tensor:
+        f = (new[name][b].double() / old[name][b].double()).repeat_interleave(heads // g)
+        return f[:, None, None]
+
+    rows = tuple(
+        replace(x, query=x.query * factor("q_descale", b, h), key=x.key * factor("k_descale", b, g),
+                value=x.value * factor("v_descale", b, g))
+        for b, x in enumerate(call.rows)
+    )  # fmt: skip
+    return replace(call, rows=rows, q_descale=new["q_descale"], k_descale=new["k_descale"],
+                   v_descale=new["v_descale"])  # fmt: skip
+
+
+def _kvcache_fp8(ctx: Context, case: Case) -> None:
+    """Each row of an FP8 call (q, K and V in FP8 with FlashAttention 3's per-row,
+    per-KV-head descales, none of them 1) agrees with the oracle of its dequantized values."""
+    call, outs = _fp8_call(ctx, case)
+    for b, (out, x) in enumerate(zip(outs, call.rows, strict=True)):
+        exp = ctx.expect(x)
+        Tq, Tk = x.query.shape[-2], x.key.shape[-2]
+        with ctx.naming_the_row(x):
+            close(out.to(torch.float64), exp.value, *exp.bounds(),
+                  f"row {b} (Tq = {Tq}, Tk = {Tk}, {case.fp8}): output")  # fmt: skip
+
+
+def _powers(shape: tuple[int, ...], gen: torch.Generator) -> Tensor:
+    """Powers of two from 1/4 to 4, never 1: a scale moved by one changes no rounding."""
+    e = torch.randint(1, 3, shape, generator=gen) * (
+        torch.randint(0, 2, shape, generator=gen) * 2 - 1
+    )
+    return torch.exp2(e.float())
+
+
+def _kvcache_fp8_fold(ctx: Context, case: Case) -> None:
+    """A scale folded between q and k, or between q and the softmax scale, changes
+    nothing: ``q_descale * c`` with ``k_descale / c`` (c a power of two, per row and KV
+    head), and ``q_descale * c`` with ``softmax_scale / c`` (one c for the call)."""
+    call, base = _fp8_call(ctx, case)
+    assert call.q_descale is not None
+    assert call.k_descale is not None
+    c = _powers(tuple(call.q_descale.shape), rng(case, 7)).to(call.q_descale.device)
+    moved, got = _fp8_call(ctx, case, q_descale=call.q_descale * c, k_descale=call.k_descale / c)
+    for b, (x, y) in enumerate(zip(call.rows, moved.rows, strict=True)):
+        law(ctx, got[b], y, base[b], x, f"row {b}: q_descale * c, k_descale / c")
+    one = float(_powers((1,), rng(case, 8))[0])
+    scale = case.scale if case.scale is not None else case.Dh**-0.5
+    folded = replace(case, scale=scale / one)
+    moved, got = _fp8_call(ctx, folded, q_descale=call.q_descale * one)
+    for b, (x, y) in enumerate(zip(call.rows, moved.rows, strict=True)):
+        law(ctx, got[b], y, base[b], x, f"row {b}: q_descale * {one:g}, softmax_scale / {one:g}")
+
+
+def _kvcache_fp8_groups(ctx: Context, case: Case) -> None:
+    """A per-KV-head scale reaches exactly its query heads: doubling ``v_descale`` of
+    one KV head doubles the outputs of its group's query heads and no other."""
+    if case.g < 2:
+        raise Skip("needs two KV heads or more")
+    call, base = _fp8_call(ctx, case)
+    assert call.v_descale is not None
+    j = int(torch.randint(0, case.g, (1,), generator=rng(case, 9)))
+    dv = call.v_descale.clone()
+    dv[:, j] *= 2
+    moved, got = _fp8_call(ctx, case, v_descale=dv)
+    group = case.h // case.g
+    times = torch.ones(case.h, dtype=torch.float64)
+    times[j * group : (j + 1) * group] = 2.0
+
+    def doubled(o: Tensor) -> Tensor:
+        return o * times.to(o.device, o.dtype)[:, None, None]
+
+    for b, (x, y) in enumerate(zip(call.rows, moved.rows, strict=True)):
+        what = f"row {b}: v_descale of KV head {j} doubled"
+        law(ctx, got[b], y, base[b], x, what, transform=doubled, factor=2.0)
+
+
+def _needs_fp8(caps: Capabilities) -> str | None:
+    return None if caps.fp8 else "FP8 caches not declared"
+
+
+def _fp8_cases(
+    name: str, **pins: Any
+) -> Callable[[Profile, Capabilities], st.SearchStrategy[Case]]:
+    """FP8 decode calls: 1 to 3 rows, 1 to 3 queries, contiguous or paged, GQA, nothing
+    appended, no rotary, in a format the backend declares."""
+
+    def cases(p: Profile, c: Capabilities) -> st.SearchStrategy[Case]:
+        formats = c.fp8 or ("e4m3fn",)
+
+        @st.composite
+        def draw(draw: st.DrawFn) -> Case:
+            case = draw(cache_strategy(name, p, c, new=0, rotary=0, Tq=st.integers(1, 3), **pins))
+            return replace(case, fp8=draw(st.sampled_from(formats)))
+
+        return draw()
+
+    return cases
+
+
+FP8_PROPERTIES: tuple[Property, ...] = (
+    Property(
+        "kvcache_fp8",
+        "each row of an FP8 decode call (per-row, per-KV-head descales, none of them 1) "
+        "agrees with the oracle of its dequantized values",
+        (34,),
+        _fp8_cases("kvcache_fp8"),
+        _kvcache_fp8,
+        requires=_needs_fp8,
+        families=(NAME,),
+    ),
+    Property(
+        "kvcache_fp8_fold",
+        "a scale folded between q and k, or q and the softmax scale, changes nothing",
+        (34,),
+        _fp8_cases("kvcache_fp8_fold"),
+        _kvcache_fp8_fold,
+        requires=_needs_fp8,
+        families=(NAME,),
+    ),
+    Property(
+        "kvcache_fp8_groups",
+        "a KV head's descale reaches exactly its group's query heads",
+        (34,),
+        _fp8_cases("kvcache_fp8_groups", g=st.integers(2, 3)),
+        _kvcache_fp8_groups,
+        requires=_needs_fp8,
+        families=(NAME,),
+    ),
+)
+
+
 PROPERTIES: tuple[Property, ...] = (
     Property(
         "kvcache",
@@ -849,6 +1120,7 @@ PROPERTIES: tuple[Property, ...] = (
         requires=_needs_rotary_window,
         families=(NAME,),
     ),
+    *FP8_PROPERTIES,
 )
 
 
@@ -858,7 +1130,8 @@ PROPERTIES: tuple[Property, ...] = (
 def _mutant_fn(self: Mutant) -> Callable[..., Any]:
     """A bug in how the cache is read or written: the naive kernel behind a buggy
     `kvcache_form`."""
-    fn = kvcache_form(flash_naive, self.name, bugs=frozenset(self.switches))
+    bugs = frozenset(self.switches)
+    fn = dequantized(kvcache_form(flash_naive, self.name, bugs=bugs), self.name, bugs=bugs)
     fn.__doc__ = f"Class {self.bug_class}: {self.summary}"
     fn.capabilities = self.capabilities  # type: ignore[attr-defined]
     return fn
@@ -893,6 +1166,16 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant("paged_offset_wraps", 21, "a page's element offset (its index times its "
            "stride) wraps at 2**16, as a 32-bit one does past 2**31",
            {"page_offset_16bit": True}, **_LIKE),
+    Mutant("fp8_v_descale_dropped", 34, "an FP8 cache's v_descale is taken and never "
+           "applied", {"v_descale_dropped": True}, **_LIKE),
+    Mutant("fp8_k_descale_twice", 34, "an FP8 cache's k_descale is applied twice",
+           {"k_descale_twice": True}, **_LIKE),
+    Mutant("fp8_descale_per_tensor", 34, "the descales are read per tensor (the first "
+           "row's first KV head's) where they are per row and KV head",
+           {"descale_per_tensor": True}, **_LIKE),
+    Mutant("fp8_descale_neighbour_group", 34, "a KV head's query heads read the "
+           "neighbouring KV head's descales under GQA", {"descale_neighbour_group": True},
+           **_LIKE),
 )  # fmt: skip
 
 
