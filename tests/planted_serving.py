@@ -18,7 +18,7 @@ from attnref.conformance.families.flash_kvcache import KVCACHE_LIKE
 from attnref.conformance.families.flash_varlen import VARLEN_LIKE
 
 VARLEN_CLAIMS = replace(VARLEN_LIKE, gradients=False, sinks=False)
-KVCACHE_CLAIMS = replace(KVCACHE_LIKE, gradients=False)
+KVCACHE_CLAIMS = replace(KVCACHE_LIKE, gradients=False, fp8=())  # no FP8 caches here
 
 
 def _attend(
