@@ -44,6 +44,7 @@ def test_an_fp8_call_stores_each_row_divided_by_its_own_scales(fmt: str) -> None
     assert torch.equal(back[1].view(torch.uint8), call.k_cache.view(torch.uint8))
 
 
+@pytest.mark.slow
 def test_the_dequantizing_built_ins_pass_the_fp8_properties() -> None:
     for name in ("kvcache-reference", "kvcache-naive"):
         report = run(name, properties=FP8_PROPS, dtypes=(torch.bfloat16,))
@@ -60,7 +61,7 @@ def test_an_fp8_call_is_skipped_outside_bfloat16_and_without_a_declaration() -> 
     assert PROPERTIES["kvcache_fp8"].why_not(plain.capabilities) == "FP8 caches not declared"
 
 
-@pytest.mark.parametrize("name", ["correct_fp8", "rounds_p"])
+@pytest.mark.parametrize("name", ["correct_fp8", pytest.param("rounds_p", marks=pytest.mark.slow)])
 def test_independent_fp8_kernels_pass(name: str) -> None:
     """Dequantizing to bfloat16 (vLLM's way) and folding the scales into float32 scores
     with P rounded to e4m3, declared (FlashAttention 3's), both pass."""
@@ -69,11 +70,15 @@ def test_independent_fp8_kernels_pass(name: str) -> None:
     assert report.ok, report.format_table()
 
 
-@pytest.mark.parametrize("name", UNSEEN)
+@pytest.mark.parametrize(
+    "name",
+    [pytest.param(n, marks=() if i == 0 else pytest.mark.slow) for i, n in enumerate(UNSEEN)],
+)
 def test_fp8_kernels_with_bugs_the_mutants_do_not_plant_are_failed(name: str) -> None:
     """Class-34 kernels written apart from the mutants (q_descale ignored, the descales
     read transposed, a query head's KV head taken modulo, v_descale on the scores), and
-    P rounded to FP8 without declaring it."""
+    P rounded to FP8 without declaring it (the first in the default tier, every one in
+    the slow tier)."""
     backend = resolve_backend(f"tests.planted_fp8:{name}", api="flash-kvcache")
     report = run(backend, properties=FP8_PROPS, dtypes=(torch.bfloat16,), profile=KILL)
     assert not report.ok, report.format_table()

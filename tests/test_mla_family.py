@@ -69,7 +69,7 @@ def test_the_cache_of_an_mla_case_holds_nan_where_no_sequence_reads() -> None:
 @pytest.mark.parametrize(
     ("name", "dtype"),
     [
-        ("mla-sdpa", torch.float32),
+        pytest.param("mla-sdpa", torch.float32, marks=pytest.mark.slow),
         pytest.param("mla-reference", torch.bfloat16, marks=pytest.mark.slow),
     ],
 )
@@ -89,7 +89,10 @@ def test_the_independent_mla_kernel_itself_passes() -> None:
     assert report.ok, report.format_table()
 
 
-@pytest.mark.parametrize("name", list(UNSEEN))
+@pytest.mark.parametrize(
+    "name",
+    [pytest.param(n, marks=() if i == 0 else pytest.mark.slow) for i, n in enumerate(UNSEEN)],
+)
 def test_mla_kernels_with_bugs_the_mutants_do_not_plant_are_failed(name: str) -> None:
     """Kernels of classes 25, 27 and 35 written in tests/planted_mla.py on their own: the
     properties of the family aimed at each class fail them."""
