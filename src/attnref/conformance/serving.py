@@ -16,7 +16,7 @@ import math
 from dataclasses import dataclass, replace
 
 import torch
-from jaxtyping import Float, Shaped
+from jaxtyping import Float, Float32, Shaped
 from torch import Tensor
 
 from attnref._checking import checked_internal
@@ -357,7 +357,8 @@ def dense_cache(inputs: Inputs) -> CacheCall:
     )
 
 
-def _descales(B: int, g: int, gen: torch.Generator) -> Tensor:
+@checked_internal
+def _descales(B: int, g: int, gen: torch.Generator) -> Float32[Tensor, "{B} {g}"]:
     """``(B, g)`` float32 scales from 1/8 to 8, none within a factor of sqrt(2) of 1:
     a scale of 1 hides the bugs of class 34."""
     e = torch.rand((B, g), generator=gen) * 6 - 3  # log2 of the scale

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 from hypothesis import strategies as st
-from jaxtyping import Float, Int, Shaped
+from jaxtyping import Float, Float32, Int, Shaped
 from torch import Tensor
 
 from attnref._checking import checked_internal
@@ -927,7 +927,8 @@ def _kvcache_fp8(ctx: Context, case: Case) -> None:
                   f"row {b} (Tq = {Tq}, Tk = {Tk}, {case.fp8}): output")  # fmt: skip
 
 
-def _powers(shape: tuple[int, ...], gen: torch.Generator) -> Tensor:
+@checked_internal
+def _powers(shape: tuple[int, ...], gen: torch.Generator) -> Float32[Tensor, "*shape"]:
     """Powers of two from 1/4 to 4, never 1: a scale moved by one changes no rounding."""
     e = torch.randint(1, 3, shape, generator=gen) * (
         torch.randint(0, 2, shape, generator=gen) * 2 - 1

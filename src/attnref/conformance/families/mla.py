@@ -261,12 +261,10 @@ def read_latent(
 
 
 def _mla_read(out: object, inputs: Inputs, lse: bool) -> tuple[object, object | None]:
+    first, lse_out = pair(out, "flash_mla_with_kvcache returns (out, lse)")
     B = math.prod(inputs.query.shape[:-3])
-    Tq, h = inputs.query.shape[-2], inputs.query.shape[-3]
-    shell = LatentCall((inputs,) * B, inputs.query.new_empty((B, Tq, h, 0)),
-                       inputs.key.new_empty((0,)), inputs.key.new_empty((0,)),
-                       inputs.key.new_empty((0,)), inputs.value.shape[-1])  # fmt: skip
-    return dense_read(out, inputs, lse, read_latent(out, shell, lse))
+    shape = (B, inputs.query.shape[-2], inputs.query.shape[-3], inputs.value.shape[-1])
+    return dense_read(out, inputs, lse, per_row(first, lse_out, shape, lse))
 
 
 # ------------------------------------------------ the adapter from a flash callable
