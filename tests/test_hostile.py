@@ -18,8 +18,9 @@ import pytest
 import torch
 
 from attnref.cli import main
-from attnref.conformance import Case, check_case
+from attnref.conformance import Case, check_case, executors
 from attnref.conformance.backends import from_declaration
+from attnref.conformance.executors import SCRATCH_PREFIX, _scratch_folder, _sweep
 from attnref.conformance.wire import Rejected, decode, encode
 
 pytestmark = pytest.mark.usefixtures("unchecked")
@@ -321,27 +322,86 @@ def _gone(pid: int) -> bool:
         return True
 
 
+@pytest.mark.skipif(sys.platform == "win32", reason="flock is POSIX's")
+def test_the_sweep_removes_only_scratch_folders_no_live_judge_holds(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What a judge killed by SIGKILL left (an unlocked scratch folder) goes; a folder a
+    live judge holds, a young one (not yet locked), a link of that name and a folder of
+    another name stay."""
+    import fcntl
+    import tempfile
+
+    old = (0, 0)
+    dead = tmp_path / f"{SCRATCH_PREFIX}dead"
+    (dead / "inside").mkdir(parents=True)
+    young = tmp_path / f"{SCRATCH_PREFIX}young"
+    young.mkdir()
+    other = tmp_path / "other-folder"
+    other.mkdir()
+    target = tmp_path / "target"
+    target.mkdir()
+    (target / "keep").write_text("x")
+    link = tmp_path / f"{SCRATCH_PREFIX}link"
+    link.symlink_to(target)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    live, lock = _scratch_folder()  # a judge's (this test's), held
+    try:
+        assert lock is not None
+        fd = os.open(live, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            with pytest.raises(BlockingIOError):  # held: nobody else can take it
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        finally:
+            os.close(fd)
+        for path in (dead, other, live, target):
+            os.utime(path, old)
+        os.utime(link, old, follow_symlinks=False)
+        monkeypatch.setattr(executors, "_swept", set())  # (_scratch_folder swept it)
+        assert _sweep(str(tmp_path)) == [str(dead)]
+        assert _sweep(str(tmp_path)) == []  # once per folder and process
+        assert not dead.exists()
+        assert young.exists()
+        assert other.exists()
+        assert Path(live).exists()
+        assert (target / "keep").exists()
+        assert link.is_symlink()
+    finally:
+        if lock is not None:
+            os.close(lock)
+        import shutil
+
+        shutil.rmtree(live, ignore_errors=True)
+
+
 @pytest.mark.skipif(
     not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's"
 )
 @pytest.mark.parametrize("how", ["SIGKILL", "SIGTERM", "KeyboardInterrupt"])
-def test_a_hung_worker_ends_with_a_judge_that_is_killed(how: str, tmp_path: Path) -> None:
+def test_a_hung_worker_ends_with_a_judge_that_is_killed(how: str) -> None:
     """A backend that hangs in its call; the judge is killed (SIGKILL: no cleanup of its
     own runs; SIGTERM: a CI step's timeout) or ends with an exception (KeyboardInterrupt,
     from SIGINT: a user's Ctrl-C, which the CLI reports and exits 130 on). Its worker, the
     processes between it and the forkserver (the sandbox's), and the forkserver end too,
-    within seconds."""
+    within seconds. Its scratch folder goes with it (SIGTERM ends the audit as Ctrl-C does,
+    exit 143), or, after SIGKILL, with the next judge's first worker."""
     import os
     import select
+    import shutil
     import signal
+    import tempfile
     import time
 
     from tests.hostile.marks import ancestors, pids_named
 
     cmd = [sys.executable, "-m", "attnref", "audit", "--backend", "tests.hostile.sleeps:kernel",
            "--property", "forward", "--dtype", "float32", "--no-progress"]  # fmt: skip
-    judge = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE,
-                             stderr=subprocess.DEVNULL, text=True)  # fmt: skip
+    # the judge's temporary folder, where its workers' scratch folders go: a short path,
+    # as the forkserver's socket in it must fit a UNIX socket's 108 bytes (tmp_path under
+    # pytest-xdist does not)
+    tmp = Path(tempfile.mkdtemp(prefix="k-"))
+    judge = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                             text=True, env={**os.environ, "TMPDIR": str(tmp)})  # fmt: skip
     chain: list[int] = []
     try:
         assert judge.stdout is not None
@@ -357,13 +417,21 @@ def test_a_hung_worker_ends_with_a_judge_that_is_killed(how: str, tmp_path: Path
         exception = how == "KeyboardInterrupt"
         judge.send_signal(signal.SIGINT if exception else getattr(signal, how))
         code = judge.wait(30)
-        if exception:
-            assert code == 130, code
+        if how != "SIGKILL":
+            assert code == (130 if exception else 143), code
         deadline = time.monotonic() + 20
         while not all(_gone(p) for p in chain) and time.monotonic() < deadline:
             time.sleep(0.2)
         alive = [p for p in chain if not _gone(p)]
         assert not alive, f"{alive} of the worker's chain {chain} outlived the judge ({how})"
+        left = [p for p in tmp.iterdir() if p.name.startswith(SCRATCH_PREFIX)]
+        if how != "SIGKILL":
+            assert not left, f"the worker's scratch folder outlived the judge ({how})"
+        else:  # no code of the judge's ran: the next judge removes what it left
+            assert len(left) == 1, left
+            os.utime(left[0], (0, 0))  # as old as a folder it may sweep
+            assert _sweep(str(tmp)) == [str(left[0])]
+            assert not left[0].exists()
     finally:
         judge.kill()
         judge.wait(30)
@@ -372,3 +440,4 @@ def test_a_hung_worker_ends_with_a_judge_that_is_killed(how: str, tmp_path: Path
         for pid in chain:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+        shutil.rmtree(tmp, ignore_errors=True)

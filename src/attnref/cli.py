@@ -4,10 +4,12 @@
 import argparse
 import contextlib
 import os
+import signal
 import sys
+import threading
 import time
 import traceback
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -302,11 +304,12 @@ def _audit(args: argparse.Namespace) -> int:
             on_result=save,
             report=report,
         )
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
         executor.close()
         where = f"; the partial report is in {json_path}" if json_path else ""
-        print(f"attnref audit: interrupted{where}", file=sys.stderr)
-        return 130
+        how = "terminated by SIGTERM" if isinstance(e, Terminated) else "interrupted"
+        print(f"attnref audit: {how}{where}", file=sys.stderr)
+        return 143 if isinstance(e, Terminated) else 130
     finally:
         executor.close()  # no backend code runs while the final report is written
     print(report.format_table(verbose=args.verbose))
@@ -365,6 +368,28 @@ def _writable(path: str | None) -> Path | None:
     return p
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (a CI step's timeout, ``kill``), raised in the main thread: the run then
+    ends as after Ctrl-C (workers stopped, their scratch folders removed, the partial
+    report written and marked incomplete), and exits 143."""
+
+
+def _terminate(signum: int, frame: object) -> None:
+    raise Terminated(signal.Signals(signum).name)
+
+
+@contextlib.contextmanager
+def _sigterm_ends_cleanly() -> Iterator[None]:
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    before = signal.signal(signal.SIGTERM, _terminate)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``attnref`` command; returns the exit code."""
     global _MAIN_STARTED
@@ -378,14 +403,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         with contextlib.suppress(AttributeError, ValueError):
             sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]
     try:
-        if args.command == "audit":
-            return _audit(args)
-        if args.command == "demo":
-            return _demo(args)
-        if args.command == "bench":
-            from attnref.bench import run_cli
+        with _sigterm_ends_cleanly():
+            if args.command == "audit":
+                return _audit(args)
+            if args.command == "demo":
+                return _demo(args)
+            if args.command == "bench":
+                from attnref.bench import run_cli
 
-            return run_cli(args)
+                return run_cli(args)
+    except Terminated:
+        print(f"attnref {args.command}: terminated by SIGTERM", file=sys.stderr)
+        return 143
     except Exception as e:  # an internal error: one line unless --verbose
         if getattr(args, "verbose", False):
             traceback.print_exc()

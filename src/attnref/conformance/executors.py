@@ -32,6 +32,9 @@ from typing import Any, Protocol, runtime_checkable
 
 from torch import Tensor
 
+if sys.platform != "win32":  # (where no supervised worker runs)
+    import fcntl
+
 from attnref import _forkserver, _sandbox
 from attnref._checking import checking_enabled
 from attnref.conformance.declarations import (
@@ -235,6 +238,7 @@ class Supervised:
         #: {part: why}}``
         self.sandbox: dict[str, dict[str, str]] = {}
         self._scratch: str | None = None
+        self._lock: int | None = None  # a descriptor of the scratch folder, locked
         self.api = api if isinstance(backend, str) else backend.api
         self.threads = threads
         self.memory_limit = memory_limit
@@ -253,8 +257,7 @@ class Supervised:
         ctx = _forkserver.context()  # a clean parent, never a fork of the judge
         parent, child = ctx.Pipe()
         _widen(parent, child)
-        self._scratch = tempfile.mkdtemp(prefix="attnref-worker-")
-        _SCRATCHES.add(self._scratch)
+        self._scratch, self._lock = _scratch_folder()
         _forkserver.start()  # running, so that its socket's folder is known to hide
         hidden = _hidden(self._scratch) if self.policy.network else ()
         policy = dataclasses.replace(self.policy, hidden=hidden)
@@ -333,6 +336,9 @@ class Supervised:
         if scratch is not None:  # what the worker wrote: not a byte outlives it
             shutil.rmtree(scratch, ignore_errors=True)
             _SCRATCHES.discard(scratch)
+        lock, self._lock = self._lock, None
+        if lock is not None:
+            os.close(lock)
 
     def run(self, job: Any, timeout: float, meanwhile: Meanwhile = None) -> Any:
         # large tensors in a sealed file sent after the message, small ones in it
@@ -438,9 +444,65 @@ FRAME_GRACE = 5.0
 
 
 #: the scratch folders of this process's workers not yet removed: what is left of them
-#: when the judge exits (a worker never closed) goes then; a judge killed by SIGKILL
-#: leaves its own
+#: when the judge exits (a worker never closed) goes then; what a judge killed by
+#: SIGKILL leaves, the next judge removes (`_sweep`)
 _SCRATCHES: set[str] = set()
+SCRATCH_PREFIX = "attnref-worker-"
+#: a scratch folder younger than this is never swept: its judge may not have locked it yet
+SWEEP_AGE = 60.0
+_swept: set[str] = set()  # the temporary folders this process has swept
+
+
+def _scratch_folder() -> tuple[str, int | None]:
+    """A fresh scratch folder for a worker, and a descriptor of it that holds an
+    exclusive ``flock`` for as long as this judge uses it. The kernel drops the lock
+    when the judge ends however it ends (SIGKILL too), so an unlocked folder of ours is
+    one whose judge is gone: the first worker a judge starts removes those (`_sweep`)."""
+    _sweep(tempfile.gettempdir())
+    scratch = tempfile.mkdtemp(prefix=SCRATCH_PREFIX)
+    _SCRATCHES.add(scratch)
+    if sys.platform == "win32":  # no flock: nothing is swept
+        return scratch, None
+    lock = os.open(scratch, os.O_RDONLY | os.O_DIRECTORY)
+    fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # new: nobody else holds it
+    return scratch, lock
+
+
+def _sweep(folder: str) -> list[str]:
+    """Remove the scratch folders in ``folder`` that no live judge holds: ours (this
+    user's), older than `SWEEP_AGE`, whose lock can be taken. Once per folder and
+    process; returns what it removed."""
+    if folder in _swept or sys.platform == "win32":
+        return []
+    _swept.add(folder)
+    removed: list[str] = []
+    try:
+        entries = list(os.scandir(folder))
+    except OSError:
+        return removed
+    for entry in entries:
+        if not entry.name.startswith(SCRATCH_PREFIX):
+            continue
+        try:
+            st = entry.stat(follow_symlinks=False)
+            if not entry.is_dir(follow_symlinks=False) or st.st_uid != os.getuid():
+                continue
+            if time.time() - st.st_mtime < SWEEP_AGE:
+                continue
+            fd = os.open(entry.path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # a live judge holds it
+            os.close(fd)
+            continue
+        try:
+            shutil.rmtree(entry.path, ignore_errors=True)
+            removed.append(entry.path)
+        finally:
+            os.close(fd)
+    return removed
 
 
 @atexit.register
