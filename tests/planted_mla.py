@@ -16,7 +16,12 @@ from torch import Tensor
 
 from attnref.conformance.families.mla import mla_naive
 
-CLAIMS = replace(mla_naive.capabilities, dtypes=(torch.float32, torch.bfloat16))  # type: ignore[attr-defined]
+#: no FP8 latent caches: these kernels take no descales (tests/planted_mla_fp8.py does)
+CLAIMS = replace(
+    mla_naive.capabilities,  # type: ignore[attr-defined]
+    dtypes=(torch.float32, torch.bfloat16),
+    fp8=(),
+)
 
 
 def _kernel(bug: str = "") -> Any:

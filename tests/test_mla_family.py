@@ -10,9 +10,10 @@ from hypothesis import strategies as st
 
 from attnref.conformance import PROFILES, PROPERTIES, Case, resolve_backend
 from attnref.conformance.cases import build
-from attnref.conformance.families.mla import HUGE_BLOCK, build_latent, tied
+from attnref.conformance.families.mla import HUGE_BLOCK, build_latent, quantize_latent, tied
 from attnref.conformance.strategies import case_strategy, inside
 from tests.planted_mla import UNSEEN
+from tests.planted_mla_fp8 import UNSEEN as FP8_UNSEEN
 from tests.test_audit import KILL, run
 
 MLA_PROPS = [p.id for p in PROPERTIES.values() if p.applies_to("mla")]
@@ -119,3 +120,67 @@ def test_a_kernel_with_flash_mla_s_own_signature_is_called_as_flash_mla_is() -> 
     backend = resolve_backend("tests.planted_mla:flashmla_signature", api="mla")
     report = run(backend, properties=["mla", "forward"], dtypes=(torch.float32,))
     assert report.ok, report.format_table()
+
+
+# ------------------------------------------------------------ FP8 latent caches
+
+MLA_FP8 = ["mla_fp8", "mla_fp8_fold", "mla_fp8_values"]
+
+
+def test_an_fp8_latent_call_stores_q_and_the_cache_in_fp8_with_scales_not_1() -> None:
+    """The rows are the stored values times the per-tensor descales (exact in float64),
+    V the dequantized keys' leading dims; the unused slots stay NaN; neither scale is
+    within sqrt(2) of 1 (a scale of 1 hides class 34)."""
+    case = Case("mla", h=4, g=1, Dh=12, Dv=8, cached=(5, 0, 9), Tq=2, page=4, seed=3)
+    call = quantize_latent(build_latent(case, torch.float64), "e4m3fn", 3)
+    assert call.q.dtype == call.k_cache.dtype == torch.float8_e4m3fn
+    assert call.descale_q is not None
+    assert call.descale_k is not None
+    assert call.descale_q.shape == call.descale_k.shape == (1,)
+    for d in (call.descale_q, call.descale_k):
+        assert abs(float(d.log2())) >= 0.5
+    dq, dk = float(call.descale_q), float(call.descale_k)
+    for b, n in enumerate(case.cached):
+        x = call.rows[b]
+        assert torch.equal(x.query, call.q[b].double().transpose(0, 1) * dq)
+        for t in range(n):
+            page, slot = int(call.block_table[b, t // 4]), t % 4
+            assert torch.equal(x.key[0, t], call.k_cache[page, slot, 0].double() * dk)
+        assert torch.equal(x.value, x.key[..., :8])
+    assert bool(call.k_cache.float().isnan().any())
+
+
+def test_the_mla_built_ins_pass_the_fp8_properties() -> None:
+    """The reference (dequantized to float32) and torch's SDPA (dequantized to
+    bfloat16, vLLM's way) both pass: the bound covers either rounding."""
+    for name in ("mla-reference", "mla-sdpa"):
+        report = run(name, properties=MLA_FP8, dtypes=(torch.bfloat16,))
+        assert report.ok, report.format_table()
+        assert {r.status for r in report.results} == {"pass"}, report.format_table()
+
+
+def test_the_independent_fp8_mla_kernel_passes() -> None:
+    """Descales folded into float32 scores (FlashAttention 3's way), written apart."""
+    backend = resolve_backend("tests.planted_mla_fp8:correct_mla_fp8", api="mla")
+    report = run(backend, properties=MLA_FP8, dtypes=(torch.bfloat16,))
+    assert report.ok, report.format_table()
+
+
+@pytest.mark.parametrize(
+    "name",
+    [pytest.param(n, marks=() if i == 0 else pytest.mark.slow) for i, n in enumerate(FP8_UNSEEN)],
+)
+def test_fp8_mla_kernels_with_bugs_the_mutants_do_not_plant_are_failed(name: str) -> None:
+    """The output scaled by descale_q, the rotary dims left undescaled, descale_k read
+    as its reciprocal: each fails the FP8 properties."""
+    backend = resolve_backend(f"tests.planted_mla_fp8:{name}", api="mla")
+    report = run(backend, properties=["mla_fp8"], dtypes=(torch.bfloat16,), profile=KILL)
+    assert not report.ok, report.format_table()
+
+
+def test_the_fp8_mla_properties_are_skipped_where_fp8_is_not_declared() -> None:
+    """FlashMLA's own dense path takes no FP8 cache: a kernel that declares none is not
+    called with one."""
+    backend = resolve_backend("tests.planted_mla:correct_mla", api="mla")
+    report = run(backend, properties=MLA_FP8, dtypes=(torch.bfloat16,))
+    assert {r.status for r in report.results} == {"skip"}, report.format_table()

@@ -35,10 +35,12 @@ from attnref.conformance.families.mla import mla_naive
 __all__ = ["CAPABILITIES", "csr_layout", "flashinfer_mla", "reference_run"]
 
 #: the mla family's declaration of attnref's own kernels (any head dims, any page
-#: size, float32 and the half types); FlashInfer itself takes 512 + 64 and bf16/fp16
+#: size, float32 and the half types); FlashInfer itself takes 512 + 64 and bf16/fp16.
+#: No FP8 latent cache: the adapter passes no descales
 CAPABILITIES = replace(
     mla_naive.capabilities,  # type: ignore[attr-defined]
     dtypes=(torch.float32, torch.float16, torch.bfloat16),
+    fp8=(),
 )
 
 

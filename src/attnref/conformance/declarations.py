@@ -180,9 +180,10 @@ class Capabilities:
     rotary: bool = False  # rotary_cos / rotary_sin for the new tokens, both layouts
     paged: bool = False  # a paged cache through block_table
     page_multiple: int = 1  # page sizes must be multiples of this (FlashAttention 2: 256)
-    #: (flash-kvcache) the FP8 formats of q, K and V it takes with FlashAttention 3's
-    #: per-KV-head ``q_descale``, ``k_descale``, ``v_descale`` (of "e4m3fn", "e5m2"); such
-    #: a call returns bfloat16, FlashAttention 3's output
+    #: the FP8 formats (of "e4m3fn", "e5m2") of q and the cache it takes, with
+    #: (flash-kvcache) FlashAttention 3's per-KV-head ``q_descale``, ``k_descale``,
+    #: ``v_descale``, or (mla) vLLM's FlashMLA per-tensor ``descale_q``, ``descale_k``;
+    #: such a call returns bfloat16
     fp8: tuple[str, ...] = ()
     #: it rounds the probabilities P to the FP8 format before ``P V`` (FlashAttention 3):
     #: the bound of an FP8 call grows by that rounding

@@ -24,7 +24,16 @@ from attnref.conformance.cases import Case, Inputs, build
 from attnref.kvcache import cache_slots, valid_keys
 from attnref.rotary import rotary, rotary_tables
 
-__all__ = ["CacheCall", "Pack", "build_cache", "build_pack", "dense_cache", "dense_pack"]
+__all__ = [
+    "CacheCall",
+    "Pack",
+    "build_cache",
+    "build_pack",
+    "dense_cache",
+    "dense_pack",
+    "descales",
+    "quantize",
+]
 
 #: what fills unused cache slots and padding tokens: large, so that reading one shows
 GARBAGE = 100.0
@@ -358,7 +367,7 @@ def dense_cache(inputs: Inputs) -> CacheCall:
 
 
 @checked_internal
-def _descales(B: int, g: int, gen: torch.Generator) -> Float32[Tensor, "{B} {g}"]:
+def descales(B: int, g: int, gen: torch.Generator) -> Float32[Tensor, "{B} {g}"]:
     """``(B, g)`` float32 scales from 1/8 to 8, none within a factor of sqrt(2) of 1:
     a scale of 1 hides the bugs of class 34."""
     e = torch.rand((B, g), generator=gen) * 6 - 3  # log2 of the scale
@@ -380,7 +389,7 @@ def quantize(call: CacheCall, fmt: str, seed: int) -> CacheCall:
     B, _, h, _ = call.q.shape
     g = call.k_cache.shape[2]
     gen = torch.Generator().manual_seed(seed * 31 + 17)
-    dq, dk, dv = (_descales(B, g, gen).to(call.q.device) for _ in range(3))
+    dq, dk, dv = (descales(B, g, gen).to(call.q.device) for _ in range(3))
     per_head = dq.repeat_interleave(h // g, dim=1)  # (B, h): each query head's KV head's
     q8 = (call.q / per_head[:, None, :, None]).to(fp8)
     k8, v8 = call.k_cache.to(fp8), call.v_cache.to(fp8)

@@ -848,7 +848,7 @@ def _shift_cases(p: Profile, c: Capabilities) -> st.SearchStrategy[Case]:
 # ------------------------------------------------------------------ FP8 caches
 
 
-def _fp8_expected(ctx: Context, x: Inputs, fmt: str) -> Expected:
+def fp8_expected(ctx: Context, x: Inputs, fmt: str) -> Expected:
     """The oracle of an FP8 row ``x`` (dequantized, exact in float64), held to a call
     that returns bfloat16: the bounds of the same values rounded to bfloat16 (a kernel
     may dequantize to its output dtype, as vLLM does, or fold the scales into float32
@@ -857,8 +857,9 @@ def _fp8_expected(ctx: Context, x: Inputs, fmt: str) -> Expected:
     that rounding too: ``u`` of the format for each normal probability and half the
     smallest subnormal for each of the ``n`` keys, times max |V|."""
     half = x.to(torch.bfloat16)
-    e = expect(half, ctx.caps.empty_row, ctx.native(half))
-    exact = expect(x, ctx.caps.empty_row, ctx.native(x))
+    rows = ctx.rows(x)  # a long call's sampled rows, the same in both
+    e = expect(half, ctx.caps.empty_row, ctx.native(half), rows)
+    exact = expect(x, ctx.caps.empty_row, ctx.native(x), rows)
     moved = torch.nan_to_num((e.value - exact.value).abs(), nan=0.0)
     floor = e.floor
     if ctx.caps.fp8_rounds_p and x.value.numel():
@@ -888,7 +889,7 @@ def _fp8_call(ctx: Context, case: Case, **scales: Tensor) -> tuple[CacheCall, li
     for o, x in zip(outs, call.rows, strict=True):
         half = x.to(torch.bfloat16)
         checked.append(check_output(o, (*x.query.shape[:-1], x.value.shape[-1]), half).detach())
-        ctx.keep(x, _fp8_expected(ctx, x, case.fp8))
+        ctx.keep(x, fp8_expected(ctx, x, case.fp8))
     return call, checked
 
 
@@ -928,7 +929,7 @@ def _kvcache_fp8(ctx: Context, case: Case) -> None:
 
 
 @checked_internal
-def _powers(shape: tuple[int, ...], gen: torch.Generator) -> Float32[Tensor, "*shape"]:
+def powers(shape: tuple[int, ...], gen: torch.Generator) -> Float32[Tensor, "*shape"]:
     """Powers of two from 1/4 to 4, never 1: a scale moved by one changes no rounding."""
     e = torch.randint(1, 3, shape, generator=gen) * (
         torch.randint(0, 2, shape, generator=gen) * 2 - 1
@@ -943,11 +944,11 @@ def _kvcache_fp8_fold(ctx: Context, case: Case) -> None:
     call, base = _fp8_call(ctx, case)
     assert call.q_descale is not None
     assert call.k_descale is not None
-    c = _powers(tuple(call.q_descale.shape), rng(case, 7)).to(call.q_descale.device)
+    c = powers(tuple(call.q_descale.shape), rng(case, 7)).to(call.q_descale.device)
     moved, got = _fp8_call(ctx, case, q_descale=call.q_descale * c, k_descale=call.k_descale / c)
     for b, (x, y) in enumerate(zip(call.rows, moved.rows, strict=True)):
         law(ctx, got[b], y, base[b], x, f"row {b}: q_descale * c, k_descale / c")
-    one = float(_powers((1,), rng(case, 8))[0])
+    one = float(powers((1,), rng(case, 8))[0])
     scale = case.scale if case.scale is not None else case.Dh**-0.5
     folded = replace(case, scale=scale / one)
     moved, got = _fp8_call(ctx, folded, q_descale=call.q_descale * one)

@@ -7,7 +7,10 @@ against ``k_cache (blocks, page, 1, D)``, one key/value head whose **values are 
 first** ``head_dim_v`` **dims**; token ``t`` of sequence ``b`` at
 ``k_cache[block_table[b, t // page], t % page]``; bottom-right causal; ``out (B, Tq, h,
 head_dim_v)`` and the LSE ``(B, h, Tq)`` in float32, natural log, ``+inf`` for a query
-that sees no key (deepseek-ai/FlashMLA ``flash_mla/flash_mla_interface.py``).
+that sees no key (deepseek-ai/FlashMLA ``flash_mla/flash_mla_interface.py``). A backend
+that declares ``fp8`` is also called with q and the cache in FP8 and ``descale_q``,
+``descale_k`` (float32, ``(1,)``, per tensor), returning bfloat16: vLLM's FlashMLA FP8
+path (``vllm/attention/ops/flashmla.py``, from FlashMLA PR #54).
 
 Everything of the family is here: the convention (a dense case runs as a call on a paged
 cache holding its keys: the engine draws its cases with one key/value head and V tied to
@@ -27,14 +30,14 @@ from typing import Any
 
 import torch
 from hypothesis import strategies as st
-from jaxtyping import Float, Int
+from jaxtyping import Float, Int, Shaped
 from torch import Tensor
 
 from attnref._checking import checked_internal
 from attnref.conformance.calls import invoke
 from attnref.conformance.cases import Case, Inputs
 from attnref.conformance.checks import Context, law, rng
-from attnref.conformance.declarations import Backend, Capabilities
+from attnref.conformance.declarations import FP8_FORMATS, Backend, Capabilities
 from attnref.conformance.families.flash import (
     declared,
     dense_read,
@@ -45,13 +48,14 @@ from attnref.conformance.families.flash import (
     flash_naive,
     flash_native_causal,
 )
-from attnref.conformance.families.flash_kvcache import per_row
+from attnref.conformance.families.flash_kvcache import fp8_expected, per_row, powers
 from attnref.conformance.families.sdpa import REFERENCE_CAPS
 from attnref.conformance.family import ApiFamily, Arguments, pair, variant_kwargs
 from attnref.conformance.mutants import Mutant
-from attnref.conformance.oracle import close, expect
+from attnref.conformance.oracle import Expected, close, expect, expect_lse
 from attnref.conformance.profiles import Profile
 from attnref.conformance.properties import Property
+from attnref.conformance.serving import descales
 from attnref.conformance.serving_checks import agree, guard, judge
 from attnref.conformance.strategies import cache_strategy
 from attnref.conformance.verdicts import Failure, Skip
@@ -139,6 +143,9 @@ class LatentCall:
     block_table: Tensor  # (B, pages) int32
     cache_seqlens: Tensor  # (B,) int32
     head_dim_v: int
+    #: an FP8 call's per-tensor descales (float32, ``(1,)``): q and the latent cache
+    descale_q: Tensor | None = None
+    descale_k: Tensor | None = None
 
     @property
     def first(self) -> Inputs:
@@ -220,6 +227,11 @@ def latent_arguments(caps: Capabilities, call: LatentCall, overrides: dict[str, 
         "softmax_scale": call.first.scale,
         "causal": call.first.causal is not None,
     }
+    if call.descale_q is not None:
+        fmt = next(n for n, d in FP8_FORMATS.items() if d == call.q.dtype)
+        if fmt not in caps.fp8:
+            raise Skip(f"an FP8 ({fmt}) latent cache not declared")
+        kwargs["descale_q"], kwargs["descale_k"] = call.descale_q, call.descale_k
     kwargs.update(overrides)
     args = (call.q, call.k_cache, call.block_table, call.cache_seqlens, call.head_dim_v)
     return args, kwargs
@@ -351,6 +363,59 @@ def latent_form(
     return mla
 
 
+def fp8_latent(
+    fn: Callable[..., Any],
+    name: str,
+    *,
+    to: torch.dtype = torch.float32,
+    bugs: frozenset[str] = frozenset(),
+) -> Callable[..., Any]:
+    """``fn`` (``flash_mla_with_kvcache``'s signature) that also takes q and the latent
+    cache in FP8 with per-tensor descales, as vLLM's FlashMLA FP8 path does
+    (``descale_q``, ``descale_k``: float32 of shape ``(1,)``; FlashMLA PR #54): both
+    dequantized to ``to`` (the stored value times its scale, rounded once), ``fn``
+    called on them, the output returned in bfloat16 and the LSE in float32. V is the
+    cache's leading dims, so ``descale_k`` dequantizes the values too. Without FP8
+    inputs, ``fn`` itself.
+
+    ``bugs`` plants class-34 bugs, for the mutants: ``v_undescaled`` (``descale_k``
+    applied to the scores only: V read as stored), ``q_descale_dropped``,
+    ``k_descale_twice``.
+    """
+
+    @checked_internal
+    def mla(
+        q: Shaped[Tensor, "B Tq h D"],
+        k_cache: Shaped[Tensor, "blocks page 1 D"],
+        block_table: Int[Tensor, "B pages"],
+        cache_seqlens: Int[Tensor, " B"],
+        head_dim_v: int,
+        tile_scheduler_metadata: object = None,
+        num_splits: object = None,
+        softmax_scale: float | None = None,
+        causal: bool = False,
+        descale_q: Float[Tensor, "1"] | None = None,
+        descale_k: Float[Tensor, "1"] | None = None,
+    ) -> Any:
+        rest = (block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata, num_splits)
+        if q.dtype not in FP8_FORMATS.values():
+            return fn(q, k_cache, *rest, softmax_scale=softmax_scale, causal=causal)
+        one = torch.ones(1, dtype=torch.float32, device=q.device)
+        dq = one if descale_q is None or "q_descale_dropped" in bugs else descale_q.float()
+        dk = one if descale_k is None else descale_k.float()
+        if "k_descale_twice" in bugs:
+            dk = dk * dk
+        out, lse = fn((q.float() * dq).to(to), (k_cache.float() * dk).to(to), *rest,
+                      softmax_scale=softmax_scale, causal=causal)  # fmt: skip
+        if "v_undescaled" in bugs:  # P V with V as stored: the output is linear in V
+            out = out.float() / dk
+        return out.to(torch.bfloat16), lse.float()
+
+    mla.__name__ = mla.__qualname__ = name
+    mla.__doc__ = f"{fn.__doc__ or ''}\n\nWith FP8 latent caches (per-tensor descales)."
+    return mla
+
+
 # ------------------------------------------------------------------ the builtins
 
 
@@ -405,13 +470,15 @@ def _mla_sdpa(
     return torch.stack(outs), torch.stack(lses)
 
 
-_OURS = mla_caps(REFERENCE_CAPS)
+_OURS = replace(mla_caps(REFERENCE_CAPS), fp8=tuple(FP8_FORMATS))
 #: attnref's reference, torch's SDPA and the naive kernel in FlashMLA's convention, with
 #: their declarations: ``attnref audit --api mla --backend
-#: attnref.conformance.families.mla:mla_sdpa`` audits one as a user's kernel
-mla_reference = declared(mla_kvcache_attention, _OURS)
-mla_sdpa = declared(_mla_sdpa, _OURS)
-mla_naive = declared(latent_form(flash_naive, "mla_naive"), _OURS)
+#: attnref.conformance.families.mla:mla_sdpa`` audits one as a user's kernel. Each takes
+#: FP8 latent caches too: the reference and the naive kernel dequantize to float32, and
+#: torch's SDPA to bfloat16 (dequantize-then-attend in the output dtype, vLLM's way)
+mla_reference = declared(fp8_latent(mla_kvcache_attention, "mla_reference"), _OURS)
+mla_sdpa = declared(fp8_latent(_mla_sdpa, "mla_sdpa", to=torch.bfloat16), _OURS)
+mla_naive = declared(fp8_latent(latent_form(flash_naive, "mla_naive"), "mla_naive"), _OURS)
 
 
 def _flash_mla(*args: Any, **kwargs: Any) -> Any:
@@ -685,6 +752,141 @@ def _mla_cases(
     return cases
 
 
+# ------------------------------------------------------------ FP8 latent caches
+
+
+def quantize_latent(call: LatentCall, fmt: str, seed: int) -> LatentCall:
+    """``call`` (built in float64) with q and the latent cache stored in FP8 ``fmt`` and
+    per-tensor descales (vLLM's FlashMLA FP8 path): each divided by its scale (from 1/8
+    to 8, never within sqrt(2) of 1), rounded to FP8; its rows rebuilt from the stored
+    values times the scales, exact in float64, V the dequantized keys' leading dims.
+    The unused slots stay NaN."""
+    fp8 = FP8_FORMATS[fmt]
+    gen = torch.Generator().manual_seed(seed * 31 + 23)
+    dq, dk = (descales(1, 1, gen).reshape(1).to(call.q.device) for _ in range(2))
+    q8 = (call.q / dq.double()).to(fp8)
+    k8 = (call.k_cache / dk.double()).to(fp8)
+    queries, cache = q8.double() * dq.double(), k8.double() * dk.double()
+    rows = []
+    for b, x in enumerate(call.rows):
+        keys = valid_keys(cache, b, x.key.shape[-2], call.block_table, b).transpose(0, 1)
+        rows.append(replace(x, query=queries[b].transpose(0, 1), key=keys,
+                            value=keys[..., : call.head_dim_v]))  # fmt: skip
+    return replace(call, rows=tuple(rows), q=q8, k_cache=k8, descale_q=dq, descale_k=dk)
+
+
+def _rescaled(call: LatentCall, descale_q: Tensor, descale_k: Tensor) -> LatentCall:
+    """``call`` with other descales, its rows rebuilt from the same stored values."""
+    assert call.descale_q is not None
+    assert call.descale_k is not None
+    fq = float(descale_q.double() / call.descale_q.double())
+    fk = float(descale_k.double() / call.descale_k.double())
+    rows = tuple(
+        replace(x, query=x.query * fq, key=x.key * fk, value=x.value * fk) for x in call.rows
+    )
+    return replace(call, rows=rows, descale_q=descale_q, descale_k=descale_k)
+
+
+def fp8_lse_expected(x: Inputs, empty_lse: Any) -> Expected:
+    """The LSE's oracle of an FP8 sequence ``x`` (dequantized, exact in float64): the
+    bounds of the same values rounded to bfloat16 (a kernel may dequantize to it),
+    plus what that rounding moves the oracle by."""
+    half = expect_lse(x.to(torch.bfloat16), empty_lse)
+    exact = expect_lse(x, empty_lse)
+    both = torch.isfinite(half.value) & torch.isfinite(exact.value)
+    moved = torch.where(both, (half.value - exact.value).abs(), 0.0)
+    return replace(exact, ref_err=half.ref_err + moved, floor=half.floor)
+
+
+def _fp8_call(
+    ctx: Context, case: Case, scales: tuple[Tensor, Tensor] | None = None, scale: float = 1.0
+) -> tuple[LatentCall, list[Tensor], list[Tensor]]:
+    """``case``'s FP8 call (its descales replaced by ``scales``, its softmax scale
+    multiplied by ``scale``) and each sequence's output and LSE, its bounds kept as the
+    sequence's oracle for the laws."""
+    if ctx.dtype != torch.bfloat16:
+        raise Skip("an FP8 call returns bfloat16: audited in the bfloat16 run")
+    if case.fp8 not in ctx.caps.fp8:
+        raise Skip(f"an FP8 ({case.fp8}) latent cache not declared")
+    if scale != 1.0:
+        case = replace(case, scale=(case.Dh**-0.5 if case.scale is None else case.scale) * scale)
+    call = quantize_latent(build_latent(case, torch.float64, ctx.device), case.fp8, case.seed)
+    if scales is not None:
+        call = _rescaled(call, *scales)
+    args, kwargs = latent_arguments(ctx.caps, call, {})
+    guard(ctx, call.first.to(torch.bfloat16), kwargs)
+    raw = invoke(ctx.backend, Job(args, kwargs), ctx.timeout, ctx.executor)
+    outs, lses = read_latent(raw, call, True)
+    got, got_lse = judge(outs, lses, tuple(x.to(torch.bfloat16) for x in call.rows))
+    assert got_lse is not None
+    for x in call.rows:
+        ctx.keep(x, fp8_expected(ctx, x, case.fp8))
+    return call, got, got_lse
+
+
+def _mla_fp8(ctx: Context, case: Case) -> None:
+    """Each sequence of an FP8 call (q and the latent cache in FP8 with per-tensor
+    descales, neither of them 1) agrees with the oracle of its dequantized rows: output
+    and LSE."""
+    call, outs, lses = _fp8_call(ctx, case)
+    for b, (out, lse, x) in enumerate(zip(outs, lses, call.rows, strict=True)):
+        label = f"sequence {b} (Tq = {x.query.shape[-2]}, Tk = {x.key.shape[-2]}, {case.fp8})"
+        exp = ctx.expect(x)
+        with ctx.naming_the_row(x):
+            close(out.to(torch.float64), exp.value, *exp.bounds(), f"{label}: output")
+        el = fp8_lse_expected(x, ctx.caps.empty_lse)
+        close(lse.to(torch.float64), el.value, *el.bounds(), f"{label}: log-sum-exp")
+
+
+def _mla_fp8_fold(ctx: Context, case: Case) -> None:
+    """A scale folded between q and the cache, or between q and the softmax scale,
+    changes nothing: ``descale_q * c`` with ``descale_k / c``, and ``descale_q * c``
+    with ``softmax_scale / c`` (c a power of two: no rounding moves)."""
+    call, base, _ = _fp8_call(ctx, case)
+    assert call.descale_q is not None
+    assert call.descale_k is not None
+    c = float(powers((1,), rng(case, 7))[0])
+    moved, got, _ = _fp8_call(ctx, case, (call.descale_q * c, call.descale_k / c))
+    for b, (x, y) in enumerate(zip(call.rows, moved.rows, strict=True)):
+        law(ctx, got[b], y, base[b], x, f"sequence {b}: descale_q * {c:g}, descale_k / {c:g}")
+    d = float(powers((1,), rng(case, 8))[0])
+    moved, got, _ = _fp8_call(ctx, case, (call.descale_q * d, call.descale_k), scale=1 / d)
+    for b, (x, y) in enumerate(zip(call.rows, moved.rows, strict=True)):
+        law(ctx, got[b], y, base[b], x, f"sequence {b}: descale_q * {d:g}, softmax_scale / {d:g}")
+
+
+def _mla_fp8_values(ctx: Context, case: Case) -> None:
+    """``descale_k`` dequantizes the values too (V is the same rows' leading dims):
+    ``descale_k * c`` with ``descale_q / c`` leaves every score as it was and multiplies
+    the output by exactly ``c``."""
+    call, base, _ = _fp8_call(ctx, case)
+    assert call.descale_q is not None
+    assert call.descale_k is not None
+    c = float(powers((1,), rng(case, 9))[0])
+    moved, got, _ = _fp8_call(ctx, case, (call.descale_q / c, call.descale_k * c))
+    for b, (x, y) in enumerate(zip(call.rows, moved.rows, strict=True)):
+        law(ctx, got[b], y, base[b], x,
+            f"sequence {b}: descale_k * {c:g}, descale_q / {c:g}: the output times {c:g}",
+            transform=lambda o, c=c: o * c, factor=c)  # type: ignore[misc]  # fmt: skip
+
+
+def _needs_fp8(caps: Capabilities) -> str | None:
+    return None if caps.fp8 else "FP8 latent caches not declared"
+
+
+def _fp8_cases(
+    name: str, **pins: Any
+) -> Callable[[Profile, Capabilities], st.SearchStrategy[Case]]:
+    """The MLA calls of `_mla_cases`, in an FP8 format the backend declares."""
+    latent = _mla_cases(name, **pins)
+
+    def cases(p: Profile, c: Capabilities) -> st.SearchStrategy[Case]:
+        formats = st.sampled_from(c.fp8 or ("e4m3fn",))
+        return st.tuples(latent(p, c), formats).map(lambda t: replace(t[0], fp8=t[1]))
+
+    return cases
+
+
 PROPERTIES: tuple[Property, ...] = (
     Property(
         "mla",
@@ -729,6 +931,35 @@ PROPERTIES: tuple[Property, ...] = (
         _mla_merge,
         families=(NAME,),
     ),
+    Property(
+        "mla_fp8",
+        "each sequence of an FP8 MLA call (per-tensor descales, neither of them 1) agrees "
+        "with the oracle of its dequantized rows, output and LSE",
+        (34,),
+        _fp8_cases("mla_fp8"),
+        _mla_fp8,
+        requires=_needs_fp8,
+        families=(NAME,),
+    ),
+    Property(
+        "mla_fp8_fold",
+        "a scale folded between q and the cache, or q and the softmax scale, changes nothing",
+        (34,),
+        _fp8_cases("mla_fp8_fold"),
+        _mla_fp8_fold,
+        requires=_needs_fp8,
+        families=(NAME,),
+    ),
+    Property(
+        "mla_fp8_values",
+        "descale_k dequantizes V too: a factor moved from descale_q to descale_k scales "
+        "the output by exactly that factor",
+        (34,),
+        _fp8_cases("mla_fp8_values"),
+        _mla_fp8_values,
+        requires=_needs_fp8,
+        families=(NAME,),
+    ),
 )
 
 
@@ -736,9 +967,10 @@ PROPERTIES: tuple[Property, ...] = (
 
 
 def _mutant_fn(self: Mutant) -> Callable[..., Any]:
-    """A bug in how latent rows are read or the result given back: the naive kernel
-    behind a buggy `latent_form`."""
-    fn = latent_form(flash_naive, self.name, bugs=frozenset(self.switches))
+    """A bug in how latent rows are read, dequantized or the result given back: the
+    naive kernel behind a buggy `latent_form` and `fp8_latent`."""
+    bugs = frozenset(self.switches)
+    fn = fp8_latent(latent_form(flash_naive, self.name, bugs=bugs), self.name, bugs=bugs)
     fn.__doc__ = f"Class {self.bug_class}: {self.summary}"
     fn.capabilities = self.capabilities  # type: ignore[attr-defined]
     return fn
@@ -762,6 +994,13 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant("mla_offset_wraps", 21, "a page's element offset (its index times its stride) "
            "wraps at 2**16, as a 32-bit one does past 2**31", {"page_offset_16bit": True},
            **_LIKE),
+    Mutant("mla_fp8_v_undescaled", 34, "an FP8 latent cache's descale_k applied to the "
+           "scores only: V, the same rows' leading dims, read as stored",
+           {"v_undescaled": True}, **_LIKE),
+    Mutant("mla_fp8_q_descale_dropped", 34, "an FP8 call's descale_q ignored",
+           {"q_descale_dropped": True}, **_LIKE),
+    Mutant("mla_fp8_k_descale_twice", 34, "an FP8 latent cache's descale_k applied twice",
+           {"k_descale_twice": True}, **_LIKE),
 )  # fmt: skip
 
 
@@ -811,8 +1050,8 @@ FAMILY = ApiFamily(
     summary="FlashMLA's flash_mla_with_kvcache: multi-head latent attention decode over a "
     "paged cache of latent rows, one KV head, V the cache's first head_dim_v dims",
     signature="fn(q, k_cache, block_table, cache_seqlens, head_dim_v, "
-    "tile_scheduler_metadata=None, num_splits=None, softmax_scale=None, causal=False) "
-    "-> (out, lse)",
+    "tile_scheduler_metadata=None, num_splits=None, softmax_scale=None, causal=False, "
+    "descale_q=None, descale_k=None) -> (out, lse)",
     positional=5,
     keywords=("softmax_scale", "causal"),
     defaults=FLASH_MLA,
