@@ -1,6 +1,7 @@
 """The ``mla`` family (FlashMLA's ``flash_mla_with_kvcache``): its cases, its built-ins
 and the kernels of tests/planted_mla.py, written apart from its mutants."""
 
+import math
 from dataclasses import replace
 
 import pytest
@@ -8,9 +9,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from attnref.conformance import PROFILES, PROPERTIES, Case, resolve_backend
+from attnref.conformance import PROFILES, PROPERTIES, Case, check_case, resolve_backend
 from attnref.conformance.cases import build
 from attnref.conformance.families.mla import HUGE_BLOCK, build_latent, quantize_latent, tied
+from attnref.conformance.oracle import Expected, close
 from attnref.conformance.strategies import case_strategy, inside
 from tests.planted_mla import UNSEEN
 from tests.planted_mla_fp8 import UNSEEN as FP8_UNSEEN
@@ -184,3 +186,19 @@ def test_the_fp8_mla_properties_are_skipped_where_fp8_is_not_declared() -> None:
     backend = resolve_backend("tests.planted_mla:correct_mla", api="mla")
     report = run(backend, properties=MLA_FP8, dtypes=(torch.bfloat16,))
     assert {r.status for r in report.results} == {"skip"}, report.format_table()
+
+
+def test_the_mean_bound_averages_only_the_entries_close_judges() -> None:
+    """An LSE expected +inf (a row that sees no key) is held to that policy, not to a
+    size: its zero reference error must not dilute the mean bound of the finite rows.
+    Before, three empty rows of four cut the mean bound to a quarter, and mla-sdpa, whose
+    one finite LSE was off by exactly its rounding to bfloat16, failed (seed 2, quick)."""
+    value = torch.tensor([0.8, math.inf, math.inf, math.inf], dtype=torch.float64)
+    exp = Expected(value, torch.tensor([2e-3, 0.0, 0.0, 0.0], dtype=torch.float64), 1e-6)
+    got = value + torch.tensor([2e-3, 0.0, 0.0, 0.0], dtype=torch.float64)
+    assert exp.bounds() == pytest.approx((6e-3, 6e-3))
+    close(got, exp.value, *exp.bounds(), "lse")  # within the reference's own error
+    case = Case("mla_fp8", h=1, g=1, Tq=4, Tk=1, Dh=8, Dv=8, causal="bottom_right",
+                cached=(1,), page=16, shuffle=True, latent=True, fp8="e4m3fn")  # fmt: skip
+    verdict = check_case("mla_fp8", "mla-sdpa", case, torch.bfloat16, "cpu", api="mla")
+    assert verdict == "pass", verdict

@@ -149,9 +149,16 @@ class Expected:
         return self.value if self.known is None else self.value.where(self.known, math.nan)
 
     def bounds(self, sel: Tensor | None = None) -> tuple[float, float]:
-        """The (max, mean) error bounds over the selected elements (all by default)."""
+        """The (max, mean) error bounds over the selected elements (all by default)
+        that `close` judges: those whose expected value is finite. An entry expected
+        NaN or infinite (an empty row's LSE, a NaN policy) is held to its policy, not
+        to a size, and averaging its zero error into the mean bound would hold the
+        other entries to less than their own reference error."""
         sel = self.sel(sel)
-        err = self.ref_err if sel is None else self.ref_err[sel.expand_as(self.ref_err)]
+        judged = torch.isfinite(self.value)
+        if sel is not None:
+            judged = judged & sel.expand_as(self.value)
+        err = self.ref_err[judged.expand_as(self.ref_err)]
         if err.numel() == 0:
             return self.floor, self.floor
         return (
