@@ -979,7 +979,8 @@ def _kvcache_fp8_groups(ctx: Context, case: Case) -> None:
         law(ctx, got[b], y, base[b], x, what, transform=doubled, factor=2.0)
 
 
-def _needs_fp8(caps: Capabilities) -> str | None:
+def needs_fp8(caps: Capabilities) -> str | None:
+    """Why an FP8 property does not apply (no format declared), or None."""
     return None if caps.fp8 else "FP8 caches not declared"
 
 
@@ -1010,7 +1011,7 @@ FP8_PROPERTIES: tuple[Property, ...] = (
         (34,),
         _fp8_cases("kvcache_fp8"),
         _kvcache_fp8,
-        requires=_needs_fp8,
+        requires=needs_fp8,
         families=(NAME,),
     ),
     Property(
@@ -1019,7 +1020,7 @@ FP8_PROPERTIES: tuple[Property, ...] = (
         (34,),
         _fp8_cases("kvcache_fp8_fold"),
         _kvcache_fp8_fold,
-        requires=_needs_fp8,
+        requires=needs_fp8,
         families=(NAME,),
     ),
     Property(
@@ -1028,7 +1029,7 @@ FP8_PROPERTIES: tuple[Property, ...] = (
         (34,),
         _fp8_cases("kvcache_fp8_groups", g=st.integers(2, 3)),
         _kvcache_fp8_groups,
-        requires=_needs_fp8,
+        requires=needs_fp8,
         families=(NAME,),
     ),
 )

@@ -30,14 +30,14 @@ from typing import Any
 
 import torch
 from hypothesis import strategies as st
-from jaxtyping import Float, Int, Shaped
+from jaxtyping import Float, Float32, Int, Shaped
 from torch import Tensor
 
 from attnref._checking import checked_internal
 from attnref.conformance.calls import invoke
 from attnref.conformance.cases import Case, Inputs
 from attnref.conformance.checks import Context, law, rng
-from attnref.conformance.declarations import FP8_FORMATS, Backend, Capabilities
+from attnref.conformance.declarations import FP8_FORMATS, Backend, Capabilities, EmptyLse
 from attnref.conformance.families.flash import (
     declared,
     dense_read,
@@ -48,7 +48,12 @@ from attnref.conformance.families.flash import (
     flash_naive,
     flash_native_causal,
 )
-from attnref.conformance.families.flash_kvcache import fp8_expected, per_row, powers
+from attnref.conformance.families.flash_kvcache import (
+    fp8_expected,
+    needs_fp8,
+    per_row,
+    powers,
+)
 from attnref.conformance.families.sdpa import REFERENCE_CAPS
 from attnref.conformance.family import ApiFamily, Arguments, pair, variant_kwargs
 from attnref.conformance.mutants import Mutant
@@ -775,7 +780,10 @@ def quantize_latent(call: LatentCall, fmt: str, seed: int) -> LatentCall:
     return replace(call, rows=tuple(rows), q=q8, k_cache=k8, descale_q=dq, descale_k=dk)
 
 
-def _rescaled(call: LatentCall, descale_q: Tensor, descale_k: Tensor) -> LatentCall:
+@checked_internal
+def _rescaled(
+    call: LatentCall, descale_q: Float32[Tensor, "1"], descale_k: Float32[Tensor, "1"]
+) -> LatentCall:
     """``call`` with other descales, its rows rebuilt from the same stored values."""
     assert call.descale_q is not None
     assert call.descale_k is not None
@@ -787,7 +795,7 @@ def _rescaled(call: LatentCall, descale_q: Tensor, descale_k: Tensor) -> LatentC
     return replace(call, rows=rows, descale_q=descale_q, descale_k=descale_k)
 
 
-def fp8_lse_expected(x: Inputs, empty_lse: Any) -> Expected:
+def fp8_lse_expected(x: Inputs, empty_lse: EmptyLse) -> Expected:
     """The LSE's oracle of an FP8 sequence ``x`` (dequantized, exact in float64): the
     bounds of the same values rounded to bfloat16 (a kernel may dequantize to it),
     plus what that rounding moves the oracle by."""
@@ -870,10 +878,6 @@ def _mla_fp8_values(ctx: Context, case: Case) -> None:
             transform=lambda o, c=c: o * c, factor=c)  # type: ignore[misc]  # fmt: skip
 
 
-def _needs_fp8(caps: Capabilities) -> str | None:
-    return None if caps.fp8 else "FP8 latent caches not declared"
-
-
 def _fp8_cases(
     name: str, **pins: Any
 ) -> Callable[[Profile, Capabilities], st.SearchStrategy[Case]]:
@@ -938,7 +942,7 @@ PROPERTIES: tuple[Property, ...] = (
         (34,),
         _fp8_cases("mla_fp8"),
         _mla_fp8,
-        requires=_needs_fp8,
+        requires=needs_fp8,
         families=(NAME,),
     ),
     Property(
@@ -947,7 +951,7 @@ PROPERTIES: tuple[Property, ...] = (
         (34,),
         _fp8_cases("mla_fp8_fold"),
         _mla_fp8_fold,
-        requires=_needs_fp8,
+        requires=needs_fp8,
         families=(NAME,),
     ),
     Property(
@@ -957,7 +961,7 @@ PROPERTIES: tuple[Property, ...] = (
         (34,),
         _fp8_cases("mla_fp8_values"),
         _mla_fp8_values,
-        requires=_needs_fp8,
+        requires=needs_fp8,
         families=(NAME,),
     ),
 )
