@@ -130,3 +130,27 @@ def test_environment_switches(env: dict[str, str], expected: str) -> None:
         [sys.executable, "-c", code], env=clean | env, capture_output=True, text=True, check=True
     )
     assert proc.stdout.strip() == expected
+
+
+def test_an_audit_s_worker_checks_as_its_judge_does(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The judge runs an audit unchecked (unless ``ATTNREF_CHECK_JUDGE=1``), and so does
+    the worker, even one started while checking was still on (the CLI starts it first,
+    to read the declaration): its harness costs per call what the judge's does."""
+    from attnref.conformance import audit
+    from attnref.conformance.executors import start_executor
+
+    spec = "tests.torch_sdpa:sdpa_unless_checked"
+    assert checking_enabled()
+    for judge, status in (("0", "pass"), ("1", "fail")):
+        monkeypatch.setenv("ATTNREF_CHECK_JUDGE", judge)
+        executor = start_executor(spec)
+        try:
+            report = audit(
+                executor.backend, properties=["forward"], dtypes=[torch.float32], executor=executor
+            )
+        finally:
+            executor.close()
+        (result,) = report.results
+        assert result.status == status, (judge, result.message)
+        if status == "fail":
+            assert "shape checking is on" in result.message

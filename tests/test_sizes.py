@@ -3,6 +3,7 @@
 profile; a correct blocked kernel passes; every strawman fails every property that can
 see it."""
 
+import math
 import re
 from dataclasses import replace
 
@@ -241,3 +242,44 @@ def test_a_sampled_oracle_on_another_device_than_its_rows_is_laid_out_there() ->
     spread = _spread_rows(sampled, torch.tensor([1, 6, 7, 9]), 10, -2)
     assert spread.value.shape == (2, 3, 10, 5)
     assert spread.value.device.type == "meta"
+
+
+def test_a_comparison_on_sampled_rows_reads_them_alone_and_names_them_as_they_were() -> None:
+    """`close` and `Expected.bounds` judge a long case's sampled rows on those rows alone
+    (at the sample's cost, not the case's): the bounds, the verdict and the index a
+    failure names are those of the comparison made on the whole tensors."""
+    from attnref.conformance.oracle import Expected, close
+    from attnref.conformance.verdicts import Failure
+    from attnref.tolerances import FUDGE
+
+    gen = torch.Generator().manual_seed(0)
+    Tq, rows = 40, torch.tensor([0, 1, 17, 38, 39])
+    value = torch.randn(2, 3, Tq, 5, generator=gen, dtype=torch.float64)
+    ref_err = 1e-3 * torch.rand(2, 3, Tq, 5, generator=gen, dtype=torch.float64)
+    known = torch.zeros(Tq, dtype=torch.bool)
+    known[rows] = True
+    exp = Expected(value, ref_err, 1e-9, known=known[:, None])
+    sub = ref_err[..., rows, :]
+    assert exp.bounds() == pytest.approx((FUDGE * float(sub.max()), FUDGE * float(sub.mean())))
+    got = value.clone()
+    got[0, 0, 5] = math.nan  # a row not sampled: not judged
+    got[:, :, 20] += 1.0
+    close(got, value, *exp.bounds(), "output", exp.known)
+    got[1, 2, 17, 3] += 1.0  # a sampled row: found, and named where it is
+    with pytest.raises(Failure) as wrong:
+        close(got, value, *exp.bounds(), "output", exp.known)
+    assert wrong.value.where == (1, 2, 17, 3)
+    assert "(1, 2, 17, 3)" in str(wrong.value)
+    got[0, 1, 38, 0] = math.inf
+    with pytest.raises(Failure) as bad:
+        close(got, value, *exp.bounds(), "output", exp.known)
+    assert bad.value.where == (0, 1, 38, 0)
+    assert bad.value.kind == "nan"
+    # a log-sum-exp: the query axis is the last
+    lse = Expected(value[..., 0], ref_err[..., 0], 1e-9, known=known)
+    assert lse.bounds()[0] == pytest.approx(FUDGE * float(sub[..., 0].max()))
+    got_lse = value[..., 0].clone()
+    got_lse[1, 0, 39] -= 1.0
+    with pytest.raises(Failure) as off:
+        close(got_lse, value[..., 0], *lse.bounds(), "lse", lse.known)
+    assert off.value.where == (1, 0, 39)

@@ -51,6 +51,7 @@ from jaxtyping import jaxtyped
 __all__ = [
     "CHECKED_ATTR",
     "CHECK_INTERNALS",
+    "audit_checking",
     "checked",
     "checked_internal",
     "checking_enabled",
@@ -92,3 +93,12 @@ def checking_enabled() -> bool:
 def set_checking(enabled: bool) -> None:
     """Turn runtime shape and dtype checking on or off for the whole process."""
     jaxtyping.config.update("jaxtyping_disable", not enabled)
+
+
+def audit_checking() -> bool:
+    """Whether an audit's own code runs checked: the judge's oracle and laws, and the
+    harness in its workers (decoding a job, calling the backend through its family).
+    Off unless ``ATTNREF_CHECK_JUDGE=1``: its inputs are the audit's own cases, and the
+    test suite runs the same code checked outside audits. A worker started before the
+    audit began (the CLI starts it to read the declaration) checks as the audit will."""
+    return os.environ.get("ATTNREF_CHECK_JUDGE") == "1"

@@ -350,7 +350,7 @@ def law(
     exact = transform(eb.value)
     diff = (eg.value - exact).abs()
     usable = torch.isfinite(diff) if sel is None else torch.isfinite(diff) & sel.expand_as(diff)
-    delta = float(diff[usable].max()) if usable.any() else 0.0
+    delta = float(torch.where(usable, diff, 0.0).max()) if diff.numel() else 0.0  # diff >= 0
     gmax, gmean = eg.bounds(sel)
     bmax, bmean = eb.bounds(sel if base_sel is None else base_sel)
     with ctx.naming_the_row(got_inputs):

@@ -36,7 +36,7 @@ if sys.platform != "win32":  # (where no supervised worker runs)
     import fcntl
 
 from attnref import _forkserver, _sandbox
-from attnref._checking import checking_enabled
+from attnref._checking import audit_checking, checking_enabled
 from attnref.conformance.declarations import (
     DEFAULT_API,
     Backend,
@@ -269,7 +269,7 @@ class Supervised:
                 self.api,
                 self.threads,
                 self.memory_limit,
-                checking_enabled(),
+                checking_enabled() and audit_checking(),  # as the audit's judge does
                 loader(),
                 self.env,
                 self._scratch,

@@ -11,7 +11,6 @@ into a verdict.
 """
 
 import math
-import os
 import secrets
 import time
 import zlib
@@ -23,7 +22,7 @@ from hypothesis import HealthCheck, Phase, Verbosity, given, settings
 from hypothesis import seed as hypothesis_seed
 from tqdm import tqdm
 
-from attnref._checking import checking_enabled, set_checking
+from attnref._checking import audit_checking, checking_enabled, set_checking
 from attnref.conformance.calls import TIMED_OUT, availability
 from attnref.conformance.cases import Case
 from attnref.conformance.declarations import Backend
@@ -360,7 +359,7 @@ def audit(
     wait = timeout
     bar = tqdm(work, desc=f"audit {backend.name}", disable=not progress, leave=False)
     try:
-        if os.environ.get("ATTNREF_CHECK_JUDGE") != "1":
+        if not audit_checking():
             set_checking(False)
         unavailable = availability(backend, device, timeout, executor)
         for prop, dtype in bar:
