@@ -6,7 +6,9 @@ importable as ``tests.planted_fp8:NAME`` with ``--api flash-kvcache``.
 ``correct_fp8`` dequantizes to bfloat16 and attends there, as vLLM does; ``rounds_p``
 folds the scales into float32 scores and rounds P to e4m3 before ``P V``, as
 FlashAttention 3 does, and declares it (`Capabilities.fp8_rounds_p`): both must pass.
-The others must fail.
+The others must fail. Each returns the log-sum-exp when asked (``return_softmax_lse``);
+``lse_without_descale`` computes its output right and its LSE from the scores before
+the descales.
 """
 
 import math
@@ -39,7 +41,7 @@ def _kernel(bug: str = "", claims: Any = CLAIMS) -> Any:
         v_descale: Tensor | None = None,
         return_softmax_lse: bool = False,
         **_: Any,
-    ) -> Tensor:
+    ) -> Tensor | tuple[Tensor, Tensor]:
         B, Tq, h, D = q.shape
         g = k_cache.shape[2]
         group = h // g
@@ -54,6 +56,7 @@ def _kernel(bug: str = "", claims: Any = CLAIMS) -> Any:
             head_of = torch.arange(h) % g
         scale = softmax_scale if softmax_scale is not None else D**-0.5
         out = torch.zeros(B, Tq, h, v_cache.shape[-1], dtype=torch.bfloat16, device=q.device)
+        lse = torch.full((B, h, Tq), -math.inf, device=q.device)  # no key: -inf
         for b in range(B):
             n = int(cache_seqlens[b]) if cache_seqlens is not None else k_cache.shape[1]
             if block_table is not None:
@@ -78,6 +81,7 @@ def _kernel(bug: str = "", claims: Any = CLAIMS) -> Any:
                 if bug == "v_descale_on_scores":
                     folded = folded * dv[b][kq]
                 s = torch.einsum("thd,nhd->htn", q[b].float(), k.float()[:, kq])
+                unfolded = s * scale  # the scores before the descales
                 s = s * (scale * folded)[:, None, None]
                 vv = v.float()[:, kq]
             seen = torch.ones(Tq, n, dtype=torch.bool, device=q.device)
@@ -89,14 +93,17 @@ def _kernel(bug: str = "", claims: Any = CLAIMS) -> Any:
             m = s.amax(-1, keepdim=True).nan_to_num(neginf=0.0)
             p = torch.exp(s - m)
             total = p.sum(-1, keepdim=True)
+            lse[b] = (m + total.log()).squeeze(-1)
+            if bug == "lse_without_descale":  # the LSE written from the raw scores
+                lse[b] = unfolded.masked_fill(~seen, -math.inf).logsumexp(-1)
             if bug in ("rounds_p", "rounds_p_undeclared", "v_descale_on_scores"):
                 p = p.to(torch.float8_e4m3fn).float()  # P rounded to FP8 before P V
             o = torch.einsum("htn,nhd->thd", p, vv) / total.transpose(0, 1).clamp(min=1e-30)
-            if bug in ("rounds_p", "rounds_p_undeclared"):
+            if bug in ("rounds_p", "rounds_p_undeclared", "lse_without_descale"):
                 o = o * dv[b][kq][None, :, None]
             o = o.masked_fill(~seen.any(-1)[:, None, None], 0.0)
             out[b] = o.to(torch.bfloat16)
-        return out
+        return (out, lse) if return_softmax_lse else out
 
     kvcache.capabilities = claims  # type: ignore[attr-defined]
     kvcache.__name__ = bug or "correct_fp8"
@@ -110,6 +117,7 @@ q_descale_ignored = _kernel("q_descale_ignored")
 descale_transposed = _kernel("descale_transposed")
 head_modulo = _kernel("head_modulo")
 v_descale_on_scores = _kernel("v_descale_on_scores", replace(CLAIMS, fp8=("e4m3fn",)))
+lse_without_descale = _kernel("lse_without_descale")
 
 #: the kernels that must fail (class 34 each, or an undeclared rounding)
 UNSEEN = (
@@ -118,4 +126,5 @@ UNSEEN = (
     "head_modulo",
     "v_descale_on_scores",
     "rounds_p_undeclared",
+    "lse_without_descale",
 )

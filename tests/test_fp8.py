@@ -89,3 +89,13 @@ def test_a_declaration_with_an_unknown_fp8_format_is_refused() -> None:
 
     with pytest.raises(ValueError, match="unknown format 'e4m3'"):
         Capabilities.preset("flash-kvcache", fp8=("e4m3",))
+
+
+def test_the_log_sum_exp_of_an_fp8_call_is_judged() -> None:
+    """A kernel whose output is right and whose LSE comes from the scores before the
+    descales fails `kvcache_fp8` on its log-sum-exp (written apart from the mutants)."""
+    backend = resolve_backend("tests.planted_fp8:lse_without_descale", api="flash-kvcache")
+    report = run(backend, properties=["kvcache_fp8"], dtypes=(torch.bfloat16,))
+    (result,) = report.results
+    assert result.status == "fail", report.format_table()
+    assert "log-sum-exp" in result.message, result.message

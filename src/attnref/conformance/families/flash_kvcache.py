@@ -22,10 +22,10 @@ from jaxtyping import Float, Float32, Int, Shaped
 from torch import Tensor
 
 from attnref._checking import checked_internal
-from attnref.conformance.calls import check_output, invoke
+from attnref.conformance.calls import invoke
 from attnref.conformance.cases import Case, Inputs
 from attnref.conformance.checks import Context, law, rng
-from attnref.conformance.declarations import FP8_FORMATS, Backend, Capabilities
+from attnref.conformance.declarations import FP8_FORMATS, Backend, Capabilities, EmptyLse
 from attnref.conformance.families.flash import (
     FLASH_ATTN_2,
     declared,
@@ -50,7 +50,7 @@ from attnref.conformance.families.sdpa import (
 )
 from attnref.conformance.family import ApiFamily, Arguments, pair
 from attnref.conformance.mutants import Mutant
-from attnref.conformance.oracle import Expected, close, expect
+from attnref.conformance.oracle import Expected, close, expect, expect_lse
 from attnref.conformance.profiles import Profile
 from attnref.conformance.properties import Property, some_variants
 from attnref.conformance.serving import GARBAGE, CacheCall, build_cache, dense_cache, quantize
@@ -66,6 +66,7 @@ __all__ = [
     "FAMILY",
     "FLASH_ATTN_2_KVCACHE",
     "cache_arguments",
+    "fp8_lse_expected",
     "kvcache_flex",
     "kvcache_form",
     "kvcache_naive",
@@ -871,9 +872,24 @@ def fp8_expected(ctx: Context, x: Inputs, fmt: str) -> Expected:
     return replace(exact, ref_err=e.ref_err + moved, floor=floor)
 
 
-def _fp8_call(ctx: Context, case: Case, **scales: Tensor) -> tuple[CacheCall, list[Tensor]]:
+def fp8_lse_expected(x: Inputs, empty_lse: EmptyLse) -> Expected:
+    """The LSE's oracle of an FP8 row or sequence ``x`` (dequantized, exact in float64):
+    the bounds of the same values rounded to bfloat16 (a kernel may dequantize to it),
+    plus what that rounding moves the oracle by. Rounding P to FP8 before ``P V``
+    (`Capabilities.fp8_rounds_p`) happens after the LSE is taken and adds nothing."""
+    half = expect_lse(x.to(torch.bfloat16), empty_lse)
+    exact = expect_lse(x, empty_lse)
+    both = torch.isfinite(half.value) & torch.isfinite(exact.value)
+    moved = torch.where(both, (half.value - exact.value).abs(), 0.0)
+    return replace(exact, ref_err=half.ref_err + moved, floor=half.floor)
+
+
+def _fp8_call(
+    ctx: Context, case: Case, lse: bool = False, **scales: Tensor
+) -> tuple[CacheCall, list[Tensor], list[Tensor] | None]:
     """``case``'s FP8 call (its descales replaced by ``scales``, the rows rebuilt) and
-    each row's output, its bounds kept as each row's oracle for the laws."""
+    each row's output, its bounds kept as each row's oracle for the laws; with ``lse``
+    (for a backend that declares the LSE), each row's log-sum-exp too."""
     if ctx.dtype != torch.bfloat16:
         raise Skip("an FP8 call returns bfloat16 (FlashAttention 3's): audited in the bfloat16 run")
     if case.fp8 not in ctx.caps.fp8:
@@ -881,16 +897,15 @@ def _fp8_call(ctx: Context, case: Case, **scales: Tensor) -> tuple[CacheCall, li
     call = quantize(build_cache(case, torch.float64, ctx.device), case.fp8, case.seed)
     if scales:
         call = _rescaled(call, **scales)
-    args, kwargs = cache_arguments(ctx.caps, call, False)
+    lse = lse and ctx.caps.lse
+    args, kwargs = cache_arguments(ctx.caps, call, lse)
     guard(ctx, call.first.to(torch.bfloat16), kwargs)
     raw = invoke(ctx.backend, Job(args, kwargs), ctx.timeout, ctx.executor)
-    outs, _ = read_cache(raw, call, False)
-    checked = []
-    for o, x in zip(outs, call.rows, strict=True):
-        half = x.to(torch.bfloat16)
-        checked.append(check_output(o, (*x.query.shape[:-1], x.value.shape[-1]), half).detach())
+    outs, lses = read_cache(raw, call, lse)
+    got, got_lse = judge(outs, lses, tuple(x.to(torch.bfloat16) for x in call.rows))
+    for x in call.rows:
         ctx.keep(x, fp8_expected(ctx, x, case.fp8))
-    return call, checked
+    return call, got, got_lse
 
 
 def _rescaled(call: CacheCall, **scales: Tensor) -> CacheCall:
@@ -918,14 +933,17 @@ def _rescaled(call: CacheCall, **scales: Tensor) -> CacheCall:
 
 def _kvcache_fp8(ctx: Context, case: Case) -> None:
     """Each row of an FP8 call (q, K and V in FP8 with FlashAttention 3's per-row,
-    per-KV-head descales, none of them 1) agrees with the oracle of its dequantized values."""
-    call, outs = _fp8_call(ctx, case)
+    per-KV-head descales, none of them 1) agrees with the oracle of its dequantized
+    values: its output and, where the LSE is declared, its log-sum-exp."""
+    call, outs, lses = _fp8_call(ctx, case, lse=True)
     for b, (out, x) in enumerate(zip(outs, call.rows, strict=True)):
         exp = ctx.expect(x)
-        Tq, Tk = x.query.shape[-2], x.key.shape[-2]
+        label = f"row {b} (Tq = {x.query.shape[-2]}, Tk = {x.key.shape[-2]}, {case.fp8})"
         with ctx.naming_the_row(x):
-            close(out.to(torch.float64), exp.value, *exp.bounds(),
-                  f"row {b} (Tq = {Tq}, Tk = {Tk}, {case.fp8}): output")  # fmt: skip
+            close(out.to(torch.float64), exp.value, *exp.bounds(), f"{label}: output")
+        if lses is not None:
+            el = fp8_lse_expected(x, ctx.caps.empty_lse)
+            close(lses[b].to(torch.float64), el.value, *el.bounds(), f"{label}: log-sum-exp")
 
 
 @checked_internal
@@ -941,17 +959,17 @@ def _kvcache_fp8_fold(ctx: Context, case: Case) -> None:
     """A scale folded between q and k, or between q and the softmax scale, changes
     nothing: ``q_descale * c`` with ``k_descale / c`` (c a power of two, per row and KV
     head), and ``q_descale * c`` with ``softmax_scale / c`` (one c for the call)."""
-    call, base = _fp8_call(ctx, case)
+    call, base, _ = _fp8_call(ctx, case)
     assert call.q_descale is not None
     assert call.k_descale is not None
     c = powers(tuple(call.q_descale.shape), rng(case, 7)).to(call.q_descale.device)
-    moved, got = _fp8_call(ctx, case, q_descale=call.q_descale * c, k_descale=call.k_descale / c)
+    moved, got, _ = _fp8_call(ctx, case, q_descale=call.q_descale * c, k_descale=call.k_descale / c)
     for b, (x, y) in enumerate(zip(call.rows, moved.rows, strict=True)):
         law(ctx, got[b], y, base[b], x, f"row {b}: q_descale * c, k_descale / c")
     one = float(powers((1,), rng(case, 8))[0])
     scale = case.scale if case.scale is not None else case.Dh**-0.5
     folded = replace(case, scale=scale / one)
-    moved, got = _fp8_call(ctx, folded, q_descale=call.q_descale * one)
+    moved, got, _ = _fp8_call(ctx, folded, q_descale=call.q_descale * one)
     for b, (x, y) in enumerate(zip(call.rows, moved.rows, strict=True)):
         law(ctx, got[b], y, base[b], x, f"row {b}: q_descale * {one:g}, softmax_scale / {one:g}")
 
@@ -961,12 +979,12 @@ def _kvcache_fp8_groups(ctx: Context, case: Case) -> None:
     one KV head doubles the outputs of its group's query heads and no other."""
     if case.g < 2:
         raise Skip("needs two KV heads or more")
-    call, base = _fp8_call(ctx, case)
+    call, base, _ = _fp8_call(ctx, case)
     assert call.v_descale is not None
     j = int(torch.randint(0, case.g, (1,), generator=rng(case, 9)))
     dv = call.v_descale.clone()
     dv[:, j] *= 2
-    moved, got = _fp8_call(ctx, case, v_descale=dv)
+    moved, got, _ = _fp8_call(ctx, case, v_descale=dv)
     group = case.h // case.g
     times = torch.ones(case.h, dtype=torch.float64)
     times[j * group : (j + 1) * group] = 2.0

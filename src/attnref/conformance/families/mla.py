@@ -37,7 +37,7 @@ from attnref._checking import checked_internal
 from attnref.conformance.calls import invoke
 from attnref.conformance.cases import Case, Inputs
 from attnref.conformance.checks import Context, law, rng
-from attnref.conformance.declarations import FP8_FORMATS, Backend, Capabilities, EmptyLse
+from attnref.conformance.declarations import FP8_FORMATS, Backend, Capabilities
 from attnref.conformance.families.flash import (
     declared,
     dense_read,
@@ -50,6 +50,7 @@ from attnref.conformance.families.flash import (
 )
 from attnref.conformance.families.flash_kvcache import (
     fp8_expected,
+    fp8_lse_expected,
     needs_fp8,
     per_row,
     powers,
@@ -57,7 +58,7 @@ from attnref.conformance.families.flash_kvcache import (
 from attnref.conformance.families.sdpa import REFERENCE_CAPS
 from attnref.conformance.family import ApiFamily, Arguments, pair, variant_kwargs
 from attnref.conformance.mutants import Mutant
-from attnref.conformance.oracle import Expected, close, expect, expect_lse
+from attnref.conformance.oracle import close, expect
 from attnref.conformance.profiles import Profile
 from attnref.conformance.properties import Property
 from attnref.conformance.serving import descales
@@ -793,17 +794,6 @@ def _rescaled(
         replace(x, query=x.query * fq, key=x.key * fk, value=x.value * fk) for x in call.rows
     )
     return replace(call, rows=rows, descale_q=descale_q, descale_k=descale_k)
-
-
-def fp8_lse_expected(x: Inputs, empty_lse: EmptyLse) -> Expected:
-    """The LSE's oracle of an FP8 sequence ``x`` (dequantized, exact in float64): the
-    bounds of the same values rounded to bfloat16 (a kernel may dequantize to it),
-    plus what that rounding moves the oracle by."""
-    half = expect_lse(x.to(torch.bfloat16), empty_lse)
-    exact = expect_lse(x, empty_lse)
-    both = torch.isfinite(half.value) & torch.isfinite(exact.value)
-    moved = torch.where(both, (half.value - exact.value).abs(), 0.0)
-    return replace(exact, ref_err=half.ref_err + moved, floor=half.floor)
 
 
 def _fp8_call(
