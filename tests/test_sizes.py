@@ -283,3 +283,16 @@ def test_a_comparison_on_sampled_rows_reads_them_alone_and_names_them_as_they_we
     with pytest.raises(Failure) as off:
         close(got_lse, value[..., 0], *lse.bounds(), "lse", lse.known)
     assert off.value.where == (1, 0, 39)
+
+
+@pytest.mark.parametrize("amp", [1.0, 0.25, 2.0, 4.0, 8.0, 16.0, 32.0, 6.0, 0.37])
+def test_inputs_are_drawn_as_amp_times_randn(amp: float) -> None:
+    """A case's inputs are ``amp * randn`` from its seed, bit for bit, however they are
+    drawn (a power of two scaled within the draw, in one pass): a case, a reproducer and
+    a shrunk failure stay the same numbers."""
+    from attnref.conformance.cases import _randn
+
+    for shape in [(0,), (1,), (3, 5), (15,), (16,), (2, 3, 17), (4097,)]:
+        gen, again = torch.Generator().manual_seed(11), torch.Generator().manual_seed(11)
+        assert torch.equal(_randn(shape, gen, amp), amp * torch.randn(shape, generator=again))
+        assert torch.equal(torch.rand(4, generator=gen), torch.rand(4, generator=again))

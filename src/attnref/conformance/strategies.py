@@ -269,77 +269,88 @@ def case_strategy(
         "variants": pinned("variants", st.just({})),
         "values": st.tuples(pinned("logits", _LOGITS), pinned("v_offset", _V_OFFSETS)),
     }
+    # drawn by one composite made at import: Hypothesis reads a composite's source each
+    # time one is made, which cost 7 ms a property
+    return _draw_case(name, profile, caps, budget, fields, strategies)
+
+
+@st.composite
+def _draw_case(
+    draw: st.DrawFn,
+    name: str,
+    profile: Profile,
+    caps: Capabilities,
+    budget: int,
+    fields: dict[str, Any],
+    strategies: dict[str, st.SearchStrategy[Any]],
+) -> Case:
+    """One case of `case_strategy` (its arguments, its strategies built there)."""
     level = fields.get("level")
-
-    @st.composite
-    def draw_case(draw: st.DrawFn) -> Case:
-        kind: Size = draw(strategies["size"])
-        skip = _NOT_DRAWN[kind]
-        got = {n: draw(strategy) for n, strategy in strategies.items() if n not in skip}
-        batch: tuple[int, ...] = tuple(got["batch"])
-        g, group = got["g"], got["group"]
-        if kind == "long":
-            Tq, Tk = got["long_Tq"], got["long_Tk"]
-            if got["square"] and Tq > 3 and "Tk" not in fields:
-                Tk = Tq  # a long prefill: self-attention, where causal kernels split rows
-            if "batch" not in fields:
-                batch = (1,) if batch else ()
-            if "g" not in fields:
-                g = min(g, 2)
-        else:
-            Tq, Tk = got["Tq"], got["Tk"]
-        if kind == "wide":
-            programs = got["programs"]
-            if "batch" not in fields:
-                batch = (-(-programs // (g * group)),)
-            elif "g" not in fields:
-                g = max(1, -(-programs // (_product(batch) * group)))
-        Dh, Dv = got["dims"]
-        if "Dh" in got:  # pinned: Dv is Dh, or the other dim drawn
-            Dv = got["Dh"] if Dh == Dv else Dv
-            Dh = got["Dh"]
-        Dv = got.get("Dv", Dv)
-        if not caps.distinct_value_dim:
-            Dv = Dh
-        layout, poison = got["layout"], got["poison"]
-        if poison != "none" and layout.startswith("broadcast"):
-            layout = "contiguous"
-        logits, v_offset = got["values"]
-        value_level = level if level is not None else _LEVELS[logits]
-        if isinstance(value_level, st.SearchStrategy):
-            value_level = draw(value_level)
-        case = Case(
-            name,
-            batch=batch,
-            h=g * group,
-            g=g,
-            Tq=Tq,
-            Tk=Tk,
-            Dh=Dh,
-            Dv=Dv,
-            mask=got["mask"],
-            causal=got["causal"],
-            layout=layout,
-            amp=got["amp"],
-            scale=got["scale"],
-            poison=poison,
-            seed=got["seed"],
-            logits=logits,
-            level=value_level if logits != "randn" else 0.0,
-            v_offset=v_offset,
-            **got["variants"],
-        )
-        if kind == "small":
-            return _fits(case, profile)
-        if kind == "wide":  # the grid is what matters: its programs stay small
-            narrow = min(budget, profile.max_wide_work)
-            return _fits_work(case, narrow, narrow // 4, profile.max_kv, wide=True)
-        scores = profile.max_long_scores
-        if case.mask not in _NARROW_MASKS:
-            scores = min(scores, profile.max_mask_scores)
-        return _fits_work(case, budget, scores, profile.max_kv)
-
-    return draw_case()
+    kind: Size = draw(strategies["size"])
+    skip = _NOT_DRAWN[kind]
+    got = {n: draw(strategy) for n, strategy in strategies.items() if n not in skip}
+    batch: tuple[int, ...] = tuple(got["batch"])
+    g, group = got["g"], got["group"]
+    if kind == "long":
+        Tq, Tk = got["long_Tq"], got["long_Tk"]
+        if got["square"] and Tq > 3 and "Tk" not in fields:
+            Tk = Tq  # a long prefill: self-attention, where causal kernels split rows
+        if "batch" not in fields:
+            batch = (1,) if batch else ()
+        if "g" not in fields:
+            g = min(g, 2)
+    else:
+        Tq, Tk = got["Tq"], got["Tk"]
+    if kind == "wide":
+        programs = got["programs"]
+        if "batch" not in fields:
+            batch = (-(-programs // (g * group)),)
+        elif "g" not in fields:
+            g = max(1, -(-programs // (_product(batch) * group)))
+    Dh, Dv = got["dims"]
+    if "Dh" in got:  # pinned: Dv is Dh, or the other dim drawn
+        Dv = got["Dh"] if Dh == Dv else Dv
+        Dh = got["Dh"]
+    Dv = got.get("Dv", Dv)
+    if not caps.distinct_value_dim:
+        Dv = Dh
+    layout, poison = got["layout"], got["poison"]
+    if poison != "none" and layout.startswith("broadcast"):
+        layout = "contiguous"
+    logits, v_offset = got["values"]
+    value_level = level if level is not None else _LEVELS[logits]
+    if isinstance(value_level, st.SearchStrategy):
+        value_level = draw(value_level)
+    case = Case(
+        name,
+        batch=batch,
+        h=g * group,
+        g=g,
+        Tq=Tq,
+        Tk=Tk,
+        Dh=Dh,
+        Dv=Dv,
+        mask=got["mask"],
+        causal=got["causal"],
+        layout=layout,
+        amp=got["amp"],
+        scale=got["scale"],
+        poison=poison,
+        seed=got["seed"],
+        logits=logits,
+        level=value_level if logits != "randn" else 0.0,
+        v_offset=v_offset,
+        **got["variants"],
+    )
+    if kind == "small":
+        return _fits(case, profile)
+    if kind == "wide":  # the grid is what matters: its programs stay small
+        narrow = min(budget, profile.max_wide_work)
+        return _fits_work(case, narrow, narrow // 4, profile.max_kv, wide=True)
+    scores = profile.max_long_scores
+    if case.mask not in _NARROW_MASKS:
+        scores = min(scores, profile.max_mask_scores)
+    return _fits_work(case, budget, scores, profile.max_kv)
 
 
 #: mask kinds made of a row or a column, broadcast (cheap at any length)
