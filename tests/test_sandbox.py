@@ -152,6 +152,47 @@ def test_a_network_policy_leaves_sockets_open_and_still_confines_files(tmp_path:
 
 
 @needs_landlock
+@pytest.mark.parametrize("unix", [False, True])
+def test_a_tcp_only_policy_refuses_unix_sockets(tmp_path: Path, unix: bool) -> None:
+    """Context-parallel workers on a host without CUDA (no NCCL, whose UNIX sockets they
+    would need) may open TCP sockets but no UNIX socket: a pathname socket anywhere on
+    the machine (a forkserver's outside the judge's temporary folder, a local service's)
+    is then out of reach, which Landlock cannot refuse before ABI 8. With ``unix`` (a
+    GPU host, the control) the connection is made."""
+    root = Path(tempfile.mkdtemp(prefix="u-", dir="/tmp"))  # a socket path is short
+    path = str(root / "service")
+    listener = socket.socket(socket.AF_UNIX)
+    tcp = socket.create_server(("127.0.0.1", 0))
+    try:
+        listener.bind(path)
+        listener.listen(1)
+        code = _try(f"socket.socket(socket.AF_UNIX).connect({path!r})") + "out['unix'] = ok\n"
+        code += _try("socket.socketpair()") + "out['pair'] = ok\n"
+        code += _try(f"socket.create_connection(('127.0.0.1', {tcp.getsockname()[1]}), 2)")
+        code += "out['tcp'] = ok\n"
+        code += _try("socket.socket(socket.AF_INET6)") + "out['tcp6'] = ok\n"
+        (tmp_path / "scratch").mkdir()
+        policy = f"_sandbox.Policy(network=True, unix={unix})"
+        out = _inside(code, tmp_path / "scratch", policy=policy)
+    finally:
+        listener.close()
+        tcp.close()
+        shutil.rmtree(root, ignore_errors=True)
+    enforced = out["enforced"]
+    assert isinstance(enforced, dict)
+    assert out["tcp"] == out["tcp6"] == out["pair"] == "done"
+    if unix:
+        assert out["unix"] == "done"
+        assert "unix sockets" not in enforced["enforced"]
+    else:
+        assert out["unix"] == 1  # EPERM: the socket is never made
+        assert "unix sockets" in enforced["enforced"], enforced
+        assert _sandbox.Policy(network=True, unix=False).allowed() == {
+            "network": "TCP sockets allowed: this family's processes talk over them"
+        }
+
+
+@needs_landlock
 def test_shared_memory_is_the_workers_own(tmp_path: Path) -> None:
     """POSIX semaphores and shared memory (multiprocessing's locks, inductor's compile
     pool) work in the worker, in a /dev/shm of its own that the machine's never sees:
@@ -251,7 +292,7 @@ def test_what_a_platform_does_not_enforce_is_listed_not_raised(
 ) -> None:
     monkeypatch.setattr(_sandbox, "landlock_abi", lambda: 0)
 
-    def no_seccomp(network: bool, processes: bool = True) -> None:
+    def no_seccomp(network: bool, processes: bool = True, unix: bool = True) -> None:
         raise OSError(38, "no seccomp here")
 
     monkeypatch.setattr(_sandbox, "_seccomp", no_seccomp)

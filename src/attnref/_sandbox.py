@@ -112,10 +112,14 @@ PARTS = ("lifetime", "processes", "network", "files", "signals")
 @dataclass(frozen=True)
 class Policy:
     """What a worker's sandbox allows beyond its scratch folder: ``network`` (sockets, for
-    a family whose processes talk to each other); ``off``: no sandbox at all;
-    ``without``: the `PARTS` switched off (both from `NO_SANDBOX`, `from_environment`)."""
+    a family whose processes talk to each other), and with it ``unix`` (UNIX sockets too:
+    NCCL's, on a GPU host; otherwise ``socket(AF_UNIX)`` is refused, and with it every
+    pathname socket a Landlock before ABI 8 cannot fence off); ``off``: no sandbox at
+    all; ``without``: the `PARTS` switched off (both from `NO_SANDBOX`,
+    `from_environment`)."""
 
     network: bool = False
+    unix: bool = True
     off: bool = False
     without: frozenset[str] = frozenset()
     #: folders the worker must not see into, each covered (in its mount namespace) by an
@@ -126,26 +130,28 @@ class Policy:
     hidden: tuple[str, ...] = ()
 
     @classmethod
-    def from_environment(cls, network: bool = False) -> "Policy":
+    def from_environment(cls, network: bool = False, unix: bool = True) -> "Policy":
         """The policy `NO_SANDBOX` asks for (a ValueError naming the value where it is
         neither 1 nor a list of `PARTS`)."""
         value = os.environ.get(NO_SANDBOX, "").strip()
         if value in ("", "0"):
-            return cls(network=network)
+            return cls(network=network, unix=unix)
         if value == "1":
-            return cls(network=network, off=True)
+            return cls(network=network, unix=unix, off=True)
         parts = frozenset(p.strip() for p in value.split(",") if p.strip())
         if not parts or parts - set(PARTS):
             raise ValueError(
                 f"{NO_SANDBOX}={value!r}: it must be 1 (no sandbox) or some of "
                 f"{', '.join(PARTS)}, comma-separated (the parts to switch off)"
             )
-        return cls(network=network, without=parts)
+        return cls(network=network, unix=unix, without=parts)
 
     def allowed(self) -> dict[str, str]:
         """What the policy leaves open, part by part, with why (for the report)."""
-        if self.network:
+        if self.network and self.unix:
             return {"network": "sockets allowed: this family's processes talk over them"}
+        if self.network:
+            return {"network": "TCP sockets allowed: this family's processes talk over them"}
         return {}
 
 
@@ -285,10 +291,15 @@ def _is_char(path: str) -> bool:
         return False
 
 
-def _seccomp(network: bool, *, processes: bool = True) -> None:
+#: Linux's AF_UNIX (AF_LOCAL)
+_AF_UNIX = 1
+
+
+def _seccomp(network: bool, *, processes: bool = True, unix: bool = True) -> None:
     """A filter that refuses (EPERM), to this process and what it starts, ``setsid`` and
-    ``setpgid`` (with ``processes``) and unless ``network`` ``socket`` and
-    ``io_uring_setup``; and every call of another ABI."""
+    ``setpgid`` (with ``processes``), unless ``network`` ``socket`` and
+    ``io_uring_setup``, with ``network`` but not ``unix`` a ``socket`` of ``AF_UNIX``;
+    and every call of another ABI."""
     arch, numbers = _ARCHES[platform.machine()]
     refused = [numbers["setsid"], numbers["setpgid"]] if processes else []
     if not network:
@@ -299,14 +310,23 @@ def _seccomp(network: bool, *, processes: bool = True) -> None:
 
     ld, jeq, jge, ret = 0x20, 0x15, 0x35, 0x06  # BPF_LD|W|ABS, BPF_JMP|JEQ|K, JGE|K, RET|K
     n = len(refused)
+    # socket(AF_UNIX, ...): the call's first argument (its low word: seccomp_data's args
+    # start at byte 16, little-endian on both architectures) is the domain
+    domain = [] if (unix or not network) else [
+        op(jeq, numbers["socket"], 0, 2),  # not socket(): to the allowance
+        op(ld, 16),  # its domain
+        op(jeq, _AF_UNIX, 1, 0),  # AF_UNIX: to the refusal
+    ]  # fmt: skip
+    m = len(domain)
     # every call of another ABI (32-bit compat, whose socketcall would open a socket) and
     # of x86-64's x32 ABI (the same numbers with a high bit) is refused: Python uses none
     program = [
         op(ld, 4),  # arch
-        op(jeq, arch, 0, n + 3),  # another ABI: to the refusal
+        op(jeq, arch, 0, n + m + 3),  # another ABI: to the refusal
         op(ld, 0),  # the call's number
-        op(jge, _X32_SYSCALL_BIT, n + 1, 0),  # x32: to the refusal
-        *[op(jeq, nr, n - i, 0) for i, nr in enumerate(refused)],
+        op(jge, _X32_SYSCALL_BIT, n + m + 1, 0),  # x32: to the refusal
+        *[op(jeq, nr, n + m - i, 0) for i, nr in enumerate(refused)],
+        *domain,
         op(ret, _RET_ALLOW),
         op(ret, _RET_ERRNO | errno.EPERM),
     ]
@@ -442,19 +462,24 @@ def enter(scratch: str, policy: Policy | None = None, *, contain: bool = True) -
         )
     sockets = policy.network or "network" in without
     processes = "processes" not in without
+    tcp_only = sockets and policy.network and not policy.unix and "network" not in without
     try:
-        if processes or not sockets:
-            _seccomp(sockets, processes=processes)
+        if processes or not sockets or tcp_only:
+            _seccomp(sockets, processes=processes, unix=not tcp_only)
         if processes:
             done.enforced["processes"] = "setsid and setpgid refused (seccomp)"
         if not sockets:
             done.enforced["network"] = "no new socket (seccomp)"
+        if tcp_only:
+            done.enforced["unix sockets"] = "no new UNIX socket (seccomp): no pathname one in reach"
     except (KeyError, OSError) as e:
         why = f"no seccomp filter for {platform.machine()}" if isinstance(e, KeyError) else str(e)
         if processes:
             done.missing["processes"] = why
         if not sockets:
             done.missing["network"] = why
+        if tcp_only:
+            done.missing["unix sockets"] = why
     for part in ("processes", "network"):
         if part in without:
             done.missing[part] = off

@@ -204,6 +204,8 @@ class Supervised:
             GPU of a rank).
         network: the worker may open sockets (a family whose processes talk to each
             other); its sandbox says so.
+        unix: with ``network``, UNIX sockets too (NCCL's, on a GPU host); otherwise
+            TCP only, and no pathname socket on the machine is in the worker's reach.
         jobs: modules the worker imports to take more kinds of job (`HANDLERS`: the
             bench's, ``attnref.bench.worker``).
 
@@ -224,13 +226,14 @@ class Supervised:
         start_timeout: float = 300.0,
         env: dict[str, str | None] | None = None,
         network: bool = False,
+        unix: bool = True,
         jobs: tuple[str, ...] = (),
     ) -> None:
         self.spec = backend if isinstance(backend, str) else backend.spec or backend.name
         self.jobs = tuple(jobs)
         self.env = dict(env or {})
         try:
-            self.policy = _sandbox.Policy.from_environment(network=network)
+            self.policy = _sandbox.Policy.from_environment(network=network, unix=unix)
         except ValueError as e:
             raise BackendError(str(e)) from None
         #: what the worker's sandbox enforced, as its first frame said (before any code of

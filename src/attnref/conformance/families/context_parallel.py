@@ -312,6 +312,15 @@ class _Counted:
 # ---------------------------------------------------------------- the judge's side
 
 
+def nccl_possible() -> bool:
+    """Whether the ranks may meet over NCCL (a CUDA device here), which opens UNIX
+    sockets of its own (its proxy, the exchange of memory handles): only then may a
+    rank's worker open one. Without CUDA the ranks meet over gloo and TCP, and a UNIX
+    socket is refused (`attnref._sandbox.Policy.unix`), so that no pathname socket on
+    the machine (a forkserver's, a local service's) is in a rank's reach."""
+    return bool(torch.cuda.is_available())
+
+
 def _free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
@@ -474,7 +483,7 @@ def serve_rank(spec: str, *, threads: int = 1, memory_limit: int | None = None) 
                 try:
                     started = Supervised(
                         spec, NAME, threads=threads, memory_limit=memory_limit, env=env,
-                        network=True,  # the ranks meet over TCP
+                        network=True, unix=nccl_possible(),  # the ranks meet over TCP
                     )  # fmt: skip
                 except BackendError as e:
                     _send(link, {"status": "error", "message": str(e)})
@@ -718,7 +727,8 @@ class RankGroup:
                 self._ranks.append(
                     Supervised(self.spec, NAME, threads=self.threads,
                                memory_limit=self.memory_limit, env=self._env,
-                               network=True, jobs=self.jobs)  # the ranks meet over TCP
+                               network=True, unix=nccl_possible(),  # over TCP
+                               jobs=self.jobs)
                 )  # fmt: skip
             for host in self._hosts:
                 host.start()
