@@ -6,9 +6,11 @@ importable as ``tests.planted_fp8:NAME`` with ``--api flash-kvcache``.
 ``correct_fp8`` dequantizes to bfloat16 and attends there, as vLLM does; ``rounds_p``
 folds the scales into float32 scores and rounds P to e4m3 before ``P V``, as
 FlashAttention 3 does, and declares it (`Capabilities.fp8_rounds_p`): both must pass.
-The others must fail. Each returns the log-sum-exp when asked (``return_softmax_lse``);
-``lse_without_descale`` computes its output right and its LSE from the scores before
-the descales.
+The others must fail. Each appends new keys and values (FP8, as given) and returns the
+log-sum-exp when asked (``return_softmax_lse``); ``lse_without_descale`` computes its
+output right and its LSE from the scores before the descales; ``new_keys_undescaled``
+appends right and attends the new tokens as stored, without their scales;
+``append_not_stored`` attends them right and never writes them into the cache.
 """
 
 import math
@@ -31,6 +33,8 @@ def _kernel(bug: str = "", claims: Any = CLAIMS) -> Any:
         q: Tensor,
         k_cache: Tensor,
         v_cache: Tensor,
+        k: Tensor | None = None,
+        v: Tensor | None = None,
         cache_seqlens: Tensor | None = None,
         cache_batch_idx: Tensor | None = None,
         block_table: Tensor | None = None,
@@ -57,21 +61,41 @@ def _kernel(bug: str = "", claims: Any = CLAIMS) -> Any:
         scale = softmax_scale if softmax_scale is not None else D**-0.5
         out = torch.zeros(B, Tq, h, v_cache.shape[-1], dtype=torch.bfloat16, device=q.device)
         lse = torch.full((B, h, Tq), -math.inf, device=q.device)  # no key: -inf
+        new = 0 if k is None or v is None else k.shape[1]
         for b in range(B):
             n = int(cache_seqlens[b]) if cache_seqlens is not None else k_cache.shape[1]
+            for t in range(new):  # the append: the FP8 bytes as given, after the cached
+                assert k is not None
+                assert v is not None
+                if block_table is not None:
+                    slots = k_cache.shape[1]
+                    at = (int(block_table[b, (n + t) // slots]), (n + t) % slots)
+                else:
+                    at = (b if cache_batch_idx is None else int(cache_batch_idx[b]), n + t)
+                if bug != "append_not_stored":
+                    k_cache[at], v_cache[at] = k[b, t], v[b, t]
+            n += new
             if block_table is not None:
                 page = k_cache.shape[1]
                 ids = block_table[b, : -(-n // page)].long()
-                k = k_cache[ids].flatten(0, 1)[:n]
-                v = v_cache[ids].flatten(0, 1)[:n]
+                keys = k_cache[ids].flatten(0, 1)[:n]
+                vals = v_cache[ids].flatten(0, 1)[:n]
             else:
                 r = b if cache_batch_idx is None else int(cache_batch_idx[b])
-                k, v = k_cache[r, :n], v_cache[r, :n]
+                keys, vals = k_cache[r, :n], v_cache[r, :n]
+            if bug == "append_not_stored" and new:  # attended from k and v, never stored
+                assert k is not None
+                assert v is not None
+                keys = torch.cat([keys[: n - new], k[b]])
+                vals = torch.cat([vals[: n - new], v[b]])
             kq = torch.arange(h) // group  # each query head's KV head, for the values
-            if bug in ("correct", "q_descale_ignored", "descale_transposed", "head_modulo"):
+            dense = ("correct", "q_descale_ignored", "descale_transposed", "head_modulo")
+            if bug in (*dense, "new_keys_undescaled", "append_not_stored"):
                 qd = (q[b].float() * dq[b][head_of][None, :, None]).to(torch.bfloat16).float()
-                kd = (k.float() * dk[b][None, :, None]).to(torch.bfloat16).float()
-                vd = (v.float() * dv[b][None, :, None]).to(torch.bfloat16).float()
+                kd = (keys.float() * dk[b][None, :, None]).to(torch.bfloat16).float()
+                vd = (vals.float() * dv[b][None, :, None]).to(torch.bfloat16).float()
+                if bug == "new_keys_undescaled" and new:  # the new tokens attended as given
+                    kd[n - new :], vd[n - new :] = keys[n - new :].float(), vals[n - new :].float()
                 s = torch.einsum("thd,nhd->htn", qd, kd[:, kq]) * scale
                 vv = vd[:, kq]
                 if bug == "head_modulo":
@@ -80,10 +104,10 @@ def _kernel(bug: str = "", claims: Any = CLAIMS) -> Any:
                 folded = (dq[b] * dk[b])[kq]  # (h,)
                 if bug == "v_descale_on_scores":
                     folded = folded * dv[b][kq]
-                s = torch.einsum("thd,nhd->htn", q[b].float(), k.float()[:, kq])
+                s = torch.einsum("thd,nhd->htn", q[b].float(), keys.float()[:, kq])
                 unfolded = s * scale  # the scores before the descales
                 s = s * (scale * folded)[:, None, None]
-                vv = v.float()[:, kq]
+                vv = vals.float()[:, kq]
             seen = torch.ones(Tq, n, dtype=torch.bool, device=q.device)
             if causal:
                 seen = seen.tril(diagonal=n - Tq)
@@ -118,6 +142,8 @@ descale_transposed = _kernel("descale_transposed")
 head_modulo = _kernel("head_modulo")
 v_descale_on_scores = _kernel("v_descale_on_scores", replace(CLAIMS, fp8=("e4m3fn",)))
 lse_without_descale = _kernel("lse_without_descale")
+new_keys_undescaled = _kernel("new_keys_undescaled")
+append_not_stored = _kernel("append_not_stored")
 
 #: the kernels that must fail (class 34 each, or an undeclared rounding)
 UNSEEN = (
@@ -127,4 +153,6 @@ UNSEEN = (
     "v_descale_on_scores",
     "rounds_p_undeclared",
     "lse_without_descale",
+    "new_keys_undescaled",
+    "append_not_stored",
 )

@@ -99,3 +99,19 @@ def test_the_log_sum_exp_of_an_fp8_call_is_judged() -> None:
     (result,) = report.results
     assert result.status == "fail", report.format_table()
     assert "log-sum-exp" in result.message, result.message
+
+
+@pytest.mark.parametrize(
+    ("name", "what"),
+    [("new_keys_undescaled", ": output: max error"), ("append_not_stored", "appended slot")],
+)
+def test_an_append_into_an_fp8_cache_is_judged(name: str, what: str) -> None:
+    """An FP8 call may append new keys and values (FP8, with the row's scales): a kernel
+    that attends them without their scales fails on its output, one that attends them
+    right but never stores them fails on the cache it leaves (written apart from the
+    mutants); the correct kernels append and pass (`test_independent_fp8_kernels_pass`)."""
+    backend = resolve_backend(f"tests.planted_fp8:{name}", api="flash-kvcache")
+    report = run(backend, properties=["kvcache_fp8"], dtypes=(torch.bfloat16,))
+    (result,) = report.results
+    assert result.status == "fail", report.format_table()
+    assert what in result.message, result.message

@@ -376,15 +376,16 @@ def descales(B: int, g: int, gen: torch.Generator) -> Float32[Tensor, "{B} {g}"]
 
 
 def quantize(call: CacheCall, fmt: str, seed: int) -> CacheCall:
-    """``call`` (built in float64, nothing appended, no rotary) with q, K and V stored
-    in FP8 ``fmt`` and FlashAttention 3's descales: each row's values divided by its
-    KV head's scale, then rounded to FP8 (saturating); its dense inputs rebuilt from
-    the stored values times the scales, exact in float64. Slots no row uses hold the
-    garbage rounded as it is."""
+    """``call`` (built in float64, no rotary) with q, K and V stored in FP8 ``fmt`` and
+    FlashAttention 3's descales: each row's values divided by its KV head's scale, then
+    rounded to FP8 (saturating); its dense inputs rebuilt from the stored values times
+    the scales, exact in float64. New keys and values (an append) are stored so too,
+    with their row's scales, and the cache the call must leave holds their FP8 bytes at
+    the new slots. Slots no row uses hold the garbage rounded as it is."""
     from attnref.conformance.declarations import FP8_FORMATS
 
-    if call.k_new is not None or call.rotary_cos is not None:
-        raise ValueError("an FP8 cache call appends nothing and has no rotary")
+    if call.rotary_cos is not None:
+        raise ValueError("an FP8 cache call has no rotary")
     fp8 = FP8_FORMATS[fmt]
     B, _, h, _ = call.q.shape
     g = call.k_cache.shape[2]
@@ -393,28 +394,43 @@ def quantize(call: CacheCall, fmt: str, seed: int) -> CacheCall:
     per_head = dq.repeat_interleave(h // g, dim=1)  # (B, h): each query head's KV head's
     q8 = (call.q / per_head[:, None, :, None]).to(fp8)
     k8, v8 = call.k_cache.to(fp8), call.v_cache.to(fp8)
-    rows = []
+    T_new = 0 if call.k_new is None else call.k_new.shape[1]
+    k_new8 = v_new8 = None
+    if call.k_new is not None and call.v_new is not None:
+        k_new8 = (call.k_new / dk[:, None, :, None]).to(fp8)  # (B, T_new, g, Dh)
+        v_new8 = (call.v_new / dv[:, None, :, None]).to(fp8)
     page = call.k_cache.shape[1]
-    for b, x in enumerate(call.rows):
-        n = x.key.shape[-2]
+
+    def where(b: int, positions: range) -> tuple[Tensor, Tensor]:
         r = b if call.cache_batch_idx is None else int(call.cache_batch_idx[b])
-        slots = cache_slots(b, range(n), call.block_table, page, r)
-        if slots:
-            idx_r = torch.tensor([s[0] for s in slots], device=call.q.device)
-            idx_s = torch.tensor([s[1] for s in slots], device=call.q.device)
-            k8[idx_r, idx_s] = (call.k_cache[idx_r, idx_s] / dk[b][:, None]).to(fp8)
-            v8[idx_r, idx_s] = (call.v_cache[idx_r, idx_s] / dv[b][:, None]).to(fp8)
-            keys = k8[idx_r, idx_s].double() * dk[b][:, None].double()  # (n, g, Dh)
-            values = v8[idx_r, idx_s].double() * dv[b][:, None].double()
-        else:
-            keys = x.key.new_zeros(0, x.key.shape[0], x.key.shape[-1])
-            values = x.value.new_zeros(0, x.value.shape[0], x.value.shape[-1])
+        slots = cache_slots(b, positions, call.block_table, page, r)
+        rows_ = torch.tensor([s[0] for s in slots], dtype=torch.long, device=call.q.device)
+        return rows_, torch.tensor([s[1] for s in slots], dtype=torch.long, device=call.q.device)
+
+    cached = [int(n) for n in call.cache_seqlens.tolist()]
+    for b, n in enumerate(cached):  # the cached keys, stored with their row's scales
+        idx_r, idx_s = where(b, range(n))
+        k8[idx_r, idx_s] = (call.k_cache[idx_r, idx_s] / dk[b][:, None]).to(fp8)
+        v8[idx_r, idx_s] = (call.v_cache[idx_r, idx_s] / dv[b][:, None]).to(fp8)
+    k_after, v_after = (k8.clone(), v8.clone()) if T_new else (None, None)
+    rows = []
+    for b, (n, x) in enumerate(zip(cached, call.rows, strict=True)):
+        if x.key.shape[-2] != n + T_new:
+            raise ValueError("an FP8 cache call attends every key its cache holds (no shift)")
+        if k_after is not None and v_after is not None:  # the append: the FP8 bytes given
+            idx_r, idx_s = where(b, range(n, n + T_new))
+            k_after[idx_r, idx_s], v_after[idx_r, idx_s] = k_new8[b], v_new8[b]  # type: ignore[index]
+        idx_r, idx_s = where(b, range(n + T_new))  # every key the row attends, in order
+        held_k, held_v = (k8, v8) if k_after is None else (k_after, v_after)
+        keys = held_k[idx_r, idx_s].double() * dk[b][:, None].double()  # (n, g, Dh)
+        values = held_v[idx_r, idx_s].double() * dv[b][:, None].double()  # type: ignore[index]
         query = q8[b].double() * per_head[b][None, :, None].double()  # (Tq, h, Dh)
         rows.append(
             replace(x, query=query.transpose(0, 1), key=keys.transpose(0, 1),
                     value=values.transpose(0, 1))
         )  # fmt: skip
     return replace(
-        call, rows=tuple(rows), q=q8, k_cache=k8, v_cache=v8, k_after=None, v_after=None,
-        written=None, q_descale=dq, k_descale=dk, v_descale=dv,
+        call, rows=tuple(rows), q=q8, k_cache=k8, v_cache=v8, k_new=k_new8, v_new=v_new8,
+        k_after=k_after, v_after=v_after, written=call.written if T_new else None,
+        q_descale=dq, k_descale=dk, v_descale=dv,
     )  # fmt: skip

@@ -346,6 +346,36 @@ def _unweighted_splits(
     return out, torch.logsumexp(torch.stack(lses), dim=0)  # the LSE itself is right
 
 
+def _append_fp8(
+    k_cache: Tensor, v_cache: Tensor, k: Tensor | None, v: Tensor | None, kwargs: dict[str, Any]
+) -> None:
+    """FlashAttention's append into an FP8 cache: the new keys and values, FP8 in the
+    cache's format (stored with the cache's scales), written as given at the slots after
+    each row's cached ones; ``cache_seqlens`` in ``kwargs`` then counts them, so that the
+    call attends every key the cache holds, in place of an append of its own."""
+    from attnref.kvcache import cache_slots
+
+    if k is None or v is None:
+        raise ValueError("an append takes both k and v")
+    if k.dtype != k_cache.dtype or v.dtype != v_cache.dtype:
+        raise ValueError(
+            f"an append into an FP8 cache takes k and v in its format ({k_cache.dtype}), "
+            f"not {k.dtype} and {v.dtype}"
+        )
+    seqlens = kwargs.get("cache_seqlens")
+    if not isinstance(seqlens, Tensor):
+        raise ValueError("an append needs cache_seqlens, one per row")
+    table, batch_idx = kwargs.get("block_table"), kwargs.get("cache_batch_idx")
+    T = k.shape[1]
+    for b in range(k.shape[0]):
+        n, r = int(seqlens[b]), b if batch_idx is None else int(batch_idx[b])
+        for t, (row, slot) in enumerate(
+            cache_slots(b, range(n, n + T), table, k_cache.shape[1], r)
+        ):
+            k_cache[row, slot], v_cache[row, slot] = k[b, t], v[b, t]
+    kwargs["cache_seqlens"] = seqlens + T
+
+
 def dequantized(
     fn: Callable[..., Any], name: str, *, bugs: frozenset[str] = frozenset()
 ) -> Callable[..., Any]:
@@ -376,6 +406,9 @@ def dequantized(
             return fn(q, k_cache, v_cache, *args, **kwargs)
         if args:
             raise ValueError("an FP8 call takes its arguments after v_cache by keyword")
+        k_new, v_new = kwargs.pop("k", None), kwargs.pop("v", None)
+        if k_new is not None or v_new is not None:
+            _append_fp8(k_cache, v_cache, k_new, v_new, kwargs)
         B, _, h, _ = q.shape
         g = k_cache.shape[2]
         ones = torch.ones((B, g), dtype=torch.float32, device=q.device)
@@ -527,7 +560,10 @@ def _check_append(call: CacheCall, after: tuple[Tensor, Tensor]) -> None:
     ):
         if not isinstance(got, Tensor) or got.shape != want.shape or got.dtype != want.dtype:
             raise Failure(f"{name} came back as something other than the cache it was")
-        same = (got == want) | (torch.isnan(got) & torch.isnan(want))
+        if want.dtype in FP8_FORMATS.values():  # FP8 bytes: the same byte, NaN or not
+            same = (got.view(torch.uint8) == want.view(torch.uint8)).to(got.device)
+        else:
+            same = (got == want) | (torch.isnan(got) & torch.isnan(want))
         outside = ~same & ~call.written[..., None, None]
         if bool(outside.any()):
             r, s = (int(i) for i in outside.nonzero()[0][:2])
@@ -886,10 +922,11 @@ def fp8_lse_expected(x: Inputs, empty_lse: EmptyLse) -> Expected:
 
 def _fp8_call(
     ctx: Context, case: Case, lse: bool = False, **scales: Tensor
-) -> tuple[CacheCall, list[Tensor], list[Tensor] | None]:
+) -> tuple[CacheCall, list[Tensor], list[Tensor] | None, tuple[Tensor, Tensor]]:
     """``case``'s FP8 call (its descales replaced by ``scales``, the rows rebuilt) and
     each row's output, its bounds kept as each row's oracle for the laws; with ``lse``
-    (for a backend that declares the LSE), each row's log-sum-exp too."""
+    (for a backend that declares the LSE), each row's log-sum-exp too; and the caches as
+    the call left them (an append writes them)."""
     if ctx.dtype != torch.bfloat16:
         raise Skip("an FP8 call returns bfloat16 (FlashAttention 3's): audited in the bfloat16 run")
     if case.fp8 not in ctx.caps.fp8:
@@ -898,14 +935,21 @@ def _fp8_call(
     if scales:
         call = _rescaled(call, **scales)
     lse = lse and ctx.caps.lse
+    appends = call.k_new is not None
+    if appends:  # the call writes its own copies
+        call = replace(call, k_cache=call.k_cache.clone(), v_cache=call.v_cache.clone())
     args, kwargs = cache_arguments(ctx.caps, call, lse)
     guard(ctx, call.first.to(torch.bfloat16), kwargs)
-    raw = invoke(ctx.backend, Job(args, kwargs), ctx.timeout, ctx.executor)
+    job = Job(args, kwargs, writable=(1, 2) if appends else ())
+    raw = invoke(ctx.backend, job, ctx.timeout, ctx.executor)
+    caches = (call.k_cache, call.v_cache)
+    if appends:
+        raw, caches = raw
     outs, lses = read_cache(raw, call, lse)
     got, got_lse = judge(outs, lses, tuple(x.to(torch.bfloat16) for x in call.rows))
     for x in call.rows:
         ctx.keep(x, fp8_expected(ctx, x, case.fp8))
-    return call, got, got_lse
+    return call, got, got_lse, caches
 
 
 def _rescaled(call: CacheCall, **scales: Tensor) -> CacheCall:
@@ -934,8 +978,12 @@ def _rescaled(call: CacheCall, **scales: Tensor) -> CacheCall:
 def _kvcache_fp8(ctx: Context, case: Case) -> None:
     """Each row of an FP8 call (q, K and V in FP8 with FlashAttention 3's per-row,
     per-KV-head descales, none of them 1) agrees with the oracle of its dequantized
-    values: its output and, where the LSE is declared, its log-sum-exp."""
-    call, outs, lses = _fp8_call(ctx, case, lse=True)
+    values: its output and, where the LSE is declared, its log-sum-exp; an append (new
+    keys and values in FP8, attended with the row's scales) writes their FP8 bytes at
+    exactly the new slots."""
+    call, outs, lses, after = _fp8_call(ctx, case, lse=True)
+    if call.k_new is not None:
+        _check_append(call, after)
     for b, (out, x) in enumerate(zip(outs, call.rows, strict=True)):
         exp = ctx.expect(x)
         label = f"row {b} (Tq = {x.query.shape[-2]}, Tk = {x.key.shape[-2]}, {case.fp8})"
@@ -959,17 +1007,19 @@ def _kvcache_fp8_fold(ctx: Context, case: Case) -> None:
     """A scale folded between q and k, or between q and the softmax scale, changes
     nothing: ``q_descale * c`` with ``k_descale / c`` (c a power of two, per row and KV
     head), and ``q_descale * c`` with ``softmax_scale / c`` (one c for the call)."""
-    call, base, _ = _fp8_call(ctx, case)
+    call, base, _, _ = _fp8_call(ctx, case)
     assert call.q_descale is not None
     assert call.k_descale is not None
     c = powers(tuple(call.q_descale.shape), rng(case, 7)).to(call.q_descale.device)
-    moved, got, _ = _fp8_call(ctx, case, q_descale=call.q_descale * c, k_descale=call.k_descale / c)
+    moved, got, _, _ = _fp8_call(
+        ctx, case, q_descale=call.q_descale * c, k_descale=call.k_descale / c
+    )
     for b, (x, y) in enumerate(zip(call.rows, moved.rows, strict=True)):
         law(ctx, got[b], y, base[b], x, f"row {b}: q_descale * c, k_descale / c")
     one = float(powers((1,), rng(case, 8))[0])
     scale = case.scale if case.scale is not None else case.Dh**-0.5
     folded = replace(case, scale=scale / one)
-    moved, got, _ = _fp8_call(ctx, folded, q_descale=call.q_descale * one)
+    moved, got, _, _ = _fp8_call(ctx, folded, q_descale=call.q_descale * one)
     for b, (x, y) in enumerate(zip(call.rows, moved.rows, strict=True)):
         law(ctx, got[b], y, base[b], x, f"row {b}: q_descale * {one:g}, softmax_scale / {one:g}")
 
@@ -979,12 +1029,12 @@ def _kvcache_fp8_groups(ctx: Context, case: Case) -> None:
     one KV head doubles the outputs of its group's query heads and no other."""
     if case.g < 2:
         raise Skip("needs two KV heads or more")
-    call, base, _ = _fp8_call(ctx, case)
+    call, base, _, _ = _fp8_call(ctx, case)
     assert call.v_descale is not None
     j = int(torch.randint(0, case.g, (1,), generator=rng(case, 9)))
     dv = call.v_descale.clone()
     dv[:, j] *= 2
-    moved, got, _ = _fp8_call(ctx, case, v_descale=dv)
+    moved, got, _, _ = _fp8_call(ctx, case, v_descale=dv)
     group = case.h // case.g
     times = torch.ones(case.h, dtype=torch.float64)
     times[j * group : (j + 1) * group] = 2.0
@@ -1006,14 +1056,17 @@ def _fp8_cases(
     name: str, **pins: Any
 ) -> Callable[[Profile, Capabilities], st.SearchStrategy[Case]]:
     """FP8 decode calls: 1 to 3 rows, 1 to 3 queries, contiguous or paged, GQA, nothing
-    appended, no rotary, in a format the backend declares."""
+    appended (unless ``new`` is pinned), no rotary, in a format the backend declares."""
 
     def cases(p: Profile, c: Capabilities) -> st.SearchStrategy[Case]:
         formats = c.fp8 or ("e4m3fn",)
 
         @st.composite
         def draw(draw: st.DrawFn) -> Case:
-            case = draw(cache_strategy(name, p, c, new=0, rotary=0, Tq=st.integers(1, 3), **pins))
+            # 1 to 3 queries, or as many as the new tokens
+            queries = {} if "new" in pins else {"Tq": st.integers(1, 3)}
+            fields: dict[str, Any] = {"new": 0, "rotary": 0, **queries, **pins}
+            case = draw(cache_strategy(name, p, c, **fields))
             return replace(case, fp8=draw(st.sampled_from(formats)))
 
         return draw()
@@ -1027,7 +1080,7 @@ FP8_PROPERTIES: tuple[Property, ...] = (
         "each row of an FP8 decode call (per-row, per-KV-head descales, none of them 1) "
         "agrees with the oracle of its dequantized values",
         (34,),
-        _fp8_cases("kvcache_fp8"),
+        _fp8_cases("kvcache_fp8", new=st.sampled_from((0, 0, 1, 2))),
         _kvcache_fp8,
         requires=needs_fp8,
         families=(NAME,),
