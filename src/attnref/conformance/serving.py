@@ -412,18 +412,18 @@ def quantize(call: CacheCall, fmt: str, seed: int) -> CacheCall:
         idx_r, idx_s = where(b, range(n))
         k8[idx_r, idx_s] = (call.k_cache[idx_r, idx_s] / dk[b][:, None]).to(fp8)
         v8[idx_r, idx_s] = (call.v_cache[idx_r, idx_s] / dv[b][:, None]).to(fp8)
-    k_after, v_after = (k8.clone(), v8.clone()) if T_new else (None, None)
+    # the cache as the call must leave it: with the new tokens' FP8 bytes, if any
+    k_after, v_after = (k8.clone(), v8.clone()) if T_new else (k8, v8)
     rows = []
     for b, (n, x) in enumerate(zip(cached, call.rows, strict=True)):
         if x.key.shape[-2] != n + T_new:
             raise ValueError("an FP8 cache call attends every key its cache holds (no shift)")
-        if k_after is not None and v_after is not None:  # the append: the FP8 bytes given
+        if k_new8 is not None and v_new8 is not None:  # the append: the FP8 bytes given
             idx_r, idx_s = where(b, range(n, n + T_new))
-            k_after[idx_r, idx_s], v_after[idx_r, idx_s] = k_new8[b], v_new8[b]  # type: ignore[index]
+            k_after[idx_r, idx_s], v_after[idx_r, idx_s] = k_new8[b], v_new8[b]
         idx_r, idx_s = where(b, range(n + T_new))  # every key the row attends, in order
-        held_k, held_v = (k8, v8) if k_after is None else (k_after, v_after)
-        keys = held_k[idx_r, idx_s].double() * dk[b][:, None].double()  # (n, g, Dh)
-        values = held_v[idx_r, idx_s].double() * dv[b][:, None].double()  # type: ignore[index]
+        keys = k_after[idx_r, idx_s].double() * dk[b][:, None].double()  # (n, g, Dh)
+        values = v_after[idx_r, idx_s].double() * dv[b][:, None].double()
         query = q8[b].double() * per_head[b][None, :, None].double()  # (Tq, h, Dh)
         rows.append(
             replace(x, query=query.transpose(0, 1), key=keys.transpose(0, 1),
@@ -431,6 +431,7 @@ def quantize(call: CacheCall, fmt: str, seed: int) -> CacheCall:
         )  # fmt: skip
     return replace(
         call, rows=tuple(rows), q=q8, k_cache=k8, v_cache=v8, k_new=k_new8, v_new=v_new8,
-        k_after=k_after, v_after=v_after, written=call.written if T_new else None,
+        k_after=k_after if T_new else None, v_after=v_after if T_new else None,
+        written=call.written if T_new else None,
         q_descale=dq, k_descale=dk, v_descale=dv,
     )  # fmt: skip
