@@ -525,26 +525,32 @@ def _builtins() -> list[Backend]:
 
 
 def _call_cache(
-    ctx: Context, call: CacheCall, lse: bool = False, copy: bool = True
+    ctx: Context,
+    call: CacheCall,
+    lse: bool = False,
+    copy: bool = True,
+    like: torch.dtype | None = None,
 ) -> tuple[list[Tensor], list[Tensor] | None, tuple[Tensor, Tensor]]:
     """The backend's output (and LSE) for each row of ``call``, and the cache as it left
     it (the call gets copies: ``call`` itself is never written; ``copy=False``: a call
     without new tokens gets the cache itself, which a backend behind the trust boundary
-    cannot write, and one in this process must not)."""
+    cannot write, and one in this process must not). ``like``: the dtype the outputs
+    come back in where it is not the rows' (an FP8 call's bfloat16)."""
     if lse and not ctx.caps.lse:
         raise Skip("the log-sum-exp not declared")
     appends = call.k_new is not None
     if copy or appends:
         call = replace(call, k_cache=call.k_cache.clone(), v_cache=call.v_cache.clone())
+    rows = call.rows if like is None else tuple(x.to(like) for x in call.rows)
     args, kwargs = cache_arguments(ctx.caps, call, lse)
-    guard(ctx, call.first, kwargs)
+    guard(ctx, rows[0], kwargs)
     job = Job(args, kwargs, writable=(1, 2) if appends else ())
     raw = invoke(ctx.backend, job, ctx.timeout, ctx.executor)
     caches = (call.k_cache, call.v_cache)
     if appends:
         raw, caches = raw
     outs, lses = read_cache(raw, call, lse)
-    checked, checked_lses = judge(outs, lses, call.rows)
+    checked, checked_lses = judge(outs, lses, rows)
     return checked, checked_lses, caches
 
 
@@ -935,18 +941,7 @@ def _fp8_call(
     if scales:
         call = _rescaled(call, **scales)
     lse = lse and ctx.caps.lse
-    appends = call.k_new is not None
-    if appends:  # the call writes its own copies
-        call = replace(call, k_cache=call.k_cache.clone(), v_cache=call.v_cache.clone())
-    args, kwargs = cache_arguments(ctx.caps, call, lse)
-    guard(ctx, call.first.to(torch.bfloat16), kwargs)
-    job = Job(args, kwargs, writable=(1, 2) if appends else ())
-    raw = invoke(ctx.backend, job, ctx.timeout, ctx.executor)
-    caches = (call.k_cache, call.v_cache)
-    if appends:
-        raw, caches = raw
-    outs, lses = read_cache(raw, call, lse)
-    got, got_lse = judge(outs, lses, tuple(x.to(torch.bfloat16) for x in call.rows))
+    got, got_lse, caches = _call_cache(ctx, call, lse, copy=False, like=torch.bfloat16)
     for x in call.rows:
         ctx.keep(x, fp8_expected(ctx, x, case.fp8))
     return call, got, got_lse, caches
