@@ -122,16 +122,46 @@ def score_condition(
 
     Rounding a dot product in precision ``eps`` moves a score by up to ``eps * kappa``.
     Keys nobody sees (and NaN or inf planted there) do not count.
+
+    Inputs of at most 32 bits are summed in float32, two to four times faster than in
+    float64 (their values are exact there): ``D`` nonnegative terms summed in unit
+    roundoff ``u`` come out at least ``(1 - gamma_D)`` times their sum,
+    ``gamma_D = D u / (1 - D u)`` (Higham, Accuracy and Stability of Numerical
+    Algorithms, 2nd ed., section 3.1), so dividing by ``1 - gamma_D`` never gives less
+    than the exact ``kappa``. A sum past float32's range is redone in float64.
     """
     if query.numel() == 0 or key.numel() == 0:
         return 0.0
-    q, k = (_finite_abs(t, torch.float64) for t in (query, key))
+    D = query.shape[-1]
+    narrow = max(query.dtype.itemsize, key.dtype.itemsize) <= 4 and D * _U32 < 0.01
+    largest = _largest_term(query, key, visible, torch.float32 if narrow else torch.float64)
+    if narrow and math.isfinite(largest):
+        gamma = D * _U32 / (1 - D * _U32)
+        largest /= 1 - gamma
+    elif narrow:  # past float32's range: in float64
+        largest = _largest_term(query, key, visible, torch.float64)
+    s = default_scale(D) if scale is None else scale
+    return largest * abs(s)
+
+
+#: float32's unit roundoff
+_U32 = 2.0**-24
+
+
+@checked_internal
+def _largest_term(
+    query: Float[Tensor, "*batch h Tq Dh"],
+    key: Float[Tensor, "*batch g Tk Dh"],
+    visible: Bool[Tensor, "*#batch #h #Tq #Tk"] | None,
+    dtype: torch.dtype,
+) -> float:
+    """``max_ij sum_d |q_id| |k_jd|`` over the visible pairs, summed in ``dtype``."""
+    q, k = (_finite_abs(t, dtype) for t in (query, key))
     terms = _grouped(q, k.shape[-3]) @ k.transpose(-2, -1)  # (*batch, g, group * Tq, Tk)
     terms = terms.reshape(*q.shape[:-1], k.shape[-2])  # (*batch, h, Tq, Tk)
     if visible is not None:
         terms = terms.masked_fill(~visible, 0.0)
-    s = default_scale(q.shape[-1]) if scale is None else scale
-    return float(terms.max()) * abs(s)
+    return float(terms.max())
 
 
 @checked_internal
