@@ -14,6 +14,7 @@ two versions can be timed side by side, alternating.
 import argparse
 import json
 import os
+import re
 import resource
 import subprocess
 import sys
@@ -46,10 +47,8 @@ def split(src: str | None, extra: list[str], keep: str | None = None) -> dict[st
         cpu = sum(getattr(after, f) - getattr(before, f) for f in ("ru_utime", "ru_stime"))
         # each worker's last running total (a worker restarted after a timeout is another)
         totals: dict[str, tuple[int, float]] = {}
-        for line in done.stdout.splitlines():
-            if line.startswith("TIMED_SDPA "):
-                _, pid, n, s = line.split()
-                totals[pid] = (int(n), float(s))
+        for tag, n, s in re.findall(r"TIMED_SDPA (\w+) (\d+) ([\d.]+)\n", done.stdout):
+            totals[tag] = (int(n), float(s))
         calls = float(sum(n for n, _ in totals.values()))
         backend = sum(s for _, s in totals.values())
         data = json.loads(Path(report).read_text()) if os.path.exists(report) else {}

@@ -5,8 +5,10 @@ judge's share of an audit (wall time against the time inside the backend's calls
 in the worker). The figure is measured in the backend's process: it is the backend's
 word, used here only to size the judge against an honest kernel, never in a verdict.
 With ``ATTNREF_TIMED_SDPA`` set, each call prints its worker's running total on the
-audit's standard output (``TIMED_SDPA pid calls seconds``): the worker's sandbox lets it
-write no file outside its scratch folder.
+audit's standard output (``TIMED_SDPA tag calls seconds``, the tag drawn when the worker
+imports this module: workers in PID namespaces of their own share process ids, and an
+audit with ``--jobs`` has several): the worker's sandbox lets it write no file outside
+its scratch folder.
 """
 
 import os
@@ -16,6 +18,7 @@ from typing import Any
 import torch
 
 _TOTAL = [0.0, 0]
+_TAG = os.urandom(6).hex()  # this worker's, apart from every other's
 
 
 def sdpa(*args: Any, **kwargs: Any) -> Any:
@@ -24,8 +27,8 @@ def sdpa(*args: Any, **kwargs: Any) -> Any:
     out = torch.nn.functional.scaled_dot_product_attention(*args, **kwargs)
     _TOTAL[0] += time.perf_counter() - t0
     _TOTAL[1] += 1
-    if os.environ.get("ATTNREF_TIMED_SDPA"):  # the host's id: a PID namespace's repeats
-        print(f"TIMED_SDPA {os.readlink('/proc/self')} {_TOTAL[1]} {_TOTAL[0]:.6f}", flush=True)
+    if os.environ.get("ATTNREF_TIMED_SDPA"):  # one write: lines of two workers never mix
+        os.write(1, f"TIMED_SDPA {_TAG} {_TOTAL[1]} {_TOTAL[0]:.6f}\n".encode())
     return out
 
 
