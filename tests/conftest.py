@@ -11,6 +11,9 @@ from collections.abc import Iterator
 
 # Before anything imports attnref: check the private helpers' shape contracts too.
 os.environ.setdefault("ATTNREF_CHECK_INTERNALS", "1")
+# `attnref audit` run by a test judges in one process (its default is one per core, up
+# to 2): pytest-xdist already keeps every core busy. tests/test_judges.py holds --jobs.
+os.environ.setdefault("ATTNREF_JOBS", "1")
 
 import torch
 from hypothesis import HealthCheck, Phase, settings

@@ -377,14 +377,19 @@ def test_the_sweep_removes_only_scratch_folders_no_live_judge_holds(
 @pytest.mark.skipif(
     not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's"
 )
-@pytest.mark.parametrize("how", ["SIGKILL", "SIGTERM", "KeyboardInterrupt"])
-def test_a_hung_worker_ends_with_a_judge_that_is_killed(how: str) -> None:
+@pytest.mark.parametrize(
+    ("how", "jobs"),
+    [("SIGKILL", 1), ("SIGTERM", 1), ("KeyboardInterrupt", 1), ("SIGKILL", 2), ("SIGTERM", 2)],
+)
+def test_a_hung_worker_ends_with_a_judge_that_is_killed(how: str, jobs: int) -> None:
     """A backend that hangs in its call; the judge is killed (SIGKILL: no cleanup of its
     own runs; SIGTERM: a CI step's timeout) or ends with an exception (KeyboardInterrupt,
     from SIGINT: a user's Ctrl-C, which the CLI reports and exits 130 on). Its worker, the
     processes between it and the forkserver (the sandbox's), and the forkserver end too,
     within seconds. Its scratch folder goes with it (SIGTERM ends the audit as Ctrl-C does,
-    exit 143), or, after SIGKILL, with the next judge's first worker."""
+    exit 143), or, after SIGKILL, with the next judge's first worker. With ``--jobs 2``,
+    the helper judge and its own worker and forkserver (all between a worker and the
+    judge) end as well."""
     import os
     import select
     import shutil
@@ -395,7 +400,8 @@ def test_a_hung_worker_ends_with_a_judge_that_is_killed(how: str) -> None:
     from tests.hostile.marks import ancestors, pids_named
 
     cmd = [sys.executable, "-m", "attnref", "audit", "--backend", "tests.hostile.sleeps:kernel",
-           "--property", "forward", "--dtype", "float32", "--no-progress"]  # fmt: skip
+           "--property", "forward", "--dtype", "float32", "--dtype", "float64",
+           "--jobs", str(jobs), "--no-progress"]  # fmt: skip
     # the judge's temporary folder, where its workers' scratch folders go: a short path,
     # as the forkserver's socket in it must fit a UNIX socket's 108 bytes (tmp_path under
     # pytest-xdist does not)
@@ -403,17 +409,20 @@ def test_a_hung_worker_ends_with_a_judge_that_is_killed(how: str) -> None:
     judge = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                              text=True, env={**os.environ, "TMPDIR": str(tmp)})  # fmt: skip
     chain: list[int] = []
+    workers = 0
     try:
         assert judge.stdout is not None
         deadline = time.monotonic() + 120
-        while not chain and time.monotonic() < deadline:
+        while workers < jobs and time.monotonic() < deadline:
             if select.select([judge.stdout], [], [], 1.0)[0]:
                 line = judge.stdout.readline()
                 if line.startswith("MARK "):
                     # the worker's ancestors up to the judge, which is not one of them
                     (worker,) = pids_named(line.split()[1])
-                    chain = ancestors(worker, stop=judge.pid)
-        assert len(chain) >= 2, "the worker never said its name"
+                    chain += [p for p in ancestors(worker, stop=judge.pid) if p not in chain]
+                    workers += 1
+        assert workers == jobs, f"{jobs - workers} of the {jobs} workers never said their name"
+        assert len(chain) >= 2 * jobs, chain
         exception = how == "KeyboardInterrupt"
         judge.send_signal(signal.SIGINT if exception else getattr(signal, how))
         code = judge.wait(30)
@@ -428,10 +437,11 @@ def test_a_hung_worker_ends_with_a_judge_that_is_killed(how: str) -> None:
         if how != "SIGKILL":
             assert not left, f"the worker's scratch folder outlived the judge ({how})"
         else:  # no code of the judge's ran: the next judge removes what it left
-            assert len(left) == 1, left
-            os.utime(left[0], (0, 0))  # as old as a folder it may sweep
-            assert _sweep(str(tmp)) == [str(left[0])]
-            assert not left[0].exists()
+            assert len(left) == jobs, left
+            for folder in left:
+                os.utime(folder, (0, 0))  # as old as a folder it may sweep
+            assert sorted(_sweep(str(tmp))) == sorted(str(f) for f in left)
+            assert not any(f.exists() for f in left)
     finally:
         judge.kill()
         judge.wait(30)

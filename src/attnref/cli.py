@@ -50,6 +50,15 @@ def _parser() -> argparse.ArgumentParser:
     )
     add_audit_options(a.add_argument)
     a.add_argument(
+        "--jobs",
+        type=int,
+        default=None,
+        metavar="N",
+        help="judge processes sharing the (property, dtype) searches, each with a worker "
+        "of its own; the verdict is the same for any N (default: $ATTNREF_JOBS, else 2 "
+        "where the process may use 2 cores or more, else 1)",
+    )
+    a.add_argument(
         "--json",
         metavar="PATH",
         help="also write the JSON report, and its reproducers to PATH.reproducers/ (where "
@@ -247,6 +256,7 @@ def _audit(args: argparse.Namespace) -> int:
 
     try:
         settings = audit_settings(lambda dest: getattr(args, dest))
+        jobs = _jobs(args.jobs)
         json_path = _writable(args.json)
         serve = get_family(settings.api or DEFAULT_API).serve
         if serve is not None:  # a process a launcher started, which may not be the judge
@@ -303,6 +313,7 @@ def _audit(args: argparse.Namespace) -> int:
             progress=not args.no_progress and sys.stderr.isatty(),
             on_result=save,
             report=report,
+            jobs=jobs,
         )
     except KeyboardInterrupt as e:
         executor.close()
@@ -338,13 +349,37 @@ def _estimate(report: "AuditReport") -> str:
     from attnref.devices import dtype_name
 
     first = report.results[0]
-    total = first.seconds * report.planned
+    total = first.seconds * report.planned / report.judges
     at_rate = f"{total / 60:.1f} min" if total >= 90 else f"{total:.0f} s"
     return (
         f"attnref audit: {first.property} [{dtype_name(first.dtype)}] took "
         f"{first.seconds:.1f} s; {report.planned} (property, dtype) pairs in all: about "
         f"{at_rate} at that rate (--deadline and --property-budget bound it)"
     )
+
+
+def _jobs(asked: int | None) -> int:
+    """``--jobs``, or its default: ``ATTNREF_JOBS``, else 2 where this process may run on
+    2 cores or more (the judge keeps one busy), else 1.
+
+    Raises:
+        OptionError: fewer than one job.
+    """
+    from attnref.conformance.options import OptionError
+
+    if asked is None:
+        env = os.environ.get("ATTNREF_JOBS", "").strip()
+        if env:
+            try:
+                asked = int(env)
+            except ValueError:
+                raise OptionError(f"ATTNREF_JOBS must be a whole number, got {env!r}") from None
+        else:
+            cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+            asked = min(2, cpus or os.cpu_count() or 1)
+    if asked < 1:
+        raise OptionError(f"--jobs must be >= 1, got {asked}")
+    return asked
 
 
 def _writable(path: str | None) -> Path | None:

@@ -230,6 +230,9 @@ class Supervised:
         jobs: tuple[str, ...] = (),
     ) -> None:
         self.spec = backend if isinstance(backend, str) else backend.spec or backend.name
+        #: whether the declaration is the one the spec resolves to in a worker (another
+        #: worker resolving the same spec declares the same: `attnref.conformance.judges`)
+        self.from_spec = isinstance(backend, str)
         self.jobs = tuple(jobs)
         self.env = dict(env or {})
         try:

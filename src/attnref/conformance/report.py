@@ -1,12 +1,12 @@
 """Audit reports: a verdict per (property, dtype), a terminal table, a versioned JSON document.
 
-JSON schema (``schema_version`` 9; 3 added ``api``, 4 ``trusted``, 5 ``checked``,
+JSON schema (``schema_version`` 10; 3 added ``api``, 4 ``trusted``, 5 ``checked``,
 ``cause`` and ``findings``, 6 ``world_size``, 7 the coverage: ``judged``, ``thin``,
 ``floor``, ``min_judged``, ``startup_seconds`` and ``not_tested``, 8 ``also``, 9
-``sandbox``)::
+``sandbox``, 10 ``judges`` and ``judge_notes``)::
 
     {
-      "schema_version": 9,
+      "schema_version": 10,
       "attnref_version": str, "torch_version": str,
       "backend": str, "api": an API family ("sdpa", "flash", ...), "device": str,
       "dtypes": [str], "world_size": int | null (the processes each call ran on),
@@ -16,6 +16,8 @@ JSON schema (``schema_version`` 9; 3 added ``api``, 4 ``trusted``, 5 ``checked``
       "seconds": float,            # wall time so far (a partial write's too), start-up included
       "startup_seconds": float,    # of which the command's start-up, before the audit
       "trusted": bool,             # the backend ran in the judge's process (--in-process)
+      "judges": int,               # judge processes that shared the searches (--jobs)
+      "judge_notes": [str],        # a helper judge that stopped, and its search's fate
       "sandbox": {                 # what confined the backend's worker (docs/untrusted.md)
         "enforced": {part: how}, "missing": {part: why},  # the platform's doing
         "allowed": {part: why}     # what the family needs open (sockets, for ranks)
@@ -85,7 +87,7 @@ __all__ = [
     "reproducer",
 ]
 
-SCHEMA_VERSION = 9
+SCHEMA_VERSION = 10
 
 #: a pass judged on fewer than this share of the profile's examples (per property and
 #: dtype) is thin, unless ``--min-judged`` sets the floor
@@ -246,6 +248,10 @@ class AuditReport:
     startup: float = 0.0
     #: the (property, dtype) pairs the audit set out to judge
     planned: int = 0
+    #: judge processes that shared the searches (`attnref.conformance.judges`)
+    judges: int = 1
+    #: a helper judge that stopped before its share was done, and what became of it
+    judge_notes: list[str] = field(default_factory=list)
     _t0: float = 0.0
 
     @classmethod
@@ -378,6 +384,8 @@ class AuditReport:
             "trusted": self.trusted,
             "sandbox": self.sandbox,
             "world_size": self.world_size,
+            "judges": self.judges,
+            "judge_notes": self.judge_notes,
             "incomplete": self.incomplete or None,
             "summary": {
                 "passed": self.count("pass"),
@@ -483,6 +491,8 @@ class AuditReport:
             lines += ["", "stopped at the first failure (--fail-fast)"]
         if self.incomplete:
             lines += ["", f"INCOMPLETE: {self.incomplete}"]
+        if self.judge_notes:
+            lines += [""] + [f"note: {n}" for n in self.judge_notes]
         if self.trusted:
             lines += [
                 "",

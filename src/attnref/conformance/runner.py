@@ -26,6 +26,7 @@ from attnref._checking import audit_checking, checking_enabled, set_checking
 from attnref.conformance.calls import TIMED_OUT, availability
 from attnref.conformance.cases import Case
 from attnref.conformance.declarations import Backend
+from attnref.conformance.judges import Judges, Setup
 from attnref.conformance.profiles import Profile, get_profile
 from attnref.conformance.properties import PROPERTIES, Context, Property, get_property
 from attnref.conformance.report import (
@@ -269,6 +270,7 @@ def audit(
     min_judged: int | None = None,
     property_budget: float | None = None,
     require_sandbox: bool = False,
+    jobs: int = 1,
 ) -> AuditReport:
     """Audit ``backend`` against the float64 oracle: every property in every dtype.
 
@@ -306,7 +308,14 @@ def audit(
     at least one) is *thin*, shown as such; ``min_judged`` sets the floor, and a thin
     pass then makes the audit not OK (verdict ``THIN``). ``property_budget``: seconds
     each (property, dtype) may search (`run_property`'s ``budget``).
+
+    ``jobs``: judge processes sharing the searches (`attnref.conformance.judges`): this
+    one and ``jobs - 1`` helpers, each with a worker of its own. Each search is seeded
+    alone, so the verdict does not depend on ``jobs``; only a backend given as a spec
+    and run in one supervised worker is shared out (otherwise one judge runs all).
     """
+    if jobs < 1:
+        raise ValueError(f"jobs must be >= 1, got {jobs}")
     if min_judged is not None and min_judged < 1:
         raise ValueError(f"min_judged must be >= 1, got {min_judged}")
     prof = get_profile(profile) if isinstance(profile, str) else profile
@@ -357,16 +366,77 @@ def audit(
     torch.set_num_threads(threads)
     was_checking = checking_enabled()
     wait = timeout
-    bar = tqdm(work, desc=f"audit {backend.name}", disable=not progress, leave=False)
+    bar = tqdm(total=len(work), desc=f"audit {backend.name}", disable=not progress, leave=False)
+    done: dict[int, PropertyResult] = {}
+    earlier = list(report.results)
+    judges: Judges | None = None
+
+    def record(i: int, result: PropertyResult) -> bool:
+        """Keep ``result`` in its place; whether the audit stops here."""
+        done[i] = report.mark_thin(result)
+        report.results[:] = earlier + [done[k] for k in sorted(done)]
+        bar.update()
+        if result.message == LATE:
+            report.incomplete = f"the deadline of {deadline:g} s passed"
+        report.finish()  # the time so far, in a partial report too
+        if on_result is not None:
+            on_result(report)
+        if fail_fast and result.status == "fail":
+            report.stopped_early = True
+        return report.stopped_early or bool(report.incomplete)
+
+    def collect(judges: Judges, block: bool) -> bool:
+        """Record what the helper judges finished; whether the audit stops here."""
+        stop = False
+        for j, result, note in judges.results(block=block):
+            if note:
+                bar.write(
+                    f"attnref audit: {backend.name} timed out in {result.property} "
+                    f"[{dtype_name(result.dtype)}] (a helper judge's); {note}"
+                )
+            stop = record(j, result) or stop
+        return stop
+
     try:
         if not audit_checking():
             set_checking(False)
         unavailable = availability(backend, device, timeout, executor)
-        for prop, dtype in bar:
-            bar.set_postfix_str(f"{prop.id} {dtype_name(dtype)}")
-            if unavailable is not None:
-                report.results.append(PropertyResult(prop.id, dtype, "skip", message=unavailable))
+        if unavailable is not None:
+            for k, (prop, dtype) in enumerate(work):
+                record(k, PropertyResult(prop.id, dtype, "skip", message=unavailable))
+            work = []
+        helpers = _helpers_for(jobs, len(work), executor)
+        if helpers:
+            judges = Judges(
+                helpers,
+                Setup(
+                    spec=executor.spec,  # type: ignore[attr-defined]
+                    api=backend.api,
+                    work=tuple((p.id, d) for p, d in work),
+                    device=device,
+                    profile=prof,
+                    seed=seed,
+                    timeout=timeout,
+                    threads=threads,
+                    memory_limit=limit,
+                    require_sandbox=require_sandbox,
+                    budget=property_budget,
+                    deadline=None if stop_at is None else stop_at - time.perf_counter(),
+                ),
+                run_property,
+            )
+            report.judges = 1 + helpers
+        position = iter(range(len(work)))
+        stopped = False
+        while not stopped:
+            i = next(position, None) if judges is None else judges.take()
+            if i is None:
+                if judges is None or not judges.busy():
+                    break
+                stopped = collect(judges, block=True)
                 continue
+            prop, dtype = work[i]
+            bar.set_postfix_str(f"{prop.id} {dtype_name(dtype)}")
             if stop_at is not None and time.perf_counter() > stop_at:
                 report.incomplete = f"the deadline of {deadline:g} s passed"
                 break
@@ -382,23 +452,17 @@ def audit(
                 stop_at=stop_at,
                 budget=property_budget,
             )
-            report.results.append(report.mark_thin(result))
             if result.message.startswith(TIMED_OUT) and wait == timeout:
                 wait = min(timeout, max(1.0, 10 * executor.slowest))
                 bar.write(
                     f"attnref audit: {backend.name} timed out in {prop.id} "
                     f"[{dtype_name(dtype)}]; later calls wait at most {wait:.3g} s"
                 )
-            if result.message == LATE:
-                report.incomplete = f"the deadline of {deadline:g} s passed"
-            report.finish()  # the time so far, in a partial report too
-            if on_result is not None:
-                on_result(report)
-            if fail_fast and result.status == "fail":
-                report.stopped_early = True
-                break
-            if report.incomplete:
-                break
+            stopped = record(i, result)
+            if judges is not None:
+                stopped = collect(judges, block=False) or stopped
+        if judges is not None:
+            report.judge_notes = list(judges.failures)
     except KeyboardInterrupt:  # Ctrl-C: what was found stands, marked incomplete
         report.incomplete = "interrupted"
         report.finish()
@@ -406,6 +470,8 @@ def audit(
             on_result(report)
         raise
     finally:
+        if judges is not None:
+            judges.close()
         bar.close()
         if owned:
             executor.close()
@@ -413,6 +479,16 @@ def audit(
         torch.set_num_threads(threads_before)
         report.finish()
     return report
+
+
+def _helpers_for(jobs: int, searches: int, executor: Executor) -> int:
+    """How many helper judges an audit of ``searches`` searches starts for ``jobs``: none
+    where its backend is not one supervised worker resolved from a spec (a declaration
+    given from Python stays in this process; a family that runs a call on several
+    processes has its own), and never more than there are searches to share."""
+    if jobs <= 1 or searches <= 1 or not getattr(executor, "from_spec", False):
+        return 0
+    return min(jobs, searches) - 1
 
 
 def check_case(

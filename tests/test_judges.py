@@ -1,0 +1,112 @@
+"""Searches shared among judge processes (`attnref.conformance.judges`, ``--jobs``): the
+same verdict, nothing lost when a helper dies, nothing left when the audit ends."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from attnref.conformance import audit
+from attnref.conformance.judges import Judges, Setup
+from attnref.conformance.profiles import get_profile
+from attnref.conformance.runner import run_property
+
+ROOT = Path(__file__).resolve().parents[1]
+PROPS = ["forward", "masked_keys", "causality", "gqa"]
+
+
+def _verdicts(report: object) -> list[tuple[str, str, str, int, int, str]]:
+    return [
+        (r.property, str(r.dtype), r.status, r.checks, r.skipped, r.message)
+        for r in report.results  # type: ignore[attr-defined]
+    ]
+
+
+@pytest.mark.parametrize("backend", ["torch-sdpa-math", "mutant.causal_excludes_self"])
+def test_two_judges_give_the_verdict_one_gives(backend: str) -> None:
+    """Every search is seeded alone: shared between two judges (in whatever order they
+    finish), the results are those of one judge, in the same order, failures and their
+    shrunk cases included."""
+    kwargs = {"properties": PROPS, "dtypes": [torch.float32, torch.float64], "progress": False}
+    one = audit(backend, **kwargs, jobs=1)  # type: ignore[arg-type]
+    two = audit(backend, **kwargs, jobs=2)  # type: ignore[arg-type]
+    assert (one.judges, two.judges) == (1, 2)
+    assert _verdicts(two) == _verdicts(one)
+    assert [r.finding and r.finding.case for r in two.results] == [
+        r.finding and r.finding.case for r in one.results
+    ]
+    assert two.ok == one.ok == (backend == "torch-sdpa-math")
+    assert not two.judge_notes
+
+
+def test_a_search_a_dead_helper_took_is_run_by_the_audit() -> None:
+    """A helper killed in the middle of a search (out of memory, say) gives it back: the
+    audit's own process takes it next, and the report will say so. The helper's worker
+    (hung in its call) goes with it."""
+    setup = Setup(
+        spec="tests.hostile.sleeps:kernel",
+        api=None,
+        work=(("forward", torch.float32), ("forward", torch.float64)),
+        device="cpu",
+        profile=get_profile("quick"),
+        seed=0,
+        timeout=600.0,
+        threads=1,
+        memory_limit=None,
+        require_sandbox=False,
+        budget=None,
+        deadline=None,
+    )
+    judges = Judges(1, setup, run_property)
+    try:
+        ((process, _conn, now),) = judges._helpers
+        deadline = time.monotonic() + 120
+        while now[0] is None and time.monotonic() < deadline:
+            assert judges.results(block=True) == []  # its "take"; the call hangs
+        assert now[0] is not None, "the helper never took a search"
+        taken = now[0]
+        mine = judges.take()
+        assert mine == 1 - taken  # the other one
+        os.kill(process.pid, signal.SIGKILL)
+        while judges.busy():
+            assert judges.results(block=True) == []
+        assert judges.take() == taken  # given back
+        assert judges.take() is None
+        (note,) = judges.failures
+        assert "ended" in note
+        assert "ran it again" in note
+    finally:
+        judges.close()
+
+
+def test_the_cli_shares_the_searches_and_says_so(tmp_path: Path) -> None:
+    """``attnref audit --jobs 2``: the report records two judges; ``--jobs 0`` and a bad
+    ``ATTNREF_JOBS`` are refused with the value named."""
+    report = tmp_path / "r.json"
+    cmd = [sys.executable, "-m", "attnref", "audit", "--backend", "torch-sdpa-math",
+           "--property", "forward", "--property", "gqa", "--dtype", "float32",
+           "--no-progress", "--json", str(report)]  # fmt: skip
+    done = subprocess.run([*cmd, "--jobs", "2"], cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+    data = json.loads(report.read_text())
+    assert data["judges"] == 2
+    assert data["judge_notes"] == []
+    assert [r["status"] for r in data["results"]] == ["pass", "pass"]
+    bad = subprocess.run([*cmd, "--jobs", "0"], cwd=ROOT, capture_output=True, text=True)
+    assert bad.returncode == 2
+    assert "--jobs must be >= 1, got 0" in bad.stderr
+    env = {**os.environ, "ATTNREF_JOBS": "two"}
+    bad = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env)
+    assert bad.returncode == 2
+    assert "ATTNREF_JOBS must be a whole number, got 'two'" in bad.stderr
+
+
+def test_jobs_below_one_is_an_error() -> None:
+    with pytest.raises(ValueError, match="jobs must be >= 1, got 0"):
+        audit("torch-sdpa-math", properties=["forward"], jobs=0, progress=False)
