@@ -55,7 +55,8 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         metavar="N",
         help="judge processes sharing the (property, dtype) searches, each with a worker "
-        "of its own; the verdict is the same for any N (default: $ATTNREF_JOBS, else 2 "
+        "of its own; each search is seeded alone, so a backend whose answers depend on its "
+        "inputs alone gets the same verdict for any N (default: $ATTNREF_JOBS, else 2 "
         "where the process may use 2 cores or more, else 1)",
     )
     a.add_argument(

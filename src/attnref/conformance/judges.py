@@ -4,10 +4,12 @@ An audit is almost all judging (drawing cases, the float64 oracle, comparisons):
 backend's calls are a sixth of its time or less, and one judge keeps one core busy. Each
 search is seeded from the audit's seed, its property and its dtype alone
 (`attnref.conformance.runner.property_seed`), so it finds, shrinks and reports the same
-whichever process runs it, and in whatever order. `Judges` starts ``n`` more judge
-processes, each with a supervised worker of its own for the backend (its own sandbox,
-the same spec resolved there); every judge, the audit's own process included, takes the
-next search from one shared counter, and the helpers send each result back.
+whichever process runs it, and in whatever order (for a backend whose answers depend on
+its inputs alone: one with state sees the calls of its own worker only). `Judges`
+starts ``n`` more judge processes, each with a supervised worker of its own for the
+backend (its own sandbox, the same spec resolved there); every judge, the audit's own
+process included, takes the next search from one shared counter, and the helpers send
+each result back.
 
 The helpers are the judge's code, not the backend's: they are forked from the workers'
 forkserver (torch and attnref imported already), end when it ends (it ends with the

@@ -311,8 +311,9 @@ def audit(
 
     ``jobs``: judge processes sharing the searches (`attnref.conformance.judges`): this
     one and ``jobs - 1`` helpers, each with a worker of its own. Each search is seeded
-    alone, so the verdict does not depend on ``jobs``; only a backend given as a spec
-    and run in one supervised worker is shared out (otherwise one judge runs all).
+    alone, so the verdict on a backend whose answers depend on its inputs alone does not
+    depend on ``jobs``; only a backend given as a spec and run in one supervised worker
+    is shared out (otherwise one judge runs all).
     """
     if jobs < 1:
         raise ValueError(f"jobs must be >= 1, got {jobs}")
