@@ -309,11 +309,12 @@ def test_what_a_platform_does_not_enforce_is_listed_not_raised(
 
 
 def _escape(
-    backend: str, tmp_path: Path
+    backend: str, tmp_path: Path, jobs: int = 1
 ) -> tuple[subprocess.CompletedProcess[str], dict[str, Any]]:
-    """Audit ``tests.hostile.escapes:<backend>`` (forward, float32) in a fresh judge with
-    a temporary folder of its own, aimed at targets under ``tmp_path``, the working
-    folder, site-packages and attnref's package; the process and its targets."""
+    """Audit ``tests.hostile.escapes:<backend>`` (forward, float32; and float64 with
+    ``jobs`` judges) in a fresh judge with a temporary folder of its own, aimed at
+    targets under ``tmp_path``, the working folder, site-packages and attnref's package;
+    the process and its targets."""
     # short: the judge's forkserver puts its socket there (108 bytes at most)
     tmp = Path(tempfile.mkdtemp(prefix="ah-", dir="/tmp"))
     report = tmp_path / "report.json"
@@ -336,7 +337,7 @@ def _escape(
     command = (
         f"export ATTNREF_TEST_JUDGE=$$; exec {sys.executable} -m attnref audit --backend "
         f"tests.hostile.escapes:{backend} --property forward --dtype float32 --no-progress "
-        f"--timeout 20 --json {report}"
+        f"--timeout 20 --json {report} --jobs {jobs}" + (" --dtype float64" if jobs > 1 else "")
     )
     try:
         with listener:
@@ -388,11 +389,15 @@ def _judged_truly(proc: subprocess.CompletedProcess[str], targets: dict[str, Any
 
 
 @needs_landlock
+@pytest.mark.parametrize("jobs", [1, 2])
 def test_a_backend_that_tries_every_way_out_is_judged_and_leaves_nothing(
-    tmp_path: Path,
+    tmp_path: Path, jobs: int
 ) -> None:
-    proc, t = _escape("everything", tmp_path)
+    """With ``--jobs 2`` too: the helper judge's worker is confined as the first one is,
+    and its attacks aim at the audit's own process (the signal) as well."""
+    proc, t = _escape("everything", tmp_path, jobs)
     _judged_truly(proc, t)
+    assert json.loads(Path(str(t["report"])).read_text())["judges"] == jobs
     assert t["wrote"] == [], "the backend wrote outside its scratch folder"
     assert t["left"] == [], "the worker's scratch folder outlived the audit"
     assert t["connected"] is False, "the backend connected to a loopback port"
