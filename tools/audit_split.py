@@ -4,9 +4,11 @@
 
 Runs ``attnref audit --backend timed_sdpa:sdpa`` (torch's SDPA, timing its own calls in
 its worker: `tools/timed_sdpa.py`) with one torch thread, and prints the wall time, the
-CPU time of the audit's processes (steadier on a shared machine), the time the audit
-reports, the backend's calls and their summed time, and the ratio of the
-rest (the judge's own work: drawing, the oracle, the round trips) to the backend's.
+CPU time of the judges and forkservers (`getrusage` of the children: the sandboxed
+workers' does not come back through their PID namespaces), the time the audit reports,
+the backend's calls and their time summed over every worker, and the ratio of the rest
+(the judges' own work: drawing, the oracle, the round trips) to the backend's. The audit
+runs with its default judges (``--jobs``: 2 on 2 cores); ``-- --jobs 1`` for one.
 ``--src`` runs another checkout's ``src`` (a baseline) with the same backend, so that
 two versions can be timed side by side, alternating.
 """
