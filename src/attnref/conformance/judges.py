@@ -220,6 +220,18 @@ class Judges:
             conn.close()
             process.join(5)
 
+    def drain(self) -> list[tuple[int, PropertyResult, str | None]]:
+        """Every result the helpers have sent and the audit has not read, without waiting
+        (before `close`, so that a result that came in time is kept)."""
+        got: list[tuple[int, PropertyResult, str | None]] = []
+        while True:
+            live = {c: (p, c, now) for p, c, now in self._helpers if not c.closed}
+            ready = multiprocessing.connection.wait(list(live), timeout=0) if live else []
+            if not ready:
+                return got
+            for conn in ready:
+                self._read(*live[conn], got)
+
     def stop(self) -> None:
         """No search is taken after this; searches running in the helpers go on."""
         self._stop.set()

@@ -463,6 +463,8 @@ def audit(
             if judges is not None:
                 stopped = collect(judges, block=False) or stopped
         if judges is not None:
+            for j, result, _ in judges.drain():  # what came in before the audit stopped
+                record(j, result)
             report.judge_notes = list(judges.failures)
     except KeyboardInterrupt:  # Ctrl-C: what was found stands, marked incomplete
         report.incomplete = "interrupted"
