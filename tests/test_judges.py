@@ -110,3 +110,23 @@ def test_the_cli_shares_the_searches_and_says_so(tmp_path: Path) -> None:
 def test_jobs_below_one_is_an_error() -> None:
     with pytest.raises(ValueError, match="jobs must be >= 1, got 0"):
         audit("torch-sdpa-math", properties=["forward"], jobs=0, progress=False)
+
+
+def test_jobs_asked_for_where_searches_cannot_be_shared_are_named(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--in-process`` (or a family that runs a call on several processes) keeps every
+    search in one judge; ``--jobs 2`` asked for explicitly says so in the report."""
+    from attnref.cli import main
+
+    report = tmp_path / "r.json"
+    args = ["audit", "--in-process", "--property", "forward", "--dtype", "float32",
+            "--dtype", "float64", "--no-progress", "--json", str(report)]  # fmt: skip
+    assert main([*args, "--jobs", "2"]) == 0
+    data = json.loads(report.read_text())
+    assert data["judges"] == 1
+    (note,) = data["judge_notes"]
+    assert note.startswith("2 judges were asked for; one judged every search")
+    monkeypatch.delenv("ATTNREF_JOBS")  # the CLI's own default (2 on 2 cores)
+    assert main(args) == 0  # a default asks for nothing: no note
+    assert json.loads(report.read_text())["judge_notes"] == []

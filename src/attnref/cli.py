@@ -277,6 +277,8 @@ def _audit(args: argparse.Namespace) -> int:
             require_sandbox=settings.require_sandbox,
         )
         backend = executor.backend
+        if args.jobs is None and not getattr(executor, "from_spec", False):
+            jobs = 1  # the default where searches cannot be shared: no note for it
     except (BackendError, OptionError) as e:
         print(f"attnref audit: {e}", file=sys.stderr)
         return 2

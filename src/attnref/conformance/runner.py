@@ -407,6 +407,13 @@ def audit(
                 record(k, PropertyResult(prop.id, dtype, "skip", message=unavailable))
             work = []
         helpers = _helpers_for(jobs, len(work), executor)
+        if jobs > 1 and len(work) > 1 and not helpers:
+            report.judge_notes.append(
+                f"{jobs} judges were asked for; one judged every search: only a backend "
+                "given by its spec and run in one supervised worker is shared out (this "
+                "one was given from Python, runs in this process, or its family runs a "
+                "call on several processes)"
+            )
         if helpers:
             judges = Judges(
                 helpers,
@@ -465,7 +472,7 @@ def audit(
         if judges is not None:
             for j, result, _ in judges.drain():  # what came in before the audit stopped
                 record(j, result)
-            report.judge_notes = list(judges.failures)
+            report.judge_notes += judges.failures
     except KeyboardInterrupt:  # Ctrl-C: what was found stands, marked incomplete
         report.incomplete = "interrupted"
         report.finish()
