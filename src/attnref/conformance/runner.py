@@ -402,9 +402,11 @@ def audit(
         if not audit_checking():
             set_checking(False)
         unavailable = availability(backend, device, timeout, executor)
-        if unavailable is not None:
-            for k, (prop, dtype) in enumerate(work):
-                record(k, PropertyResult(prop.id, dtype, "skip", message=unavailable))
+        if unavailable is not None:  # every search skipped, none run
+            report.results += [
+                PropertyResult(p.id, d, "skip", message=unavailable) for p, d in work
+            ]
+            bar.update(len(work))
             work = []
         helpers = _helpers_for(jobs, len(work), executor)
         if jobs > 1 and len(work) > 1 and not helpers:
