@@ -286,3 +286,24 @@ def test_a_row_with_no_visible_key_has_lse_minus_inf_and_output_zero_with_a_sink
     assert bool((out[..., :2, :] == 0).all())
     assert bool(torch.isneginf(lse[..., :2]).all())
     assert bool(torch.isfinite(lse[..., 2:]).all())
+
+
+@pytest.mark.parametrize("fn", [F.scaled_dot_product_attention, F.chunked_attention])
+def test_a_nan_value_reaches_only_the_query_heads_that_see_its_key(fn: object) -> None:
+    """GQA reads each key/value head once for its whole group; a NaN value at a key that
+    one head of the group hides and another sees still gives that other head NaN only:
+    the head that hides it gets exactly what it gets with any finite value there."""
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 4, 3, 8, generator=gen)  # 4 query heads
+    k = torch.randn(1, 2, 5, 8, generator=gen)  # 2 kv heads: query heads 0, 1 read kv head 0
+    v = torch.randn(1, 2, 5, 8, generator=gen)
+    mask = torch.ones(1, 4, 3, 5, dtype=torch.bool)
+    mask[:, 0, :, 2] = False  # query head 0 hides key 2; head 1 (same group) sees it
+    call = fn
+    finite = call(q, k, v, mask, enable_gqa=True)  # type: ignore[operator]
+    poisoned = v.clone()
+    poisoned[:, 0, 2] = math.nan
+    out = call(q, k, poisoned, mask, enable_gqa=True)  # type: ignore[operator]
+    torch.testing.assert_close(out[:, 0], finite[:, 0], atol=0, rtol=0)
+    assert out[:, 1].isnan().all()  # it sees the NaN
+    torch.testing.assert_close(out[:, 2:], finite[:, 2:], atol=0, rtol=0)  # the other group

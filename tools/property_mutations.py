@@ -61,7 +61,7 @@ MUTATIONS = [
     Mutation(
         "masked_value_nan_leaks",
         FUNC,
-        "    return v.masked_fill(hidden_for_all, 0.0)",
+        "    return _repeat_kv_heads(v, p.q.shape[-3]).masked_fill(hidden_for_all, 0.0)",
         "    return v",
         (f"{PROPS}::test_hidden_keys_and_values_never_matter",),
     ),
@@ -113,15 +113,23 @@ MUTATIONS = [
         (f"{PROPS}::test_permuting_key_value_pairs_changes_nothing",),
     ),
     Mutation(
-        "gqa_tiled",
+        "gqa_grouped_tiled",
         FUNC,
-        "    return x.repeat_interleave(num_heads // g, dim=-3)",
-        "    return x.repeat(*([1] * (x.dim() - 3)), num_heads // g, 1, 1)",
+        "    stacked = x.contiguous().reshape(*x.shape[:-3], g, (h // g) * x.shape[-2], "
+        "x.shape[-1])\n    return (stacked @ y).reshape(*x.shape[:-1], y.shape[-1])",
+        "    return x @ torch.cat([y] * (h // g), dim=-3)",
         (
             f"{PROPS}::test_gqa_equals_expanded_heads",
             f"{LAYERS}::test_mha_equals_heads_one_by_one",
             f"{LAYERS}::test_gqa_module_equals_mha_with_repeated_kv_heads",
         ),
+    ),
+    Mutation(  # the mapping as copies (expand_kv_heads), which the test compares against
+        "gqa_tiled",
+        FUNC,
+        "    return x.repeat_interleave(num_heads // g, dim=-3)",
+        "    return x.repeat(*([1] * (x.dim() - 3)), num_heads // g, 1, 1)",
+        (f"{PROPS}::test_gqa_equals_expanded_heads",),
     ),
     Mutation(
         "softmax_over_queries",
@@ -165,8 +173,8 @@ MUTATIONS = [
     Mutation(
         "sdpa_key_gradient_dropped",
         FUNC,
-        "scores = p.q @ k.transpose(-2, -1)  # (*batch, h, Tq, block); q is pre-scaled",
-        "scores = p.q @ k.detach().transpose(-2, -1)",
+        "scores = _heads_matmul(p.q, k.transpose(-2, -1))  # (*batch, h, Tq, block); q is",
+        "scores = _heads_matmul(p.q, k.detach().transpose(-2, -1))  # (*batch, h, Tq, block); q is",
         (f"{LAYERS}::test_sdpa_gradcheck",),
     ),
     Mutation(

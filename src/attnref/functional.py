@@ -267,7 +267,8 @@ def _check_gqa(num_heads: int, num_kv_heads: int) -> None:
 def _repeat_kv_heads(
     x: Float[Tensor, "*batch g Tk D"], num_heads: int
 ) -> Float[Tensor, "*batch {num_heads} Tk D"]:
-    """The one place the GQA head mapping is computed (see `expand_kv_heads`)."""
+    """The GQA head mapping as copies (see `expand_kv_heads`); `_heads_matmul` computes
+    the same mapping without them."""
     g = x.shape[-3]
     _check_gqa(num_heads, g)
     if num_heads == g:
@@ -299,8 +300,8 @@ class _Problem:
     """Validated, normalised inputs shared by the materialised and the chunked paths."""
 
     q: Tensor  # (*batch, h, Tq, Dh), compute dtype, multiplied by the scale
-    k: Tensor  # (*batch, h, Tk, Dh), compute dtype, kv heads expanded
-    v: Tensor  # (*batch, h, Tk, Dv), compute dtype, kv heads expanded
+    k: Tensor  # (*batch, g, Tk, Dh), compute dtype; query head i reads k head i // (h // g)
+    v: Tensor  # (*batch, g, Tk, Dv), compute dtype, the same heads (`_heads_matmul`)
     bool_mask: Tensor | None  # broadcastable to (*batch, h, Tq, Tk), True = visible
     float_mask: Tensor | None  # broadcastable, added to scores, compute dtype
     causal: bool  # query i sees key j only if j <= i + offset
@@ -384,7 +385,7 @@ def _prepare(
             raise ValueError(
                 f"key and value have {g} heads (dim -3) but query has {h}{gqa}{layout}"
             )
-        key, value = _repeat_kv_heads(key, h), _repeat_kv_heads(value, h)
+        _check_gqa(h, g)  # K and V keep their g heads: `_heads_matmul` maps them
     ctype = compute_dtype(query.dtype)
     scores_shape = torch.Size((*query.shape[:-1], Tk))
     bool_mask = float_mask = None
@@ -434,7 +435,7 @@ def _masked_scores(
     """
     Tq, Tk = p.q.shape[-2], p.k.shape[-2]
     k = _key_rows(p.k, start, stop)
-    scores = p.q @ k.transpose(-2, -1)  # (*batch, h, Tq, block); q is pre-scaled
+    scores = _heads_matmul(p.q, k.transpose(-2, -1))  # (*batch, h, Tq, block); q is pre-scaled
     if p.softcap:
         scores = p.softcap * torch.tanh(scores / p.softcap)
     if p.alibi is not None:
@@ -507,21 +508,43 @@ def _lse(
 @checked_internal
 def _values_block(
     p: _Problem, start: int, stop: int, hidden: Bool[Tensor, "*#hbatch #Tq #Tb"] | None
-) -> Float[Tensor, "*batch h Tb Dv"]:
-    """Values of keys ``start:stop``, zeroed at keys hidden from every query.
+) -> Float[Tensor, "*batch _ Tb Dv"]:
+    """Values of keys ``start:stop`` (their ``g`` heads), zeroed at keys hidden from
+    every query of a head.
 
     ``0 * NaN`` is NaN, so a NaN or inf in the value of a padding key would otherwise
-    reach every output through the matmul even though its weight is exactly 0.
+    reach every output through the matmul even though its weight is exactly 0. Only
+    then are the values repeated per query head (``h`` heads: two heads of a group may
+    hide different keys), each copy zeroed where its own queries see nothing.
     """
     v = _key_rows(p.v, start, stop)
     if hidden is None:
         return v
-    hidden_for_all = hidden.all(dim=-2).unsqueeze(-1)  # (..., block, 1)
+    hidden_for_all = hidden.all(dim=-2).unsqueeze(-1)  # (..., block, 1), per query head
     if not hidden_for_all.any():
         return v  # e.g. causal: every key is seen by some query; no copy of V needed
     if bool(torch.isfinite(v.detach().sum())):
         return v  # every value is finite (a NaN or inf makes the sum so): 0 * v is 0
-    return v.masked_fill(hidden_for_all, 0.0)
+    return _repeat_kv_heads(v, p.q.shape[-3]).masked_fill(hidden_for_all, 0.0)
+
+
+@checked_internal
+def _heads_matmul(
+    x: Float[Tensor, "*batch h M K"], y: Float[Tensor, "*batch g K N"]
+) -> Float[Tensor, "*batch h M N"]:
+    """``x @ y`` where head ``i`` of ``x`` (a query head) meets head ``i // (h // g)`` of
+    ``y`` (its key/value head: the interleaved mapping of `expand_kv_heads`), with no
+    copy of ``y`` per query head: the ``h // g`` query heads of each group are stacked
+    as the rows of one matrix, which meets its key/value head once. Keys and values of
+    a long context with few KV heads are the largest tensors attention reads."""
+    h, g = x.shape[-3], y.shape[-3]
+    if h == g:
+        return x @ y
+    _check_gqa(h, g)
+    # contiguous first: the same rows in the same layout make the same product, bit for
+    # bit (a sink's weights are a slice of a wider softmax; without, they are not)
+    stacked = x.contiguous().reshape(*x.shape[:-3], g, (h // g) * x.shape[-2], x.shape[-1])
+    return (stacked @ y).reshape(*x.shape[:-1], y.shape[-1])
 
 
 @checked_internal
@@ -750,7 +773,7 @@ def scaled_dot_product_attention(
     scores, hidden = _masked_scores(p, 0, Tk)  # (*batch, h, Tq, Tk)
     weights = _weights(p, scores, hidden)
     dropped = _dropout(weights, dropout_p, generator, dropout_mask)
-    out = _as(dropped @ _values_block(p, 0, Tk, hidden), p.out_dtype)  # (*batch, h, Tq, Dv)
+    out = _as(_heads_matmul(dropped, _values_block(p, 0, Tk, hidden)), p.out_dtype)
     if return_weights and return_lse:
         return out, _as(weights, p.out_dtype), _lse(scores, hidden)
     if return_weights:
@@ -878,7 +901,7 @@ def chunked_attention(
         rescale = torch.exp(row_max - safe_max)
         probs = torch.exp(scores - safe_max)
         denom = rescale * denom + probs.sum(dim=-1, keepdim=True)
-        acc = rescale * acc + probs @ _values_block(p, start, stop, hidden)
+        acc = rescale * acc + _heads_matmul(probs, _values_block(p, start, stop, hidden))
         row_max = new_max
         del scores, probs  # before the next block's: memory stays at one block's worth
     seen = denom > 0  # (*batch, h, Tq, 1): the row saw a key
