@@ -45,7 +45,7 @@ def add_audit_options(add: Callable[..., Any], prefix: str = "", *, choices: boo
         "profile",
         default="quick",
         choices=list(PROFILES),
-        help="how hard to search: quick (about 2 min on a CPU), ci (minutes), "
+        help="how hard to search: quick (under half a minute on 2 cores), ci (minutes), "
         "thorough (nightly) (default: quick)",
     )
     option("device", default=None, help="cpu or cuda (default: cuda if present)")
