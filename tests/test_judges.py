@@ -131,3 +131,22 @@ def test_jobs_asked_for_where_searches_cannot_be_shared_are_named(
     monkeypatch.delenv("ATTNREF_JOBS")  # the CLI's own default (2 on 2 cores)
     assert main(args) == 0  # a default asks for nothing: no note
     assert json.loads(report.read_text())["judge_notes"] == []
+
+
+def test_helpers_that_cannot_start_leave_the_audit_to_one_judge(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Helper judges only make an audit faster: where none can start (no process, no
+    pipe), the audit's own process judges every search, and the report says why."""
+    import attnref.conformance.judges as judges
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise OSError("no more processes")
+
+    monkeypatch.setattr(judges.Judges, "_start", refuse)
+    report = audit("torch-sdpa-math", properties=["forward", "gqa"], dtypes=[torch.float32],
+                   jobs=2, progress=False)  # fmt: skip
+    assert report.judges == 1
+    assert [r.status for r in report.results] == ["pass", "pass"]
+    (note,) = report.judge_notes
+    assert "helper judges could not start (OSError: no more processes)" in note

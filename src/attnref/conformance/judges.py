@@ -147,7 +147,6 @@ class Judges:
 
     def __init__(self, n: int, setup: Setup, run: Callable[..., PropertyResult]) -> None:
         from attnref import _forkserver
-        from attnref.conformance.executors import _main_hidden
 
         ctx = _forkserver.context()
         self.total = len(setup.work)
@@ -156,6 +155,15 @@ class Judges:
         self._returned: list[int] = []  # searches a helper took and never finished
         self.failures: list[str] = []  # why a helper could not judge
         self._helpers: list[tuple[Any, Any, list[int | None]]] = []
+        try:
+            self._start(ctx, n, setup, run)
+        except BaseException:  # none left running: the audit goes on without them
+            self.close()
+            raise
+
+    def _start(self, ctx: Any, n: int, setup: Setup, run: Callable[..., PropertyResult]) -> None:
+        from attnref.conformance.executors import _main_hidden
+
         for _ in range(n):
             mine, theirs = ctx.Pipe(duplex=False)
             # not a daemon: a daemon may not start the worker it needs

@@ -417,7 +417,7 @@ def audit(
                 "call on several processes)"
             )
         if helpers:
-            judges = Judges(
+            judges = _start_judges(
                 helpers,
                 Setup(
                     spec=executor.spec,  # type: ignore[attr-defined]
@@ -434,8 +434,9 @@ def audit(
                     deadline=None if stop_at is None else stop_at - time.perf_counter(),
                 ),
                 run_property,
+                report.judge_notes,
             )
-            report.judges = 1 + helpers
+            report.judges = 1 if judges is None else 1 + helpers
         position = iter(range(len(work)))
         stopped = False
         while not stopped:
@@ -491,6 +492,18 @@ def audit(
         torch.set_num_threads(threads_before)
         report.finish()
     return report
+
+
+def _start_judges(
+    n: int, setup: Setup, run: Callable[..., PropertyResult], notes: list[str]
+) -> Judges | None:
+    """``n`` helper judges, or None (and a note why) where they cannot start: they only
+    make the audit faster, and one judge runs every search as well."""
+    try:
+        return Judges(n, setup, run)
+    except Exception as e:  # no process, no pipe: the audit goes on alone
+        notes.append(f"helper judges could not start ({type(e).__name__}: {e}); one judged all")
+        return None
 
 
 def _helpers_for(jobs: int, searches: int, executor: Executor) -> int:
