@@ -150,3 +150,19 @@ def test_helpers_that_cannot_start_leave_the_audit_to_one_judge(
     assert [r.status for r in report.results] == ["pass", "pass"]
     (note,) = report.judge_notes
     assert "helper judges could not start (OSError: no more processes)" in note
+
+
+def test_every_judge_shortens_its_wait_after_its_first_timeout() -> None:
+    """After a judge's first timeout it waits at most ten times the slowest answer (at
+    least 1 s) for each later call, the audit's own process and a helper alike: with a
+    backend that never answers, each judge waits the whole timeout once."""
+    names = ["forward", "masked_keys", "causality", "gqa", "decode", "tails"]
+    report = audit("tests.planted:hangs", properties=names, dtypes=[torch.float32],
+                   timeout=2.0, progress=False, jobs=2)  # fmt: skip
+    assert report.judges == 2
+    messages = [r.message for r in report.results]
+    assert len(messages) == len(names)
+    assert all(r.status == "fail" for r in report.results)
+    waited = [m for m in messages if "no answer within 2 s" in m]
+    assert 1 <= len(waited) <= 2, messages  # one per judge, at most
+    assert all("no answer within 2 s" in m or "no answer within 1 s" in m for m in messages)

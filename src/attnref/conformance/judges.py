@@ -34,7 +34,14 @@ from attnref.conformance.profiles import Profile
 from attnref.conformance.properties import get_property
 from attnref.conformance.report import PropertyResult
 
-__all__ = ["Judges", "Setup"]
+__all__ = ["Judges", "Setup", "wait_after_timeout"]
+
+
+def wait_after_timeout(timeout: float, slowest: float) -> float:
+    """How long a judge waits for each call after its backend's first timeout: ten times
+    the slowest answer it has had (``slowest``, seconds), at least 1 s, at most
+    ``timeout``; one rule for the audit's own process and its helpers."""
+    return min(timeout, max(1.0, 10 * slowest))
 
 
 @dataclass(frozen=True)
@@ -120,7 +127,7 @@ def _helper(
             )
             note = None
             if result.message.startswith(TIMED_OUT) and wait == setup.timeout:
-                wait = min(setup.timeout, max(1.0, 10 * executor.slowest))
+                wait = wait_after_timeout(setup.timeout, executor.slowest)
                 note = f"later calls of this judge wait at most {wait:.3g} s"
             conn.send(("result", i, result, note))
         conn.send(("done", None))
@@ -186,15 +193,19 @@ class Judges:
         return any(not c.closed for _, c, _ in self._helpers)
 
     def results(self, block: bool = False) -> list[tuple[int, PropertyResult, str | None]]:
-        """What the helpers finished since the last call, as ``(index, result, note)``;
-        ``block``: wait until some helper has said something."""
+        """Every result the helpers have sent and the audit has not read, as ``(index,
+        result, note)``, read until no pipe has more; ``block``: first wait until some
+        helper has said something. Called once more before `close`, so that a result
+        that came in time is kept."""
         got: list[tuple[int, PropertyResult, str | None]] = []
-        live = {c: (p, c, now) for p, c, now in self._helpers if not c.closed}
-        if not live:
-            return got
-        ready = multiprocessing.connection.wait(list(live), timeout=None if block else 0)
-        for conn in ready:
-            self._read(*live[conn], got)
+        timeout = None if block else 0
+        while live := {c: (p, c, now) for p, c, now in self._helpers if not c.closed}:
+            ready = multiprocessing.connection.wait(list(live), timeout=timeout)
+            if not ready:
+                break
+            for conn in ready:
+                self._read(*live[conn], got)
+            timeout = 0
         return got
 
     def _read(
@@ -227,18 +238,6 @@ class Judges:
                 self.failures.append(f"a helper judge stopped: {message[1]}")
             conn.close()
             process.join(5)
-
-    def drain(self) -> list[tuple[int, PropertyResult, str | None]]:
-        """Every result the helpers have sent and the audit has not read, without waiting
-        (before `close`, so that a result that came in time is kept)."""
-        got: list[tuple[int, PropertyResult, str | None]] = []
-        while True:
-            live = {c: (p, c, now) for p, c, now in self._helpers if not c.closed}
-            ready = multiprocessing.connection.wait(list(live), timeout=0) if live else []
-            if not ready:
-                return got
-            for conn in ready:
-                self._read(*live[conn], got)
 
     def stop(self) -> None:
         """No search is taken after this; searches running in the helpers go on."""

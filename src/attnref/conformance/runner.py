@@ -26,7 +26,7 @@ from attnref._checking import audit_checking, checking_enabled, set_checking
 from attnref.conformance.calls import TIMED_OUT, availability
 from attnref.conformance.cases import Case
 from attnref.conformance.declarations import Backend
-from attnref.conformance.judges import Judges, Setup
+from attnref.conformance.judges import Judges, Setup, wait_after_timeout
 from attnref.conformance.profiles import Profile, get_profile
 from attnref.conformance.properties import PROPERTIES, Context, Property, get_property
 from attnref.conformance.report import (
@@ -464,7 +464,7 @@ def audit(
                 budget=property_budget,
             )
             if result.message.startswith(TIMED_OUT) and wait == timeout:
-                wait = min(timeout, max(1.0, 10 * executor.slowest))
+                wait = wait_after_timeout(timeout, executor.slowest)
                 bar.write(
                     f"attnref audit: {backend.name} timed out in {prop.id} "
                     f"[{dtype_name(dtype)}]; later calls wait at most {wait:.3g} s"
@@ -473,7 +473,7 @@ def audit(
             if judges is not None:
                 stopped = collect(judges, block=False) or stopped
         if judges is not None:
-            for j, result, _ in judges.drain():  # what came in before the audit stopped
+            for j, result, _ in judges.results():  # what came in before the audit stopped
                 record(j, result)
             report.judge_notes += judges.failures
     except KeyboardInterrupt:  # Ctrl-C: what was found stands, marked incomplete
