@@ -219,6 +219,45 @@ def grid_wraps_past_64(
     return flat[index].reshape(out.shape)
 
 
+def rows_wrap_past_2048(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    attn_mask: Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> Tensor:
+    """A grid of query-row tiles that wraps past 2048 rows: row 2048 + i is written with
+    row i's output."""
+    out = _sdpa(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    Tq = out.shape[-2]
+    if Tq <= 2048:
+        return out
+    return out.index_select(-2, torch.arange(Tq) % 2048)
+
+
+def groups_past_4(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    attn_mask: Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> Tensor:
+    """GQA groups of more than 4 query heads per KV head (past the group sizes it has a
+    template for) map query head i to KV head (i // 4) mod g, as groups of 4 would."""
+    h, g = q.shape[-3], k.shape[-3]
+    if h // g <= 4:
+        return _sdpa(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    index = (torch.arange(h) // 4) % g
+    kk, vv = k.index_select(-3, index), v.index_select(-3, index)
+    return _sdpa(q, kk, vv, attn_mask, dropout_p, is_causal, scale, False)
+
+
 def minus_inf_is_5e4(
     q: Tensor,
     k: Tensor,
@@ -358,6 +397,8 @@ PLANTED = {
     "causal_rows_past_1024": 32,
     "half_accumulation_past_512": 32,
     "grid_wraps_past_64": 32,
+    "rows_wrap_past_2048": 32,
+    "groups_past_4": 32,
     "minus_inf_is_5e4": 33,
     "running_max_from_zero": 33,
     "zeros_below_minus_5e4": 33,

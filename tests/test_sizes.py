@@ -296,3 +296,47 @@ def test_inputs_are_drawn_as_amp_times_randn(amp: float) -> None:
         gen, again = torch.Generator().manual_seed(11), torch.Generator().manual_seed(11)
         assert torch.equal(_randn(shape, gen, amp), amp * torch.randn(shape, generator=again))
         assert torch.equal(torch.rand(4, generator=gen), torch.rand(4, generator=again))
+
+
+def test_a_long_case_that_keeps_its_queries_cuts_its_keys_first() -> None:
+    """Rows past the last row tile (2049 at quick) fit no square case: a long case that
+    keeps its queries halves its keys instead (a boundary still: 4097 to 257)."""
+    from attnref.conformance.strategies import _fits_work, work
+
+    profile = PROFILES["quick"]
+    case = Case("c", batch=(1,), h=1, g=1, Tq=2049, Tk=4097, Dh=128, Dv=128)
+    limits = (profile.max_work, profile.max_long_scores, profile.max_kv)
+    kept = _fits_work(case, *limits, keep_queries=True)
+    assert (kept.Tq, kept.Tk) == (2049, 257)
+    assert work(kept) <= profile.max_work
+    assert kept.Tq * kept.Tk <= profile.max_long_scores
+    cut = _fits_work(case, *limits)  # the default: the keys are kept, the queries cut
+    assert (cut.Tq, cut.Tk) == (129, 4097)
+
+
+@pytest.mark.parametrize(
+    ("prop", "what"),
+    [
+        ("forward", "rows"),
+        ("causality", "rows"),
+        ("forward", "groups"),
+        ("gqa", "groups"),
+    ],
+)
+def test_the_default_profile_draws_rows_past_2048_and_groups_past_4(prop: str, what: str) -> None:
+    """Within its first 300 cases (derandomized: the same cases every run), a search at
+    the default profile draws a case with queries past the last row tile and one with
+    GQA groups past 4 (where kernels take another template: FlashInfer's decode has
+    1, 2, 3, 4 and 8)."""
+    from hypothesis import find
+
+    from attnref.conformance.properties import PROPERTIES
+
+    caps = resolve_backend("torch-sdpa").capabilities
+    strategy = PROPERTIES[prop].cases(PROFILES["quick"], caps)
+
+    def condition(c: Case) -> bool:
+        return c.Tq > 2048 if what == "rows" else c.h // c.g > 4
+
+    quiet = settings(max_examples=300, derandomize=True, database=None)
+    assert condition(find(strategy, condition, settings=quiet))

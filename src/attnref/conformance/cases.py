@@ -73,7 +73,9 @@ class Case:
     infinity, or below a running max started at 0); ``peaked`` (one key per KV head,
     far from the last ones, dominates every row by about ``level``); ``moving`` (scores
     ramp by ``level`` along the keys, so a row's maximum moves from one key block to
-    the next: split-KV merges must rescale); ``outliers`` (two channels of Q and K
+    the next: split-KV merges must rescale; a ramp of ``2e4`` or more puts hidden keys
+    past the visible ones by more than a finite fill added to their scores, -1e4 or
+    -5e4, where a mask hides the later keys); ``outliers`` (two channels of Q and K
     ``level`` times larger, as LLM activations have). ``v_offset``: V's mean, with a
     spread over channels (0: ``randn``), so that an output near zero is wrong.
     """
@@ -502,14 +504,19 @@ def fixed_grid() -> list[Case]:
 def long_grid() -> list[Case]:
     """Fixed cases at the sizes and values production kernels break on (classes 32 and
     33), run after the search when it found nothing: a causal prefill past 1024 rows
-    against more keys, decode against 4097 keys, a split-KV row
+    against more keys, decode against 4097 keys, rows past 2048 against fewer keys,
+    decode with GQA groups of 8, a split-KV row
     whose maximum moves, head dims 256, 192/128 and 576/512, a grid of 1028 programs,
-    scores far below a finite minus infinity (with a mask and without), a dominant key."""
+    scores far below a finite minus infinity (with a mask and without), hidden keys'
+    scores far above the visible ones', a dominant key."""
     one = (1,)
     cases = [
         Case("long_prefill_causal", batch=one, h=1, g=1, Tq=1025, Tk=2049, Dh=64, Dv=64,
              causal="top_left"),
         Case("long_decode", batch=one, h=2, g=1, Tq=1, Tk=4097, Dh=128, Dv=128),
+        Case("rows_past_2048", batch=one, h=1, g=1, Tq=2049, Tk=513, Dh=64, Dv=64,
+             causal="top_left"),
+        Case("group_8_decode", batch=one, h=16, g=2, Tq=3, Tk=1025, Dh=128, Dv=128),
         Case("split_kv_moving_max", batch=one, h=2, g=2, Tq=3, Tk=4096, Dh=64, Dv=64,
              logits="moving", level=30.0),
         Case("head_dim_256", batch=one, h=2, g=2, Tq=65, Tk=257, Dh=256, Dv=256, mask="bool"),
@@ -520,6 +527,8 @@ def long_grid() -> list[Case]:
         Case("far_below_masked", batch=one, h=2, g=2, Tq=33, Tk=257, mask="bool", logits="far",
              level=-1e5, v_offset=3.0),
         Case("far_below", batch=one, h=2, g=2, Tq=17, Tk=300, logits="far", level=-6e4),
+        Case("hidden_far_above", batch=(3,), h=2, g=2, Tq=9, Tk=129, mask="padding",
+             logits="moving", level=1e5),
         Case("dominant_key", batch=one, h=2, g=2, Tq=17, Tk=513, causal="bottom_right",
              logits="peaked", level=40.0, v_offset=-20.0),
     ]  # fmt: skip

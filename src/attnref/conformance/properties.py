@@ -18,6 +18,7 @@ from attnref.conformance.checks import Check, Context
 from attnref.conformance.declarations import Capabilities
 from attnref.conformance.profiles import Profile
 from attnref.conformance.strategies import (
+    GROUPS,
     LAYOUTS,
     case_strategy,
     masks_for,
@@ -341,7 +342,7 @@ PROPERTIES: dict[str, Property] = {
             "gqa",
             "grouped-query attention equals attention with the KV heads expanded",
             (9, 10, 32),
-            lambda p, c: case_strategy("gqa", p, c, group=st.sampled_from((2, 3, 4))),
+            lambda p, c: case_strategy("gqa", p, c, group=GROUPS),
             checks.gqa,
             requires=_needs("gqa", "GQA"),
         ),

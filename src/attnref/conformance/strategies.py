@@ -98,13 +98,21 @@ def work(case: Case) -> int:
     return _product(case.batch) * case.h * case.Tq * case.Tk * max(1, case.Dh + case.Dv)
 
 
-def _fits_work(case: Case, max_work: int, max_scores: int, max_kv: int, wide: bool = False) -> Case:
+def _fits_work(
+    case: Case,
+    max_work: int,
+    max_scores: int,
+    max_kv: int,
+    wide: bool = False,
+    keep_queries: bool = False,
+) -> Case:
     """A long or wide case within ``max_work``, ``max_scores`` and ``max_kv`` (K and V
     as every query head reads them, ``batch * h * Tk * (Dh + Dv)``: what a decode step
     costs): a long case keeps its lengths as long as it can (one sample, one head),
     then has fewer queries (a long prefill becomes a shorter one, then decode), then
-    fewer keys, each roughly halved, so that it stays near a boundary. A ``wide`` case
-    keeps its programs: its lengths and dims are cut first."""
+    fewer keys, each roughly halved, so that it stays near a boundary; with
+    ``keep_queries``, fewer keys first (rows past the last row tile, against a shorter
+    context). A ``wide`` case keeps its programs: its lengths and dims are cut first."""
 
     def sizes(c: Case) -> tuple[bool, bool]:
         batch = _product(c.batch)
@@ -121,6 +129,8 @@ def _fits_work(case: Case, max_work: int, max_scores: int, max_kv: int, wide: bo
             case = replace(case, batch=tuple((b + 1) // 2 for b in case.batch))
         elif not wide and case.h > 1:
             case = replace(case, h=case.h // case.g, g=1) if case.g > 1 else replace(case, h=1)
+        elif too_big[0] and keep_queries and case.Tk > 3:
+            case = replace(case, Tk=(case.Tk + 1) // 2)
         elif too_big[0] and case.Tq > 3:
             case = replace(case, Tq=(case.Tq + 1) // 2)
         elif _product(case.batch) > 1:
@@ -246,7 +256,7 @@ def case_strategy(
         "size": st.sampled_from(tuple(sizes)),
         "batch": pinned("batch", small_batch),
         "g": pinned("g", st.integers(1, profile.max_kv_heads)),
-        "group": pinned("group", st.sampled_from((1, 2, 3, 4)) if caps.gqa else st.just(1)),
+        "group": pinned("group", st.one_of(st.just(1), GROUPS) if caps.gqa else st.just(1)),
         "Tq": pinned("Tq", lengths(profile)),
         "Tk": pinned("Tk", lengths(profile)),
         # the longest lengths weighted up: Hypothesis leans to a list's first entries
@@ -255,6 +265,8 @@ def case_strategy(
         ),
         "long_Tk": pinned("Tk", st.one_of(*_longest(profile.long_keys or profile.tail_lengths))),
         "square": st.sampled_from((True, False)),
+        "keep_queries": st.sampled_from((False, False, False, True)),
+        "last_Tq": pinned("Tq", st.sampled_from(profile.long_queries[-3:] or (1,))),
         "programs": st.sampled_from(profile.programs),
         "dims": dh_dv,
         **{f: pinned(f, st.nothing()) for f in ("Dh", "Dv") if f in fields},
@@ -291,9 +303,12 @@ def _draw_case(
     got = {n: draw(strategy) for n, strategy in strategies.items() if n not in skip}
     batch: tuple[int, ...] = tuple(got["batch"])
     g, group = got["g"], got["group"]
+    keep_queries = kind == "long" and got["keep_queries"] and "Tk" not in fields
     if kind == "long":
         Tq, Tk = got["long_Tq"], got["long_Tk"]
-        if got["square"] and Tq > 3 and "Tk" not in fields:
+        if keep_queries:  # rows past the last row tile, where no square case fits
+            Tq = got["last_Tq"]
+        elif got["square"] and Tq > 3 and "Tk" not in fields:
             Tk = Tq  # a long prefill: self-attention, where causal kernels split rows
         if "batch" not in fields:
             batch = (1,) if batch else ()
@@ -350,7 +365,7 @@ def _draw_case(
     scores = profile.max_long_scores
     if case.mask not in _NARROW_MASKS:
         scores = min(scores, profile.max_mask_scores)
-    return _fits_work(case, budget, scores, profile.max_kv)
+    return _fits_work(case, budget, scores, profile.max_kv, keep_queries=keep_queries)
 
 
 #: mask kinds made of a row or a column, broadcast (cheap at any length)
@@ -364,21 +379,30 @@ def _longest(lengths: tuple[int, ...]) -> tuple[st.SearchStrategy[int], ...]:
     return (st.sampled_from(lengths), top, top, top)
 
 
+#: GQA groups (query heads per KV head): the small ones, and the sizes past them that
+#: kernels dispatch on (FlashInfer's decode templates take 1, 2, 3, 4 and 8 and later
+#: 6; Qwen2-7B's group is 7, Llama-3.1-405B's 16), drawn a third of the time
+_SMALL_GROUPS = st.sampled_from((2, 3, 4))
+GROUPS = st.one_of(_SMALL_GROUPS, _SMALL_GROUPS, st.sampled_from((5, 6, 7, 8, 16)))
+
 #: the strategies a case of each size does not draw from
 _NOT_DRAWN: dict[str, frozenset[str]] = {
-    "small": frozenset({"size", "long_Tq", "long_Tk", "square", "programs"}),
+    "small": frozenset(
+        {"size", "long_Tq", "long_Tk", "square", "keep_queries", "last_Tq", "programs"}
+    ),
     "long": frozenset({"size", "Tq", "Tk", "programs"}),
-    "wide": frozenset({"size", "long_Tq", "long_Tk", "square"}),
+    "wide": frozenset({"size", "long_Tq", "long_Tk", "square", "keep_queries", "last_Tq"}),
 }
 #: the values of class 33, ``randn`` first (where Hypothesis shrinks to)
 _LOGITS = st.sampled_from(("randn",) * 6 + ("far", "peaked", "moving", "outliers"))
 #: the size of each (`Case.level`): scores far past a finite minus infinity (-5e4,
-#: -1e4) on either side, a dominant key, a ramp along the keys, outlier channels
+#: -1e4) on either side, a dominant key, a ramp along the keys (past a finite fill
+#: added to hidden keys' scores, at 2e4 and 1e5), outlier channels
 _LEVELS: dict[str, st.SearchStrategy[float] | float] = {
     "randn": 0.0,
     "far": st.sampled_from((-1e5, -6e4, -2e4, -1e3, 1e3, 3e4, 1e5)),
     "peaked": st.sampled_from((12.0, 40.0)),
-    "moving": st.sampled_from((30.0, -30.0, 200.0)),
+    "moving": st.sampled_from((30.0, -30.0, 200.0, 2e4, 1e5)),
     "outliers": st.sampled_from((8.0, 30.0)),
 }
 #: V's mean: zero (randn), or far enough that an output near zero is wrong

@@ -58,7 +58,7 @@ from attnref.conformance.families.flash_kvcache import (
 from attnref.conformance.families.sdpa import REFERENCE_CAPS
 from attnref.conformance.family import ApiFamily, Arguments, pair, variant_kwargs
 from attnref.conformance.mutants import Mutant
-from attnref.conformance.oracle import close, expect
+from attnref.conformance.oracle import close
 from attnref.conformance.profiles import Profile
 from attnref.conformance.properties import Property
 from attnref.conformance.serving import descales
@@ -553,29 +553,31 @@ def _call(
     return judge(outs, lses, call.rows)
 
 
-def _default_scale(ctx: Context, outs: list[Tensor], call: LatentCall) -> str:
-    """Whether outputs that failed match the kernel's default scale, ``D ** -0.5``, in
-    place of the caller's: the scale trap (class 35)."""
+def _default_scale(
+    ctx: Context, outs: list[Tensor], lses: list[Tensor] | None, call: LatentCall
+) -> str:
+    """Whether results that failed (outputs, and LSEs where the kernel returns them)
+    match the kernel's default scale, ``D ** -0.5``, in place of the caller's: the scale
+    trap (class 35). Its LSE shows it where its output cannot (one key)."""
     first = call.first
     if first.scale is None:
         return ""
     D = first.query.shape[-1]
 
-    def matches(out: Tensor, x: Inputs) -> bool:
-        exp = expect(x, ctx.caps.empty_row, True)
+    def matches(rows: tuple[Inputs, ...]) -> bool:
         try:
-            close(out.to(torch.float64), exp.value, *exp.bounds(), "output", exp.known)
+            agree(ctx, outs, lses, rows, "sequence")
         except Failure:
             return False
         return True
 
-    pairs = list(zip(outs, call.rows, strict=True))
-    if all(matches(out, x) for out, x in pairs):
-        return ""  # the outputs are right: what failed is not the scale
-    if not all(matches(out, replace(x, scale=None)) for out, x in pairs):
+    if matches(call.rows):
+        return ""  # the results are right: what failed is not the scale
+    if not matches(tuple(replace(x, scale=None) for x in call.rows)):
         return ""
-    return (f"the outputs match the kernel's default scale {D} ** -0.5 = {D**-0.5:.6g}, not "
-            f"the softmax_scale passed ({first.scale:.6g}): the scale trap")  # fmt: skip
+    what = "outputs" if lses is None else "outputs and log-sum-exps"
+    return (f"the {what} match the kernel's default scale {D} ** -0.5 = {D**-0.5:.6g}, "
+            f"not the softmax_scale passed ({first.scale:.6g}): the scale trap")  # fmt: skip
 
 
 def _mla(ctx: Context, case: Case) -> None:
@@ -588,7 +590,7 @@ def _mla(ctx: Context, case: Case) -> None:
     try:
         agree(ctx, outs, lses, call.rows, "sequence")
     except Failure as failure:
-        trap = _default_scale(ctx, outs, call)
+        trap = _default_scale(ctx, outs, lses, call)
         if trap:
             raise Failure(
                 f"{failure}; {trap}", got=failure.got, expected=failure.expected,
