@@ -345,8 +345,8 @@ def _half_sums(
         scores = scores.masked_fill(~torch.ones(Tq, Tk, dtype=torch.bool).tril(), -math.inf)
     if attn_mask is not None and attn_mask.dtype == torch.bool:
         seen = attn_mask.expand(*attn_mask.shape[:-1], Tk).clone()
-        if last_key_seen and Tk > 32:
-            seen[..., Tk - 1] = True  # the mask bug: past 32 keys, the last is never hidden
+        if last_key_seen and Tk > 64:
+            seen[..., Tk - 1] = True  # the mask bug: past 64 keys, the last is never hidden
         scores = scores.masked_fill(~seen, -math.inf)
     elif attn_mask is not None:
         scores = scores + attn_mask.to(acc)
@@ -371,7 +371,7 @@ def imprecise_and_mask_wrong(
 ) -> Tensor:
     """Two bugs at once, in half precision: its sums over the keys run in the inputs'
     dtype, blocks of 8 keys at a time (a precision loss that grows with the keys), and
-    past 32 keys a boolean mask never hides the last key (a semantic bug of the masks,
+    past 64 keys a boolean mask never hides the last key (a semantic bug of the masks,
     met after the precision loss, which small cases show already)."""
     return _half_sums(q, k, v, attn_mask, is_causal, scale, last_key_seen=True)
 

@@ -280,6 +280,30 @@ def minus_inf_is_5e4(
     return out.to(q.dtype)
 
 
+def unnormalised_half_sums(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    attn_mask: Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> Tensor:
+    """In half precision, ``P @ V`` is summed before the division by the softmax's
+    denominator, in the inputs' dtype: unnormalised weights of up to 1 each, so a flat
+    row over thousands of keys of a V far from zero overflows float16."""
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        return _sdpa(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    s, _ = _scores(q, k, scale)
+    s = s + _bias(q, k, attn_mask, is_causal)
+    m = s.amax(dim=-1, keepdim=True)
+    e = torch.exp(s - m.masked_fill(m == -math.inf, 0.0))
+    den = e.sum(dim=-1, keepdim=True)
+    num = (e.to(q.dtype) @ _values(q, v).to(q.dtype)).to(e.dtype)
+    return (num / den.masked_fill(den == 0, 1.0)).to(q.dtype)
+
+
 def running_max_from_zero(
     q: Tensor,
     k: Tensor,
@@ -400,6 +424,7 @@ PLANTED = {
     "rows_wrap_past_2048": 32,
     "groups_past_4": 32,
     "minus_inf_is_5e4": 33,
+    "unnormalised_half_sums": 33,
     "running_max_from_zero": 33,
     "zeros_below_minus_5e4": 33,
 }

@@ -866,7 +866,9 @@ def test_a_backend_both_imprecise_and_wrong_on_masks_gets_both_findings() -> Non
     bound, under 5% of the output's size) does not end a property's search, which goes
     on to the semantic failure a miss met first would hide; a property that finds both
     reports both (`PropertyResult.also`), each under its own cause. One that finds only
-    misses is searched again, a miss then a failure to shrink."""
+    misses is searched again, a miss then a failure to shrink. (The miss is met on a
+    case judged whole: on a long case, judged on a secret sample of its rows, whether
+    the sample shows it is left to the secret.)"""
     report = run(
         "tests.planted:imprecise_and_mask_wrong",
         dtypes=(torch.float16,),

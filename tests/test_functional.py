@@ -289,6 +289,27 @@ def test_a_row_with_no_visible_key_has_lse_minus_inf_and_output_zero_with_a_sink
 
 
 @pytest.mark.parametrize("fn", [F.scaled_dot_product_attention, F.chunked_attention])
+def test_a_sink_far_above_every_score_gives_finite_gradients(fn: object) -> None:
+    """A sink 200 above every score (past float32's exp range) takes nearly all the
+    weight: outputs and gradients are finite and match float64's (which are near zero).
+    The chunked path once added exp(sink - max) = inf to its denominator: output 0,
+    gradients 0 * inf = NaN."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 3, 4, generator=gen) for _ in range(3))
+    sinks = torch.tensor([200.0, 0.0])  # head 0's sink dominates, head 1's does not
+
+    def grads(dtype: torch.dtype) -> list[torch.Tensor]:
+        leaves = [t.to(dtype).clone().requires_grad_() for t in (q, k, v)]
+        out = fn(*leaves, sinks=sinks.to(dtype))  # type: ignore[operator]
+        out.sum().backward()
+        return [out.detach(), *(t.grad for t in leaves)]
+
+    for got, want in zip(grads(torch.float32), grads(torch.float64), strict=True):
+        assert bool(torch.isfinite(got).all())
+        torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("fn", [F.scaled_dot_product_attention, F.chunked_attention])
 def test_a_nan_value_reaches_only_the_query_heads_that_see_its_key(fn: object) -> None:
     """GQA reads each key/value head once for its whole group; a NaN value at a key that
     one head of the group hides and another sees still gives that other head NaN only:

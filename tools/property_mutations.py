@@ -226,8 +226,8 @@ MUTATIONS = [
     Mutation(
         "chunked_sink_counted_twice",
         FUNC,
-        "        sink = torch.exp(p.sinks - row_max.masked_fill(~seen, 0.0))",
-        "        sink = 2 * torch.exp(p.sinks - row_max.masked_fill(~seen, 0.0))",
+        "        total = torch.where(seen, denom * keep + torch.exp(p.sinks - top), denom)",
+        "        total = torch.where(seen, denom * keep + 2 * torch.exp(p.sinks - top), denom)",
         (f"{VARIANTS}::test_chunked_equals_materialised_with_every_variant",),
     ),
     Mutation(

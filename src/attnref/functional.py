@@ -907,8 +907,13 @@ def chunked_attention(
     seen = denom > 0  # (*batch, h, Tq, 1): the row saw a key
     total = denom
     if p.sinks is not None:  # once, after every block; an empty row stays empty
-        sink = torch.exp(p.sinks - row_max.masked_fill(~seen, 0.0))
-        total = torch.where(seen, denom + sink, denom)
+        # both terms against the larger of the row's maximum and its sink, so that
+        # neither exp overflows (a sink far above every score: exp(sink - max) was inf,
+        # the output 0 and its gradient 0 * inf = NaN)
+        top = torch.maximum(row_max, p.sinks).masked_fill(~seen, 0.0)
+        keep = torch.exp(row_max - top)  # 0 for a row that saw no key
+        acc = acc * keep
+        total = torch.where(seen, denom * keep + torch.exp(p.sinks - top), denom)
     out = (acc / total.masked_fill(~seen, 1.0)).to(p.out_dtype)
     if not return_lse:
         return out

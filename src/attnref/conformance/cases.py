@@ -508,7 +508,8 @@ def long_grid() -> list[Case]:
     decode with GQA groups of 8, a split-KV row
     whose maximum moves, head dims 256, 192/128 and 576/512, a grid of 1028 programs,
     scores far below a finite minus infinity (with a mask and without), hidden keys'
-    scores far above the visible ones', a dominant key."""
+    scores far above the visible ones', a dominant key, a flat row over 4097 keys of a V
+    far from zero (its unnormalised sums pass float16's range)."""
     one = (1,)
     cases = [
         Case("long_prefill_causal", batch=one, h=1, g=1, Tq=1025, Tk=2049, Dh=64, Dv=64,
@@ -531,6 +532,8 @@ def long_grid() -> list[Case]:
              logits="moving", level=1e5),
         Case("dominant_key", batch=one, h=2, g=2, Tq=17, Tk=513, causal="bottom_right",
              logits="peaked", level=40.0, v_offset=-20.0),
+        Case("flat_over_4097_keys", batch=one, h=1, g=1, Tq=3, Tk=4097, Dh=64, Dv=64,
+             amp=0.25, v_offset=-20.0),
     ]  # fmt: skip
     return [replace(c, seed=200 + i) for i, c in enumerate(cases)]
 
