@@ -905,20 +905,17 @@ def chunked_attention(
         row_max = new_max
         del scores, probs  # before the next block's: memory stays at one block's worth
     seen = denom > 0  # (*batch, h, Tq, 1): the row saw a key
-    total = denom
-    if p.sinks is not None:  # once, after every block; an empty row stays empty
-        # both terms against the larger of the row's maximum and its sink, so that
-        # neither exp overflows (a sink far above every score: exp(sink - max) was inf,
-        # the output 0 and its gradient 0 * inf = NaN)
-        top = torch.maximum(row_max, p.sinks).masked_fill(~seen, 0.0)
-        keep = torch.exp(row_max - top)  # 0 for a row that saw no key
-        acc = acc * keep
-        total = torch.where(seen, denom * keep + torch.exp(p.sinks - top), denom)
-    out = (acc / total.masked_fill(~seen, 1.0)).to(p.out_dtype)
+    out = acc / denom.masked_fill(~seen, 1.0)
+    lse = torch.where(seen, row_max + torch.log(denom.masked_fill(~seen, 1.0)), _NEG_INF)
+    lse = lse.squeeze(-1)
+    if sinks is not None:  # once, after every block, as after a merge; an empty row stays 0
+        # (a sum with exp(sink - max) overflowed for a sink far above every score: the
+        # output 0, its gradient 0 * inf = NaN; the sigmoid does not)
+        out = apply_sinks(out, lse, sinks)
+    out = out.to(p.out_dtype)
     if not return_lse:
         return out
-    lse = torch.where(seen, row_max + torch.log(denom.masked_fill(~seen, 1.0)), _NEG_INF)
-    return out, lse.squeeze(-1)
+    return out, lse
 
 
 @checked
