@@ -257,12 +257,15 @@ def test_a_worker_with_sockets_cannot_reach_a_forkserver_s(hide: bool) -> None:
     whoever connects, a process outside any sandbox (and crashes on a connection that
     sends nothing). The judge's temporary folder, where they listen, is covered in the
     worker's mount namespace by an empty one (``hidden``), but for the worker's scratch
-    folder inside it, which stays its own and the judge's. Uncovered (the control), the
-    connection is made."""
+    folder inside it, which stays its own and the judge's, and the user's installation
+    (``kept``: a virtual environment there), which the worker still imports from.
+    Uncovered (the control), the connection is made."""
     root = Path(tempfile.mkdtemp(prefix="j-", dir="/tmp"))  # a socket path is short
     (root / "pymp-x").mkdir()
     scratch = root / "attnref-worker-x"
     scratch.mkdir()
+    (root / "venv").mkdir()
+    (root / "venv" / "users_module.py").write_text("VALUE = 7\n")
     listener = socket.socket(socket.AF_UNIX)
     try:
         listener.bind(str(root / "pymp-x" / "listener"))
@@ -270,8 +273,11 @@ def test_a_worker_with_sockets_cannot_reach_a_forkserver_s(hide: bool) -> None:
         code = _try(f"socket.socket(socket.AF_UNIX).connect({str(root / 'pymp-x' / 'listener')!r})")
         code += "out['connect'] = ok\n"
         code += _try(f"open({str(scratch / 'made')!r}, 'w').write('x')") + "out['scratch'] = ok\n"
+        code += f"sys.path.insert(0, {str(root / 'venv')!r})\n"
+        code += "import users_module\nout['import'] = users_module.VALUE\n"
         hidden = (str(root),) if hide else ()
-        policy = f"_sandbox.Policy(network=True, hidden={hidden!r})"
+        kept = (str(root / "venv"),)
+        policy = f"_sandbox.Policy(network=True, hidden={hidden!r}, kept={kept!r})"
         out = _inside(code, scratch, policy=policy)
         enforced = out["enforced"]
         assert isinstance(enforced, dict)
@@ -282,9 +288,74 @@ def test_a_worker_with_sockets_cannot_reach_a_forkserver_s(hide: bool) -> None:
         assert "forkservers" not in enforced["missing"]
         assert out["scratch"] == "done"
         assert (scratch / "made").read_text() == "x"  # the scratch folder is the judge's
+        assert out["import"] == 7  # the user's installation is not hidden
     finally:
         listener.close()
         shutil.rmtree(root, ignore_errors=True)
+
+
+def test_the_user_s_installation_under_the_temporary_folder_is_kept(tmp_path: Path) -> None:
+    """What a covered temporary folder keeps (`executors._kept`): the Python prefix, the
+    folders on ``sys.path`` and the working folder, where they lie inside it; where the
+    working folder is the temporary folder itself, its entries but for sockets, folders
+    holding one and workers' scratch folders."""
+    from attnref.conformance import executors
+
+    prefix = os.path.realpath(sys.prefix)
+    kept = executors._kept((os.path.dirname(prefix),))
+    assert any(os.path.commonpath([k, prefix]) == k for k in kept)
+    assert os.path.dirname(prefix) not in kept
+    (tmp_path / "code").mkdir()
+    (tmp_path / "pymp-1").mkdir()
+    (tmp_path / "attnref-worker-1").mkdir()
+    (tmp_path / "holds").mkdir()
+    if len(str(tmp_path / "holds" / "l")) > 100:
+        pytest.skip(f"{tmp_path} is too long a folder for a socket's path")
+    listener = socket.socket(socket.AF_UNIX)
+    try:
+        listener.bind(str(tmp_path / "holds" / "l"))
+        cwd = os.getcwd()
+        os.chdir(tmp_path)
+        try:
+            kept = executors._kept((str(tmp_path),))
+        finally:
+            os.chdir(cwd)
+    finally:
+        listener.close()
+    names = {os.path.basename(k) for k in kept if os.path.dirname(k) == str(tmp_path)}
+    assert "code" in names
+    assert not names & {"pymp-1", "attnref-worker-1", "holds"}
+
+
+@needs_landlock
+def test_a_judge_whose_temporary_folder_holds_the_venv_still_imports(tmp_path: Path) -> None:
+    """A clone and its virtual environment under ``$TMPDIR`` (CI runners, containers,
+    quick tries): a worker that may open sockets (context-parallel's) has the judge's
+    temporary folder covered, yet still imports what the judge had not imported (the
+    backend's module, torch's lazily loaded ones) from the installation there."""
+    folder = os.path.dirname(os.path.realpath(sys.prefix))  # holds the venv, as under TMPDIR
+    if len(folder) > 60:
+        pytest.skip(f"{folder} is too long a TMPDIR for a forkserver's socket path")
+    code = textwrap.dedent(
+        """
+        import json
+        import attnref.conformance.backends  # the families, as the audit installs them
+        from attnref.conformance.executors import Supervised
+        ex = Supervised("tests.lazy_sdpa:sdpa", network=True)
+        print(json.dumps(ex.sandbox["enforced"]))
+        ex.close()
+        """
+    )
+    env = {**os.environ, "TMPDIR": folder}
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+        cwd=ROOT, env=env, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    enforced = json.loads(done.stdout.strip().splitlines()[-1])
+    if "shared memory" not in enforced:
+        pytest.skip("no mount namespace here: nothing is covered")
+    assert "forkservers" in enforced  # the folder was covered, and the import still worked
 
 
 def test_what_a_platform_does_not_enforce_is_listed_not_raised(

@@ -128,6 +128,11 @@ class Policy:
     #: of this judge and of any other listen (each forks, for whoever connects, a process
     #: outside any sandbox; a connection that sends nothing crashes it)
     hidden: tuple[str, ...] = ()
+    #: paths inside a ``hidden`` folder bound back in place once it is covered: the
+    #: worker's scratch folder and the user's installation (the Python prefix, the
+    #: folders on ``sys.path``, the working folder), so that hiding covers the sockets,
+    #: never the user's code (a virtual environment under ``$TMPDIR``)
+    kept: tuple[str, ...] = ()
 
     @classmethod
     def from_environment(cls, network: bool = False, unix: bool = True) -> "Policy":
@@ -390,28 +395,37 @@ def _own_proc() -> None:
     _libc().mount(b"proc", b"/proc", b"proc", options, None)
 
 
-def _cover(folder: str, keep: str = "") -> bool:
+def _cover(folder: str, keep: tuple[str, ...] = ()) -> bool:
     """In the worker's private mount namespace: an empty tmpfs over ``folder``, so that
-    what lies there (a socket) is out of its reach, with ``keep`` (its scratch folder),
-    where it lies inside, bound back in place; whether ``folder`` was covered."""
+    what lies there (a socket) is out of its reach, with each path of ``keep`` (its
+    scratch folder, the user's installation) that lies inside bound back in place;
+    whether ``folder`` was covered."""
     if not os.path.isdir(folder):
         return False
-    folder, keep = os.path.realpath(folder), os.path.realpath(keep) if keep else ""
-    inside = bool(keep) and keep != folder and os.path.commonpath([folder, keep]) == folder
+    folder = os.path.realpath(folder)
+    inside = [
+        k
+        for k in (os.path.realpath(k) for k in keep)
+        if k != folder and os.path.commonpath([folder, k]) == folder and os.path.exists(k)
+    ]
     libc = _libc()
-    held = os.open(keep, os.O_PATH | os.O_CLOEXEC) if inside else -1
+    held = [os.open(k, os.O_PATH | os.O_CLOEXEC) for k in inside]
     try:
         options = _MS_NOSUID | _MS_NODEV | _MS_NOEXEC
         if libc.mount(b"tmpfs", folder.encode(), b"tmpfs", options, b"mode=1777") != 0:
             return False
-        if inside:  # the scratch folder again, where it was (its path is in TMPDIR)
-            os.makedirs(keep, exist_ok=True)
-            source = f"/proc/self/fd/{held}".encode()
-            libc.mount(source, keep.encode(), None, _MS_BIND, None)
+        for k, fd in zip(inside, held, strict=True):  # each again, where it was
+            if os.path.isdir(f"/proc/self/fd/{fd}"):
+                os.makedirs(k, exist_ok=True)
+            else:  # a file on sys.path (a zip): a file to mount it on
+                os.makedirs(os.path.dirname(k), exist_ok=True)
+                open(k, "a").close()
+            source = f"/proc/self/fd/{fd}".encode()
+            libc.mount(source, k.encode(), None, _MS_BIND | _MS_REC, None)
         return True
     finally:
-        if held >= 0:
-            os.close(held)
+        for fd in held:
+            os.close(fd)
 
 
 def _private_shm() -> bool:
@@ -454,7 +468,7 @@ def enter(scratch: str, policy: Policy | None = None, *, contain: bool = True) -
     if "lifetime" in without:
         done.missing["lifetime"] = off
     elif contain:
-        _contain(done, policy.hidden, scratch)
+        _contain(done, policy.hidden, (scratch, *policy.kept))
     if policy.hidden and "forkservers" not in done.enforced:
         done.missing["forkservers"] = (
             "the judge's temporary folder is not covered (no mount namespace): a "
@@ -510,7 +524,7 @@ def enter(scratch: str, policy: Policy | None = None, *, contain: bool = True) -
     return done
 
 
-def _contain(done: Enforced, hidden: tuple[str, ...] = (), keep: str = "") -> None:
+def _contain(done: Enforced, hidden: tuple[str, ...] = (), keep: tuple[str, ...] = ()) -> None:
     """`enter`'s ``contain``: where the kernel allows a PID namespace, this process (the
     one the judge knows, which stays outside and only waits) starts the namespace's
     first process, a reaper, which starts the worker and ends when it ends; its end

@@ -22,6 +22,7 @@ import select
 import shutil
 import signal
 import socket
+import stat
 import struct
 import sys
 import tempfile
@@ -266,7 +267,7 @@ class Supervised:
         self._scratch, self._lock = _scratch_folder()
         _forkserver.start()  # running, so that its socket's folder is known to hide
         hidden = _hidden(self._scratch) if self.policy.network else ()
-        policy = dataclasses.replace(self.policy, hidden=hidden)
+        policy = dataclasses.replace(self.policy, hidden=hidden, kept=_kept(hidden))
         process = ctx.Process(
             target=serve,
             args=(
@@ -535,6 +536,73 @@ def _hidden(scratch: str) -> tuple[str, ...]:
         if os.path.commonpath([own, folders[0]]) != folders[0]:
             folders.append(own)
     return tuple(folders)
+
+
+def _kept(hidden: tuple[str, ...]) -> tuple[str, ...]:
+    """What a covered folder (`_hidden`) must still show the worker: the user's
+    installation where it lies inside one (a virtual environment or a clone under
+    ``$TMPDIR``): the Python prefixes, the interpreter's folder, every folder on
+    ``sys.path`` and the working folder. Hiding is for the sockets there, never for the
+    user's code. A needed path that is a covered folder itself (the working folder is
+    ``$TMPDIR``) keeps that folder's entries instead, but for sockets, folders holding
+    one (a forkserver's ``pymp-*``) and other workers' scratch folders."""
+    folders = [os.path.realpath(f) for f in hidden]
+    needed = {
+        os.path.realpath(p or os.getcwd())
+        for p in (
+            sys.prefix,
+            sys.exec_prefix,
+            sys.base_prefix,
+            os.path.dirname(sys.executable),
+            os.getcwd(),
+            *sys.path,
+        )
+    }
+    kept: set[str] = set()
+    for path in needed:
+        if not os.path.exists(path):
+            continue
+        for folder in folders:
+            if path == folder:
+                kept.update(_entries_without_sockets(folder))
+            elif os.path.commonpath([folder, path]) == folder and not any(
+                os.path.commonpath([path, f]) == path for f in folders
+            ):
+                kept.add(path)
+    # the outermost only: a path inside a kept one is kept with it
+    return tuple(
+        sorted(k for k in kept if not any(o != k and os.path.commonpath([o, k]) == o for o in kept))
+    )
+
+
+def _entries_without_sockets(folder: str) -> list[str]:
+    """The entries of ``folder`` that are not sockets, hold none at their top, and are
+    not a worker's scratch folder or a multiprocessing folder (``pymp-*``)."""
+    found: list[str] = []
+    try:
+        with os.scandir(folder) as listing:
+            entries = list(listing)
+    except OSError:
+        return found
+    for entry in entries:
+        if entry.name.startswith((SCRATCH_PREFIX, "pymp-")) or _is_socket(entry):
+            continue
+        if entry.is_dir(follow_symlinks=False):
+            try:
+                with os.scandir(entry.path) as inner:
+                    if any(_is_socket(e) for e in inner):
+                        continue
+            except OSError:
+                continue
+        found.append(entry.path)
+    return found
+
+
+def _is_socket(entry: os.DirEntry[str]) -> bool:
+    try:
+        return stat.S_ISSOCK(entry.stat(follow_symlinks=False).st_mode)
+    except OSError:
+        return True  # unreadable: not kept
 
 
 def _read_sandbox(frame: bytes | bytearray, policy: _sandbox.Policy) -> dict[str, dict[str, str]]:
