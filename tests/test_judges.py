@@ -166,3 +166,28 @@ def test_every_judge_shortens_its_wait_after_its_first_timeout() -> None:
     waited = [m for m in messages if "no answer within 2 s" in m]
     assert 1 <= len(waited) <= 2, messages  # one per judge, at most
     assert all("no answer within 2 s" in m or "no answer within 1 s" in m for m in messages)
+
+
+def test_a_stop_delivered_where_python_ignores_exceptions_still_ends_the_helper() -> None:
+    """The audit stops its helpers with SIGTERM. Python runs a signal handler wherever
+    the main thread happens to be, in a gc callback among them, where an exception the
+    handler raises is printed ("Exception ignored in ...") and dropped: the helper would
+    go on, and a clean FAILED run would show a traceback. The handler is called here
+    inside a gc callback: the process ends there, silently."""
+    code = (
+        "import gc, signal\n"
+        "from attnref.conformance import judges\n"
+        "def callback(phase, info):\n"
+        "    if phase == 'start':\n"
+        "        judges._terminate(signal.SIGTERM, None)\n"
+        "gc.callbacks.append(callback)\n"
+        "gc.collect()\n"
+        "gc.callbacks.remove(callback)\n"
+        "print('still running')\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT
+    )
+    assert "still running" not in done.stdout
+    assert done.stderr == ""
+    assert done.returncode == 0

@@ -19,6 +19,7 @@ does. What crosses from a helper is a `PropertyResult` the audit trusts as its o
 
 import contextlib
 import multiprocessing.connection
+import os
 import signal
 import time
 from collections.abc import Callable
@@ -62,12 +63,21 @@ class Setup:
     deadline: float | None  # seconds left of the audit's deadline when the helper starts
 
 
-class _Stop(KeyboardInterrupt):
-    pass
+#: the helper's executor, for `_terminate` (None in the audit's own process)
+_executor: Any = None
 
 
 def _terminate(signum: int, frame: Any) -> None:
-    raise _Stop  # unwinds through the executor's close: the helper's worker ends too
+    """SIGTERM in a helper (the audit stops: a deadline, ``--fail-fast``): end its worker
+    and the helper itself, here. An exception raised from a signal handler would land
+    wherever Python happened to be, in a gc callback or a ``__del__`` among them, where
+    Python prints it and goes on: the helper would not stop, and a clean run would show a
+    traceback. What the helper had not sent is lost either way (`Judges.close`)."""
+    try:
+        if _executor is not None:
+            _executor.close()
+    finally:
+        os._exit(0)
 
 
 def _take(counter: Any, total: int, stop: Any) -> int | None:
@@ -91,6 +101,7 @@ def _helper(
     ``("done", None)`` or ``("failed", why)``."""
     from attnref.conformance.worker import start_executor
 
+    global _executor
     die_with_parent()  # the forkserver, which ends with the audit
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the audit's to handle
     signal.signal(signal.SIGTERM, _terminate)
@@ -105,6 +116,7 @@ def _helper(
             memory_limit=setup.memory_limit,
             require_sandbox=setup.require_sandbox,
         )
+        _executor = executor
         backend = executor.backend
         torch.set_num_threads(setup.threads)
         if not audit_checking():
@@ -131,12 +143,11 @@ def _helper(
                 note = f"later calls of this judge wait at most {wait:.3g} s"
             conn.send(("result", i, result, note))
         conn.send(("done", None))
-    except _Stop:
-        pass
     except BaseException as e:  # attnref's own failure: the audit runs this judge's share
         with contextlib.suppress(OSError):
             conn.send(("failed", f"{type(e).__name__}: {e}"))
     finally:
+        _executor = None
         if executor is not None:
             executor.close()
         conn.close()
