@@ -129,6 +129,34 @@ def test_clocks_are_judged_by_the_majority_of_tries(monkeypatch: pytest.MonkeyPa
     assert "on 2 of 2 tries" in r.note
 
 
+@given(
+    worker=st.floats(1e-6, 1.0),
+    wall=st.floats(1e-4, 1.0),
+    dry=st.floats(0.0, 1.0),
+    shape=st.lists(st.floats(0.1, 10.0), min_size=1, max_size=8),
+)
+def test_no_figure_of_the_worker_s_moves_the_time_the_judge_reports(
+    worker: float, wall: float, dry: float, shape: list[float]
+) -> None:
+    """The sum of the reported times is the judge's alone: ``wall - dry`` where its
+    clock resolves the calls, else the whole batch. Whatever the worker counts (a
+    tenth of what it took, or all of it), the row's total is the same: before, an
+    honest worker's own count was kept where the judge's figure was lower and
+    unresolvable, and a worker that under-counted was charged the lower one."""
+    from attnref.bench.verified import SCHEDULER_NOISE, on_the_judges_clock
+
+    dry = min(dry, wall)
+    times = [worker * x / sum(shape) for x in shape]
+    honest, lying = (
+        on_the_judges_clock(times, wall, dry),
+        on_the_judges_clock([t / 10 for t in times], wall, dry),
+    )
+    want = wall - dry if wall - dry >= SCHEDULER_NOISE else wall
+    assert sum(honest) == pytest.approx(want, rel=1e-9)
+    assert sum(lying) == pytest.approx(want, rel=1e-9)
+    assert lying == pytest.approx(honest, rel=1e-9)  # the worker's shape, the judge's size
+
+
 def test_cpu_peak_memory_sees_a_large_temporary() -> None:
     """The process's peak during one call, above what it held before: a 64 MiB
     temporary that is freed before the call returns is still seen."""

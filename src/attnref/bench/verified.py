@@ -141,17 +141,20 @@ def clocks(
 
 def on_the_judges_clock(times: list[float], wall: float, dry_wall: float) -> list[float]:
     """The worker's per-call ``times`` scaled to add up to what the judge's clock saw of
-    the calls (``wall - dry_wall``): the worker's clock shapes the distribution, the
-    judge's sets its size. Where the judge's clock cannot resolve the calls (less than
-    `SCHEDULER_NOISE` in all), the worker's times are kept, capped at the batch's, but
-    never below what the judge saw: a worker cannot make its calls look faster than that."""
+    the calls: the worker's clock shapes the distribution, the judge's alone sets its
+    size. That is ``wall - dry_wall`` where the judge's clock resolves the calls (at least
+    `SCHEDULER_NOISE` in all); where it cannot, nothing is subtracted and the calls are
+    charged the whole batch, ``wall``. No figure of the backend's process moves the sum:
+    before, such a batch kept the worker's own figure unless the judge's was larger, so a
+    worker that reported less than it took was charged the judge's noisy ``wall -
+    dry_wall``, less than an honest worker's own count (a backend timing its calls a
+    tenth of what they took came out faster than torch's SDPA at 128 tokens)."""
     judge = wall - dry_wall
+    total = judge if judge >= SCHEDULER_NOISE else wall
     worker = sum(times)
     if worker <= 0:
-        return [max(judge, 0.0) / len(times)] * len(times) if times else []
-    if judge < SCHEDULER_NOISE:
-        return [min(t * max(1.0, judge / worker), wall) for t in times]
-    return [t * judge / worker for t in times]
+        return [total / len(times)] * len(times) if times else []
+    return [t * total / worker for t in times]
 
 
 def measure(
