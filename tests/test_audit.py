@@ -495,7 +495,7 @@ def test_json_report_and_reproducer_files(tmp_path: Path) -> None:
     path = tmp_path / "report.json"
     written = report.write_json(path)
     data = json.loads(path.read_text())
-    assert data["schema_version"] == 10
+    assert data["schema_version"] == 11
     assert data["api"] == "sdpa"
     assert data["backend"] == "mutant.gqa_tiled"
     assert data["profile"] == "quick"
@@ -820,6 +820,32 @@ def test_a_pass_on_few_judged_cases_is_thin_and_fails_only_under_min_judged() ->
     report.min_judged = 5
     assert not report.ok
     assert report.verdict().startswith("THIN (not OK: 2 passes judged on fewer than 5 cases")
+
+
+def test_a_pass_a_budget_cut_short_is_thin_and_min_judged_fails_it() -> None:
+    """Thin is thin however the search ended: a search that ``--property-budget`` cut
+    short after one or three judged cases is held to the whole floor (its cases did not
+    run out), and ``--min-judged 20`` then fails the audit of torch's SDPA."""
+    from attnref.conformance.declarations import Capabilities
+    from attnref.conformance.report import AuditReport, PropertyResult
+
+    report = AuditReport.start("b", "cpu", ["float32"], "quick", 0, Capabilities())
+    report.floor, report.examples = 5, 25
+    rows = [
+        PropertyResult("cut_at_one", torch.float32, "pass", checks=1, cut=True),
+        PropertyResult("cut_at_three", torch.float32, "pass", checks=3, cut=True),
+        PropertyResult("cut_at_plenty", torch.float32, "pass", checks=9, cut=True),
+    ]
+    assert [report.mark_thin(r).thin for r in rows] == [True, True, False]
+    done = run("torch-sdpa", dtypes=(torch.float32,), properties=["forward"],
+               property_budget=1e-6, min_judged=20)  # fmt: skip
+    (result,) = done.results
+    assert result.status == "pass"
+    assert result.cut
+    assert result.judged < 20
+    assert result.thin
+    assert not done.ok
+    assert done.verdict().startswith("THIN")
 
 
 @pytest.mark.parametrize("spec", ["mutant.causal_leaks_next", "tests.planted:leaks_in_one_row"])

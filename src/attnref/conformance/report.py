@@ -1,12 +1,12 @@
 """Audit reports: a verdict per (property, dtype), a terminal table, a versioned JSON document.
 
-JSON schema (``schema_version`` 10; 3 added ``api``, 4 ``trusted``, 5 ``checked``,
+JSON schema (``schema_version`` 11; 3 added ``api``, 4 ``trusted``, 5 ``checked``,
 ``cause`` and ``findings``, 6 ``world_size``, 7 the coverage: ``judged``, ``thin``,
 ``floor``, ``min_judged``, ``startup_seconds`` and ``not_tested``, 8 ``also``, 9
-``sandbox``, 10 ``judges`` and ``judge_notes``)::
+``sandbox``, 10 ``judges`` and ``judge_notes``, 11 a result's ``cut``)::
 
     {
-      "schema_version": 10,
+      "schema_version": 11,
       "attnref_version": str, "torch_version": str,
       "backend": str, "api": an API family ("sdpa", "flash", ...), "device": str,
       "dtypes": [str], "world_size": int | null (the processes each call ran on),
@@ -42,6 +42,7 @@ JSON schema (``schema_version`` 10; 3 added ``api``, 4 ``trusted``, 5 ``checked`
          "skipped": int,           # of which outside the backend's declaration
          "refused": int,           # of which refused with an error declared as a refusal
          "thin": bool,             # a pass judged on fewer cases than the floor
+         "cut": bool,              # its search ended when its budget ran out
          "seconds": float,
          "message": str,           # the failure's one-line summary, or why it was skipped
          "failure": null | {
@@ -87,7 +88,7 @@ __all__ = [
     "reproducer",
 ]
 
-SCHEMA_VERSION = 10
+SCHEMA_VERSION = 11
 
 #: a pass judged on fewer than this share of the profile's examples (per property and
 #: dtype) is thin, unless ``--min-judged`` sets the floor
@@ -145,6 +146,9 @@ class PropertyResult:
     #: error over the bound, under 5% of the output's size) met on another case while
     #: the search went on to the semantic failure it reports (`finding`), not shrunk
     also: Finding | None = None
+    #: the search ended because its budget (``--property-budget``) ran out, not because
+    #: it drew every case it would: what it judged is held to the whole floor
+    cut: bool = False
 
     @builtins.property  # (``property`` is a field's name here)
     def judged(self) -> int:
@@ -162,6 +166,7 @@ class PropertyResult:
             "skipped": self.skipped,
             "refused": self.refused,
             "thin": self.thin,
+            "cut": self.cut,
             "seconds": round(self.seconds, 4),
             "message": self.message,
             "failure": None if self.finding is None else self.finding.to_dict(),
@@ -172,8 +177,11 @@ class PropertyResult:
 def is_thin(result: PropertyResult, floor: int, examples: int) -> bool:
     """Whether ``result`` passed on fewer judged cases than ``floor``. A property whose
     cases ran out before the profile's ``examples`` (one explicit case, say) needs only
-    as many as it drew; a pass that judged nothing is always thin."""
-    need = floor if result.checks >= examples else min(floor, result.checks)
+    as many as it drew; one whose search a budget cut short (`PropertyResult.cut`) needs
+    the whole floor: thin is thin however the search ended. A pass that judged nothing
+    is always thin."""
+    ran_out = result.checks < examples and not result.cut
+    need = min(floor, result.checks) if ran_out else floor
     return result.status == "pass" and result.judged < max(1, need)
 
 

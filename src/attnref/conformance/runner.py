@@ -112,6 +112,7 @@ def run_property(
             seconds=time.perf_counter() - start,
             message=message,
             finding=finding,
+            cut=search.over_budget,
         )
 
     search = _Search()
