@@ -564,3 +564,22 @@ STRAWMEN: dict[str, tuple[str, ...]] = {
     "last_visible": (*_AGREE, "degenerate", "empty_rows", "dropout_zero", "key_permutation"),
     "one_precision_lower": _AGREE,
 }
+
+
+def rounds_float64_inputs(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    attn_mask: Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> Tensor:
+    """A port's bug: float64 inputs rounded to float32 on their way in (the runtime's
+    tensors are float32), then computed in float64. Exact on float32 numbers."""
+    if q.dtype == torch.float64:
+        q, k, v = (t.float().double() for t in (q, k, v))
+        if attn_mask is not None and attn_mask.is_floating_point():
+            attn_mask = attn_mask.float().double()
+    return _sdpa(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)

@@ -340,3 +340,22 @@ def test_the_default_profile_draws_rows_past_2048_and_groups_past_4(prop: str, w
 
     quiet = settings(max_examples=300, derandomize=True, database=None)
     assert condition(find(strategy, condition, settings=quiet))
+
+
+def test_float64_inputs_carry_float64_s_mantissa_and_forward_fails_a_rounding_port() -> None:
+    """Cases in float64 are no float32 numbers: an adapter that rounds float64 inputs to
+    float32 on their way in, and computes in float64, fails ``forward`` itself. Before,
+    the values were float32 numbers and crossed it exactly; only ``value_affine`` and
+    ``gradient`` saw it. Rounded back to float32, a float64 case is its float32 case,
+    and its layout (a transposed query) stays."""
+    from attnref.conformance.cases import build
+
+    case = Case("c", batch=(2,), h=3, g=3, Tq=7, Tk=11, Dh=5, Dv=5, layout="transposed")
+    wide, narrow = build(case, torch.float64), build(case, torch.float32)
+    for a, b in ((wide.query, narrow.query), (wide.key, narrow.key), (wide.value, narrow.value)):
+        assert torch.equal(a.float(), b)
+        assert not torch.equal(a, a.float().double())
+    assert wide.query.stride() == narrow.query.stride()
+    report = run("tests.planted_sizes:rounds_float64_inputs", properties=["forward"],
+                 dtypes=[torch.float64])  # fmt: skip
+    assert not report.ok, report.format_table()

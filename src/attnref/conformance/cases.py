@@ -255,7 +255,8 @@ def _randn(
 
 
 def build(case: Case, dtype: torch.dtype, device: str | torch.device = "cpu") -> Inputs:
-    """Make the tensors of ``case``, drawn in float32 from its seed, then cast to ``dtype``."""
+    """Make the tensors of ``case``, drawn in float32 from its seed, then cast to ``dtype``
+    (in float64 with the mantissa's low bits filled from the seed: `_past_float32`)."""
     gen = torch.Generator().manual_seed(case.seed)
     B = case.batch
     q_shape = (*B, case.h, case.Tq, case.Dh)
@@ -284,6 +285,11 @@ def build(case: Case, dtype: torch.dtype, device: str | torch.device = "cpu") ->
         # logits) must be the same with the poison as without (masked_keys compares them)
         poison_gen = torch.Generator().manual_seed(case.seed + 104729)
         k, v = _plant(case, q, k, v, mask, poison_gen)
+    if dtype == torch.float64:  # float64's mantissa, not float32 numbers (below)
+        fill = torch.Generator().manual_seed(case.seed + 15485863)
+        q, k, v = (_past_float32(t, fill) for t in (q, k, v))
+        if mask is not None and mask.is_floating_point():
+            mask = _past_float32(mask, fill)
     if case.latent:  # MLA: the values are the latent rows' leading dims
         v = k[..., : case.Dv]
     q, k, v = (t.to(device=device, dtype=dtype) for t in (q, k, v))
@@ -324,6 +330,18 @@ def build(case: Case, dtype: torch.dtype, device: str | torch.device = "cpu") ->
 
 
 POISONS = ("none", "garbage", "nan", "inf")
+
+
+def _past_float32(x: Tensor, gen: torch.Generator) -> Tensor:
+    """``x`` (float32 numbers) in float64 with its low 29 mantissa bits filled: each value
+    moved by a random share of half its float32 spacing, so that it is no float32 number,
+    and rounding it to float32 gives back ``x``. An adapter that rounds float64 inputs to
+    float32 (a port bug met in OpenVINO, ONNX Runtime and Keras) then fails ``forward``
+    in float64, where float32 numbers would have crossed it exactly. Non-finite values
+    (poison) stay as they are, and so does the layout (a transposed view stays one)."""
+    wide = x.double()
+    nudge = (torch.rand(x.shape, generator=gen, dtype=torch.float64) - 0.5) * 2.0**-24
+    return wide.add_(torch.where(torch.isfinite(wide), wide * nudge, 0.0))
 
 
 @checked_internal
