@@ -145,6 +145,28 @@ def nan_row_spreads(
     return out.masked_fill(spread, float("nan"))
 
 
+def garbage_beside_empty_rows(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    attn_mask: Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> Tensor:
+    """`nan_row_spreads`' rows, but with what uninitialised memory holds (inf, and
+    values to 7e31) instead of a NaN: no matmul spreads that, and no hint may say so."""
+    out = nan_row_spreads(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    if attn_mask is None:
+        return out
+    seen = attn_mask if attn_mask.dtype == torch.bool else attn_mask > float("-inf")
+    empty = ~seen.expand(*q.shape[:-1], k.shape[-2]).any(dim=-1, keepdim=True)
+    garbage = torch.full_like(out, float("inf"))
+    garbage[..., 1:] = 7e31
+    return torch.where(torch.isnan(out) & ~empty, garbage, out)  # empty rows keep NaN
+
+
 def no_mask_argument(query: Tensor, key: Tensor, value: Tensor) -> Tensor:
     """Lacks SDPA's keyword arguments."""
     return query
@@ -292,9 +314,10 @@ def _declare() -> None:
         refuses=("not supported by this kernel",)
     )
     # torch's SDPA underneath, which takes no mask with is_causal=True
-    nan_row_spreads.capabilities = Capabilities(  # type: ignore[attr-defined]
-        empty_row="nan", dropout=False, gqa=True, causal_with_mask=False
-    )
+    for fn in (nan_row_spreads, garbage_beside_empty_rows):
+        fn.capabilities = Capabilities(  # type: ignore[attr-defined]
+            empty_row="nan", dropout=False, gqa=True, causal_with_mask=False
+        )
     # a diagonal and a mask each add a finite minimum: a row hidden by both would not
     # average V, so the diagonal comes folded into the mask
     uniform_empty_rows.capabilities = Capabilities(  # type: ignore[attr-defined]

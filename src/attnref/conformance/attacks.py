@@ -66,7 +66,7 @@ def _output(ctx: Context, raw: Any, inputs: Inputs, job: Job | None = None) -> T
 def _agrees(ctx: Context, out: Tensor, inputs: Inputs) -> Failure | None:
     exp = ctx.expect(inputs)
     try:
-        close(out, exp.value, *exp.bounds(), "output", exp.known)
+        close(out, exp.value, *exp.bounds(), "output", exp.known, semantic=exp.semantic)
     except Failure as f:
         return f
     return None

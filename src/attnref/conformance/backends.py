@@ -102,7 +102,16 @@ def resolve_backend(spec: str, api: str | None = None) -> Backend:
     try:
         module = importlib.import_module(module_name)
     except Exception as e:  # any import-time failure of user code is reported, not raised
-        raise BackendError(f"cannot import module {module_name!r}: {type(e).__name__}: {e}") from e
+        where = ""
+        if isinstance(e, ModuleNotFoundError):
+            where = (
+                f" (module:function imports from the working folder, {os.getcwd()}, and "
+                "sys.path: run from the folder that holds the module, or put it on "
+                "PYTHONPATH)"
+            )
+        raise BackendError(
+            f"cannot import module {module_name!r}: {type(e).__name__}: {e}{where}"
+        ) from e
     obj: object = module
     for part in attr.split("."):
         try:

@@ -137,6 +137,10 @@ class Expected:
     #: case's rows, `expect`'s ``rows``); ``value`` and ``ref_err`` are 0 in the others,
     #: which no comparison reads. None: every row
     known: Tensor | None = None
+    #: an output's: the smallest error that is a wrong function rather than a precision
+    #: loss (`semantic_error`), which `close` tells apart with it; None (an LSE, a
+    #: gradient): 5% of the expected values' size
+    semantic: float | None = None
 
     def sel(self, sel: Tensor | None = None) -> Tensor | None:
         """``sel`` (broadcastable to the output) narrowed to the rows the oracle knows."""
@@ -396,9 +400,50 @@ def expect(
             ref_err = ref_err.masked_fill(empty, 0.0)
     ref_err = torch.nan_to_num(ref_err, nan=0.0)
     floor = error_floor(inputs, None if rows is None else target)
+    size = float(torch.nan_to_num(oracle, nan=0.0).abs().max()) if oracle.numel() else 0.0
+    semantic = semantic_error(values_spread(target), size, inputs.query.dtype)
+    found = Expected(oracle, ref_err, floor, semantic=semantic)
     if rows is None:
-        return Expected(oracle, ref_err, floor)
-    return _spread_rows(Expected(oracle, ref_err, floor), rows, inputs.query.shape[-2], -2)
+        return found
+    return _spread_rows(found, rows, inputs.query.shape[-2], -2)
+
+
+#: a precision loss, in ulps of the output's size in the case's dtype: what rounding
+#: makes of values far from zero, whatever their spread
+PRECISION_ULPS = 4
+
+
+def semantic_error(spread: float, size: float, dtype: torch.dtype) -> float | None:
+    """The smallest error of an output that is a wrong function (`Failure.small` below
+    it): 5% of the ``spread`` of the values its rows average (a wrong weight or a wrong
+    key moves it by a share of that), but never below `PRECISION_ULPS` ulps of the
+    output's ``size`` in ``dtype`` (bfloat16 rounds an output of 36 by 0.125). None
+    where no query sees a key (no spread to measure against)."""
+    if spread <= 0:
+        return None
+    return max(0.05 * spread, PRECISION_ULPS * torch.finfo(dtype).eps * size)
+
+
+def values_spread(inputs: Inputs) -> float:
+    """max - min of V, per value dim, over the keys that some query of ``inputs`` sees,
+    the largest over dims and heads (finite values only): how far apart the values an
+    output row averages lie. An error of a few percent of it is a wrong weight or a wrong
+    key, whatever the values' offset; the output's own size is not (V shifted by -20
+    makes an output of 36, and a key too many an error of 1.5% of it). 0 where no query
+    sees a key."""
+    h, g = inputs.query.shape[-3], inputs.key.shape[-3]
+    v = inputs.value.to(torch.float64)  # (*batch, g, Tk, Dv)
+    seen = inputs.visible().any(dim=-2)  # (*batch, h, Tk)
+    seen = seen.expand(*v.shape[:-3], h, v.shape[-2])
+    # (*batch, g, Tk): query head i reads key/value head i // (h / g)
+    seen = seen.reshape(*v.shape[:-3], g, h // g, v.shape[-2]).any(dim=-2)
+    keep = (seen.unsqueeze(-1) & torch.isfinite(v)).expand_as(v)
+    if not bool(keep.any()):
+        return 0.0
+    high = v.masked_fill(~keep, -math.inf).amax(dim=-2)
+    low = v.masked_fill(~keep, math.inf).amin(dim=-2)
+    spread = torch.where(torch.isfinite(high) & torch.isfinite(low), high - low, 0.0)
+    return float(spread.max())
 
 
 @checked_internal
@@ -576,6 +621,7 @@ def close(
     sel: Bool[Tensor, "*#shape"] | None = None,
     *,
     law: Float64[Tensor, "*shape"] | None = None,
+    semantic: float | None = None,
 ) -> None:
     """Raise `Failure` unless ``got`` is within the bounds of ``want`` where ``sel`` holds.
 
@@ -586,6 +632,13 @@ def close(
     ``law`` is the oracle of ``got``'s call. The message then names the two calls, says
     which the oracle sides with, and calls neither "expected"; the failure's
     ``expected`` is the oracle's value.
+
+    ``semantic``: for an output, the smallest error that is a wrong function
+    (`Expected.semantic`: from the spread of the values its rows average, not the
+    output's size, which a V far from zero inflates); a smaller one is a precision loss
+    (`Failure.small`). Without it (an LSE, a gradient): 5% of the expected values' size,
+    at least 1, a law's taken from its oracle (``law``), never from the other call,
+    which may be garbage.
     """
     narrow = _narrowing(sel, got.shape)
     if narrow is not None:  # judge the selected query rows alone, name them as they were
@@ -665,7 +718,9 @@ def close(
     where = tuple(int(i) for i in torch.unravel_index(err.argmax(), err.shape))
     text, expected = values(where)
     kind = "difference" if law is not None else "error"
-    size = float(torch.where(judged, want.abs(), 0.0).max())
+    if semantic is None:
+        size = float(torch.where(judged, (want if law is None else law).abs(), 0.0).max())
+        semantic = 0.05 * max(1.0, size)
     raise Failure(
         f"{what}: max {kind} {max_err:.3g} (bound {max_bound:.3g}), mean {kind} "
         f"{mean_err:.3g} (bound {mean_bound:.3g}); worst at {whole(where)}: {text}",
@@ -673,5 +728,5 @@ def close(
         expected=expected,
         where=whole(where),
         kind="error",
-        small=max_err < 0.05 * max(1.0, size),
+        small=max_err < semantic,
     )

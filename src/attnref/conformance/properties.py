@@ -126,10 +126,11 @@ def _degenerate(p: Profile, c: Capabilities) -> st.SearchStrategy[Case]:
     families = [
         case_strategy("degenerate", p, c, Tq=1),
         case_strategy("degenerate", p, c, Tk=1),
-        case_strategy("degenerate", p, c, Dh=dims, Dv=st.sampled_from((1, 3, 16))),
         case_strategy("degenerate", p, c, Dh=dims, Dv=dims, Tq=st.sampled_from((1, 2, 5))),
     ]
-    if c.zero_head_dim:
+    if c.distinct_value_dim:  # drawn inside the declaration, never skipped outside it
+        families.append(case_strategy("degenerate", p, c, Dh=dims, Dv=st.sampled_from((1, 3, 16))))
+    if c.zero_head_dim and c.distinct_value_dim:
         families.append(case_strategy("degenerate", p, c, Dh=0, Dv=st.sampled_from((8, 1, 3))))
     return st.one_of(*families)
 
@@ -140,6 +141,9 @@ def _large_index(p: Profile, c: Capabilities) -> st.SearchStrategy[Case]:
         g = draw(st.integers(1, p.max_kv_heads))
         Tk = draw(st.sampled_from((p.tail_lengths[-1], 97, 160)))
         B = -(-p.large_rows // (g * Tk))  # enough key rows to pass large_rows
+        Dh = draw(st.sampled_from((1, 2, 4)))
+        # inside the declaration, as every property draws: Dv == Dqk where it must be
+        Dv = draw(st.sampled_from((1, 2))) if c.distinct_value_dim else Dh
         return Case(
             "large_index",
             batch=(B,),
@@ -147,8 +151,8 @@ def _large_index(p: Profile, c: Capabilities) -> st.SearchStrategy[Case]:
             g=g,
             Tq=draw(st.sampled_from((1, 2, 3))),
             Tk=Tk,
-            Dh=draw(st.sampled_from((1, 2, 4))),
-            Dv=draw(st.sampled_from((1, 2))),
+            Dh=Dh,
+            Dv=Dv,
             mask=draw(st.sampled_from(masks_for(c, ("none", "padding")))),
             seed=draw(st.integers(0, 2**16)),
         )
@@ -382,10 +386,18 @@ PROPERTIES: dict[str, Property] = {
             _degenerate,
             checks.forward,
             examples=lambda p, c: [
-                *([Case("degenerate_dqk0", Dh=0, Dv=8)] if c.zero_head_dim else []),
+                *(
+                    [Case("degenerate_dqk0", Dh=0, Dv=8)]
+                    if c.zero_head_dim and c.distinct_value_dim
+                    else []
+                ),
                 Case("degenerate_tk1_masked", Tk=1, mask="bool", seed=1),
                 Case("degenerate_tq1_gqa", h=4, g=2, Tq=1, Tk=9, seed=2),
-                Case("degenerate_dv_ne_dqk", Dh=16, Dv=3, seed=3),
+                *(
+                    [Case("degenerate_dv_ne_dqk", Dh=16, Dv=3, seed=3)]
+                    if c.distinct_value_dim
+                    else []
+                ),
             ],
         ),
         Property(

@@ -143,7 +143,7 @@ class PropertyResult:
     #: a pass judged on fewer cases than the audit's floor (`AuditReport.floor`)
     thin: bool = False
     #: a failure's second finding, of the other kind: the first precision miss (an
-    #: error over the bound, under 5% of the output's size) met on another case while
+    #: error over the bound, under 5% of the values' spread) met on another case while
     #: the search went on to the semantic failure it reports (`finding`), not shrunk
     also: Finding | None = None
     #: the search ended because its budget (``--property-budget``) ran out, not because
@@ -197,23 +197,33 @@ def reproducer(
 ) -> str:
     """A runnable Python snippet that rebuilds the failing case and checks it again.
 
-    Run from the folder the audit was started in (``module:function`` backends import
-    from there), it prints the verdict and exits 1 while the failure reproduces, 0 once
-    it no longer does: ``git bisect run python REPRODUCER`` can use it.
+    It prints the verdict and exits 1 while the failure reproduces, 0 once it no longer
+    does: ``git bisect run python REPRODUCER`` can use it. A ``module:function`` backend
+    imports from the folder the audit was started in (the worker puts its working
+    folder first on ``sys.path``), so the snippet moves there first, from wherever it
+    is run.
     """
     dt = dtype_name(dtype)
     api_arg = "" if api == DEFAULT_API else f", api={api!r}"
     if world_size is not None:
         api_arg += f", world_size={world_size}"
+    imports, where = "import sys\n", ""
+    if ":" in backend:
+        imports = "import os\nimport sys\n"
+        where = (
+            "# the backend's module imports from the folder the audit ran in\n"
+            f"os.chdir({os.getcwd()!r})\n"
+        )
     return (
         f"# attnref: property {pid!r} failed for backend {backend!r} ({dt}, {device})\n"
         f"# {message}\n"
-        "import sys\n"
+        f"{imports}"
         "\n"
         "import torch\n"
         "\n"
         "from attnref.conformance import Case, check_case\n"
         "\n"
+        f"{where}"
         f"case = {case!r}\n"
         "# the backend is imported and run in a supervised worker (isolate=False: here)\n"
         f"verdict = check_case({pid!r}, {backend!r}, case, torch.{dt}, {device!r}{api_arg})\n"
@@ -345,8 +355,10 @@ class AuditReport:
 
     def findings(self) -> list[tuple[str, list[PropertyResult]]]:
         """The failures grouped by cause (`cause_key`: causes that differ only in their
-        numbers and dtypes are one), most frequent first (then in audit order); each
-        group is named by its first failure's cause, numbers as they are."""
+        numbers are one; a cause that names a dtype is kept apart by it), most frequent
+        first (then in audit order); each group is named by its first failure's cause,
+        numbers as they are, and lists each (property, dtype) once (a second finding of
+        the same cause as the first adds nothing to it)."""
         from attnref.conformance.verdicts import cause_key
 
         groups: dict[str, tuple[str, list[PropertyResult]]] = {}
@@ -360,7 +372,9 @@ class AuditReport:
                 views.append(replace(result, message=second.message, finding=second, also=None))
             for r in views:
                 cause = r.finding.cause if r.finding is not None and r.finding.cause else r.message
-                groups.setdefault(cause_key(cause), (cause, []))[1].append(r)
+                members = groups.setdefault(cause_key(cause), (cause, []))[1]
+                if not any((m.property, m.dtype) == (r.property, r.dtype) for m in members):
+                    members.append(r)
         return sorted(groups.values(), key=lambda item: -len(item[1]))
 
     def failed_properties(self) -> set[str]:

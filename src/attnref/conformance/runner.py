@@ -61,8 +61,8 @@ class _Search:
     stop: bool = False
     late: bool = False  # stopped by the audit's deadline
     strict: bool = False  # a precision miss is a failure to shrink (the second search)
-    #: the first precision miss (an error over the bound, under 5% of the output's
-    #: size) met while searching for a semantic failure
+    #: the first precision miss (an error over the bound, under 5% of the values'
+    #: spread) met while searching for a semantic failure
     imprecise: tuple[Case, Failure] | None = None
 
 

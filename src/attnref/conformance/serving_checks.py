@@ -93,7 +93,13 @@ def agree(
         label = f"{what} {n} (Tq = {Tq}, Tk = {Tk})"
         exp = expect_rotated(ctx, x, rotated)
         with ctx.naming_the_row(x):
-            close(out.to(torch.float64), exp.value, *exp.bounds(), f"{label}: output")
+            close(
+                out.to(torch.float64),
+                exp.value,
+                *exp.bounds(),
+                f"{label}: output",
+                semantic=exp.semantic,
+            )
         if lses is not None:
             el = expect_lse(x, ctx.caps.empty_lse)
             if rotated:

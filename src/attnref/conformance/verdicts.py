@@ -37,7 +37,8 @@ class Failure(Exception):  # noqa: N818 (a verdict on the backend, not an error 
         #: where the oracle is finite), "policy" (finite where the policy gives NaN),
         #: "error" (values off by more than the bound), "" (anything else)
         self.kind = kind
-        #: an "error" under 5% of the output's size: what a precision loss looks like
+        #: an "error" under 5% of the values' spread (`attnref.conformance.oracle.close`): what a
+        #: precision loss looks like
         self.small = small
 
     def reworded(self, message: str) -> "Failure":
@@ -75,9 +76,9 @@ def cause_of(failure: Failure, dtype: str) -> str:
     if failure.kind == "policy":
         return "finite values where the declared policy gives NaN" + row
     if failure.kind == "error" and failure.small:
-        return f"errors above the bound but under 5% of the output's size{row}, in {dtype}"
+        return f"errors above the bound but under 5% of the values' spread{row}, in {dtype}"
     if failure.kind == "error":
-        return "wrong values (errors of 5% of the output's size or more)" + row
+        return "wrong values (errors of 5% of the values' spread or more)" + row
     return text.split("; first at")[0][:200]
 
 
@@ -85,15 +86,16 @@ def cause_of(failure: Failure, dtype: str) -> str:
 _NAMED_ROW = re.compile(r"query \d+ sees (no key|\d+ of \d+ keys)")
 #: a number standing alone (not a part of a name, such as the 32 of float32)
 _NUMBER = re.compile(r"(?<![\w.])-?\d+(\.\d+)?(e[-+]?\d+)?(?!\w)")
-#: a dtype's name
-_DTYPE = re.compile(r"\b(torch\.)?(b?float|u?int|complex)\d+\b")
 
 
 def cause_key(cause: str) -> str:
     """What failures of one cause share: ``cause`` with its standalone numbers (sizes,
-    ranks, values) and dtype names taken out, so that one bug seen in several dtypes,
-    ranks or shapes is one finding."""
-    return _DTYPE.sub("<dtype>", _NUMBER.sub("N", _THEN.sub("", cause)))
+    ranks, values) taken out, so that one bug seen in several shapes or ranks is one
+    finding. Dtype names stay: a cause that names a dtype (a precision miss, "in
+    float16") is kept apart by it, so a finding's title names a dtype only where every
+    failure in it is of that dtype; a cause that names none (wrong values, NaN, a
+    policy) is one finding across dtypes."""
+    return _NUMBER.sub("N", _THEN.sub("", cause))
 
 
 #: the ranks a context-parallel failure spread to after its culprit's (`RankGroup`)

@@ -1327,7 +1327,14 @@ def _agreement(ctx: Context, case: Case) -> None:
     out, got = ctx.run_lse(inputs, **over)
     exp = ctx.expect(inputs)
     with ctx.naming_the_row(inputs):
-        close(out.to(torch.float64), exp.value, *exp.bounds(), f"output ({where})", exp.known)
+        close(
+            out.to(torch.float64),
+            exp.value,
+            *exp.bounds(),
+            f"output ({where})",
+            exp.known,
+            semantic=exp.semantic,
+        )
     want = ctx.expect_lse(inputs)
     finite = torch.isfinite(want.value)
     with ctx.naming_the_row(inputs):

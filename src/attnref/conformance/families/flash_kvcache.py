@@ -983,7 +983,13 @@ def _kvcache_fp8(ctx: Context, case: Case) -> None:
         exp = ctx.expect(x)
         label = f"row {b} (Tq = {x.query.shape[-2]}, Tk = {x.key.shape[-2]}, {case.fp8})"
         with ctx.naming_the_row(x):
-            close(out.to(torch.float64), exp.value, *exp.bounds(), f"{label}: output")
+            close(
+                out.to(torch.float64),
+                exp.value,
+                *exp.bounds(),
+                f"{label}: output",
+                semantic=exp.semantic,
+            )
         if lses is not None:
             el = fp8_lse_expected(x, ctx.caps.empty_lse)
             close(lses[b].to(torch.float64), el.value, *el.bounds(), f"{label}: log-sum-exp")

@@ -833,7 +833,13 @@ def _mla_fp8(ctx: Context, case: Case) -> None:
         label = f"sequence {b} (Tq = {x.query.shape[-2]}, Tk = {x.key.shape[-2]}, {case.fp8})"
         exp = ctx.expect(x)
         with ctx.naming_the_row(x):
-            close(out.to(torch.float64), exp.value, *exp.bounds(), f"{label}: output")
+            close(
+                out.to(torch.float64),
+                exp.value,
+                *exp.bounds(),
+                f"{label}: output",
+                semantic=exp.semantic,
+            )
         el = fp8_lse_expected(x, ctx.caps.empty_lse)
         close(lse.to(torch.float64), el.value, *el.bounds(), f"{label}: log-sum-exp")
 
