@@ -448,3 +448,64 @@ def _declare_softcap() -> None:
 
 
 _declare_softcap()
+
+
+def nan_empty_rows_softcap(
+    q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None = None, **kw: Any
+) -> Tensor:
+    """attnref's reference with softcap (and sinks), NaN for a query with no visible key,
+    as declared (Intel Extension for PyTorch's paged prefill): correct."""
+    out = _reference_softcap(q, k, v, attn_mask, False, **kw)
+    from attnref.conformance.cases import _visible
+
+    seen = _visible(q, k, attn_mask, "top_left" if kw.get("is_causal") else None, None)
+    return out.masked_fill(~seen.any(dim=-1, keepdim=True), float("nan"))
+
+
+def uniform_empty_rows_sinks(
+    q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None = None, **kw: Any
+) -> Tensor:
+    """A finite fill for hidden keys (MLX's): a query with no visible key averages V, but
+    with a sink all its weight goes to the sink, and it outputs 0. Correct."""
+    from attnref.conformance.cases import _visible
+
+    causal = "top_left" if kw.pop("is_causal", False) else None
+    seen = _visible(q, k, attn_mask, causal, None)
+    if attn_mask is not None and attn_mask.dtype != torch.bool:
+        bias = attn_mask.masked_fill(~seen, -1e30)
+    else:
+        bias = torch.zeros(seen.shape, dtype=q.dtype, device=q.device).masked_fill(~seen, -1e30)
+    kw.pop("dropout_p", None)
+    from attnref.functional import scaled_dot_product_attention
+
+    out: Tensor = scaled_dot_product_attention(q, k, v, bias.to(q.dtype), **kw)
+    return out
+
+
+def uniform_empty_rows_sink_ignored(
+    q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None = None, **kw: Any
+) -> Tensor:
+    """`uniform_empty_rows_sinks`, but a query with no visible key averages V even with
+    a sink (the sink left out of its softmax): wrong."""
+    from attnref.conformance.cases import _visible
+
+    out = uniform_empty_rows_sinks(q, k, v, attn_mask, **kw)
+    seen = _visible(q, k, attn_mask, "top_left" if kw.get("is_causal") else None, None)
+    groups = q.shape[-3] // k.shape[-3]
+    mean = v.repeat_interleave(groups, dim=-3).mean(dim=-2, keepdim=True)
+    return torch.where(seen.any(dim=-1, keepdim=True), out, mean.to(out.dtype))
+
+
+def _declare_empty_rows() -> None:
+    from attnref.conformance import Capabilities
+
+    nan_empty_rows_softcap.capabilities = Capabilities(  # type: ignore[attr-defined]
+        softcap=True, sinks=True, empty_row="nan", dropout=False, gradients=False
+    )
+    for fn in (uniform_empty_rows_sinks, uniform_empty_rows_sink_ignored):
+        fn.capabilities = Capabilities(  # type: ignore[attr-defined]
+            sinks=True, empty_row="uniform", dropout=False, gradients=False
+        )
+
+
+_declare_empty_rows()

@@ -807,7 +807,8 @@ def softcap_bound(ctx: Context, case: Case) -> None:
     probe = _with(inputs, value=eye)
     weights = ctx.run(probe).to(torch.float64)  # (*batch, h, Tq, Tk): w_ij
     with ctx.naming_the_row(probe):
-        _finite_where_the_oracle_is(weights, ctx.expect(probe).value, "the weights (V = I)")
+        # judged(): NaN in the rows a sampled oracle does not know (its value is 0 there)
+        _finite_where_the_oracle_is(weights, ctx.expect(probe).judged(), "the weights (V = I)")
     seen = inputs.visible()
     eps = torch.finfo(v.dtype).eps
     # first, what is judged must be softcap: a hidden key with weight is a mask not

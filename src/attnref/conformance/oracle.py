@@ -388,6 +388,16 @@ def expect(
         elif name == "uniform":  # the mean of every V
             v = F.expand_kv_heads(inputs.value.to(torch.float64), inputs.query.shape[-3])
             policy = v.mean(dim=-2, keepdim=True).expand_as(oracle)
+            if inputs.sinks is not None:
+                # every key's score is the same finite fill, far below a sink's logit:
+                # all the weight goes to the sink, which carries no value (0), as in
+                # MLX and attnref's own reference; a sink of -inf is no sink
+                sunk = torch.isfinite(inputs.sinks.to(policy.device))[:, None, None]
+                policy = policy.masked_fill(sunk, 0.0)
+            # what rounding the mean to the output's dtype costs: 5.671875 lies between
+            # two bfloat16 values, so no output meets a bound without it
+            rounded = (policy.to(inputs.query.dtype).to(torch.float64) - policy).abs()
+            ref_err = torch.where(empty, rounded, ref_err)
         else:  # "unmasked": attention over the keys the mask hid
             opened, filled = _unhidden(inputs, cause, native_causal)
             if rows is not None:
@@ -396,7 +406,7 @@ def expect(
             fill_err = (reference(filled).to(torch.float64) - policy).abs()
             ref_err = torch.where(empty, fill_err, ref_err)
         oracle = torch.where(empty, policy, oracle)
-        if name != "unmasked":
+        if name not in ("unmasked", "uniform"):
             ref_err = ref_err.masked_fill(empty, 0.0)
     ref_err = torch.nan_to_num(ref_err, nan=0.0)
     floor = error_floor(inputs, None if rows is None else target)
