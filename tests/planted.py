@@ -469,8 +469,7 @@ def uniform_empty_rows_sinks(
     with a sink all its weight goes to the sink, and it outputs 0. Correct."""
     from attnref.conformance.cases import _visible
 
-    causal = "top_left" if kw.pop("is_causal", False) else None
-    seen = _visible(q, k, attn_mask, causal, None)
+    seen = _visible(q, k, attn_mask, "top_left" if kw.pop("is_causal", False) else None, None)
     if attn_mask is not None and attn_mask.dtype != torch.bool:
         bias = attn_mask.masked_fill(~seen, -1e30)
     else:
