@@ -10,7 +10,9 @@ The others must fail. Each appends new keys and values (FP8, as given) and retur
 log-sum-exp when asked (``return_softmax_lse``); ``lse_without_descale`` computes its
 output right and its LSE from the scores before the descales; ``new_keys_undescaled``
 appends right and attends the new tokens as stored, without their scales;
-``append_not_stored`` attends them right and never writes them into the cache.
+``append_not_stored`` attends them right and never writes them into the cache;
+``clamps_at_240`` reads stored values as e4m3fnuz's range allows (AMD's, at most 240):
+right on values of a few units, wrong on a calibrated cache's (up to 448).
 """
 
 import math
@@ -89,11 +91,15 @@ def _kernel(bug: str = "", claims: Any = CLAIMS) -> Any:
                 keys = torch.cat([keys[: n - new], k[b]])
                 vals = torch.cat([vals[: n - new], v[b]])
             kq = torch.arange(h) // group  # each query head's KV head, for the values
-            dense = ("correct", "q_descale_ignored", "descale_transposed", "head_modulo")
+            dense = ("correct", "q_descale_ignored", "descale_transposed", "head_modulo",
+                     "clamps_at_240")  # fmt: skip
             if bug in (*dense, "new_keys_undescaled", "append_not_stored"):
-                qd = (q[b].float() * dq[b][head_of][None, :, None]).to(torch.bfloat16).float()
-                kd = (keys.float() * dk[b][None, :, None]).to(torch.bfloat16).float()
-                vd = (vals.float() * dv[b][None, :, None]).to(torch.bfloat16).float()
+                q8, k8, v8 = q[b].float(), keys.float(), vals.float()
+                if bug == "clamps_at_240":  # built for e4m3fnuz (AMD), whose largest is 240
+                    q8, k8, v8 = (x.clamp(-240, 240) for x in (q8, k8, v8))
+                qd = (q8 * dq[b][head_of][None, :, None]).to(torch.bfloat16).float()
+                kd = (k8 * dk[b][None, :, None]).to(torch.bfloat16).float()
+                vd = (v8 * dv[b][None, :, None]).to(torch.bfloat16).float()
                 if bug == "new_keys_undescaled" and new:  # the new tokens attended as given
                     kd[n - new :], vd[n - new :] = keys[n - new :].float(), vals[n - new :].float()
                 s = torch.einsum("thd,nhd->htn", qd, kd[:, kq]) * scale
@@ -144,6 +150,7 @@ v_descale_on_scores = _kernel("v_descale_on_scores", replace(CLAIMS, fp8=("e4m3f
 lse_without_descale = _kernel("lse_without_descale")
 new_keys_undescaled = _kernel("new_keys_undescaled")
 append_not_stored = _kernel("append_not_stored")
+clamps_at_240 = _kernel("clamps_at_240")
 
 #: the kernels that must fail (class 34 each, or an undeclared rounding)
 UNSEEN = (
@@ -155,4 +162,5 @@ UNSEEN = (
     "lse_without_descale",
     "new_keys_undescaled",
     "append_not_stored",
+    "clamps_at_240",
 )

@@ -84,6 +84,26 @@ def test_fp8_kernels_with_bugs_the_mutants_do_not_plant_are_failed(name: str) ->
     assert not report.ok, report.format_table()
 
 
+def test_a_kernel_built_for_another_fp8_variant_fails_the_default_audit() -> None:
+    """Calibrated caches (scale = amax / 448, as vLLM's and FlashAttention 3's callers
+    compute it) store values up to the format's largest: a kernel that reads e4m3fn
+    values as e4m3fnuz's range allows (clamped at 240) fails the default (quick) audit.
+    Scales of 1/8 to 8 alone kept stored values below about 32, and it passed."""
+    backend = resolve_backend("tests.planted_fp8:clamps_at_240", api="flash-kvcache")
+    report = run(backend, properties=FP8_PROPS, dtypes=(torch.bfloat16,))
+    assert not report.ok, report.format_table()
+
+
+def test_a_calibrated_scale_puts_the_stored_values_at_the_format_s_largest() -> None:
+    from attnref.conformance.serving import calibrated_scale
+
+    x = torch.randn(1000, dtype=torch.float64) * 3
+    for fmt, top in ((torch.float8_e4m3fn, 448.0), (torch.float8_e5m2, 57344.0)):
+        scale = calibrated_scale(x.abs().max(), fmt, torch.tensor(1.0, dtype=torch.float64))
+        stored = (x / scale.double()).to(fmt).double()
+        assert stored.abs().max() == top
+
+
 def test_a_declaration_with_an_unknown_fp8_format_is_refused() -> None:
     from attnref.conformance.declarations import Capabilities
 

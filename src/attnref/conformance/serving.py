@@ -19,7 +19,7 @@ import torch
 from jaxtyping import Float, Float32, Shaped
 from torch import Tensor
 
-from attnref._checking import checked_internal
+from attnref._checking import checked, checked_internal
 from attnref.conformance.cases import Case, Inputs, build
 from attnref.kvcache import cache_slots, valid_keys
 from attnref.rotary import rotary, rotary_tables
@@ -375,9 +375,65 @@ def descales(B: int, g: int, gen: torch.Generator) -> Float32[Tensor, "{B} {g}"]
     return torch.exp2(e).to(torch.float32)
 
 
+#: the share of FP8 cache calls whose scales are calibrated (`_calibrated`)
+CALIBRATED = 0.5
+
+
+@checked
+def saturated(x: Float[Tensor, "*shape"], fp8: torch.dtype) -> Shaped[Tensor, "*shape"]:
+    """``x`` in ``fp8``, clamped to its largest value first (as vLLM's and DeepSeek's
+    quantizers do): torch's cast is not saturating (past the largest, e4m3fn gives NaN
+    and e5m2 inf). NaN stays NaN (garbage in unused slots)."""
+    top = torch.finfo(fp8).max
+    return x.clamp(-top, top).to(fp8)
+
+
+@checked
+def calibrated_scale(
+    amax: Float[Tensor, "*shape"], fp8: torch.dtype, factor: Float[Tensor, "*#shape"]
+) -> Float32[Tensor, "*shape"]:
+    """A calibrated descale: ``amax / max(fp8) * factor`` (vLLM's and FlashAttention 3's
+    callers take amax / 448 for e4m3fn), so that stored values reach the format's
+    largest, and past it where ``factor < 1`` (they saturate there, as the cast does).
+    Never 0 (a row of zeros)."""
+    top = torch.finfo(fp8).max
+    return (amax.double().clamp(min=2.0**-20) / top * factor).to(torch.float32)
+
+
+def _calibrated(
+    call: CacheCall, fp8: torch.dtype, gen: torch.Generator
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``(B, g)`` descales of q, K and V from each (sample, KV head)'s own amax over the
+    values the call stores (the cached keys each sample attends, its new ones, its
+    queries), times 0.8 to 1: the stored values span the format up to its largest
+    (448 for e4m3fn, 57344 for e5m2), so a kernel built for another variant (AMD's
+    e4m3fnuz saturates at 240) is seen. Scales of 1/8 to 8 (`descales`) keep values of a
+    few units, below 32."""
+    B, _, h, D = call.q.shape
+    g = call.k_cache.shape[2]
+    page = call.k_cache.shape[1]
+    amax = torch.zeros(3, B, g, dtype=torch.float64)
+    for b, n in enumerate(int(x) for x in call.cache_seqlens.tolist()):
+        r = b if call.cache_batch_idx is None else int(call.cache_batch_idx[b])
+        slots = cache_slots(b, range(n), call.block_table, page, r)
+        for i, cache in ((1, call.k_cache), (2, call.v_cache)):
+            rows = [cache[s[0], s[1]] for s in slots]  # (g, D) each
+            new = call.k_new if i == 1 else call.v_new
+            if new is not None:
+                rows += list(new[b])
+            if rows:
+                amax[i, b] = torch.stack(rows).double().abs().amax(dim=(0, 2)).cpu()
+        group = call.q[b].double().abs().reshape(call.q.shape[1], g, h // g, D)
+        amax[0, b] = group.amax(dim=(0, 2, 3)).cpu()
+    factor = 0.8 + 0.2 * torch.rand((3, B, g), generator=gen, dtype=torch.float64)
+    scales = calibrated_scale(amax, fp8, factor).to(call.q.device)
+    return scales[0], scales[1], scales[2]
+
+
 def quantize(call: CacheCall, fmt: str, seed: int) -> CacheCall:
     """``call`` (built in float64, no rotary) with q, K and V stored in FP8 ``fmt`` and
-    FlashAttention 3's descales: each row's values divided by its KV head's scale, then
+    FlashAttention 3's descales (of 1/8 to 8, or calibrated from the values' amax half
+    of the time: `_calibrated`): each row's values divided by its KV head's scale, then
     rounded to FP8 (saturating); its dense inputs rebuilt from the stored values times
     the scales, exact in float64. New keys and values (an append) are stored so too,
     with their row's scales, and the cache the call must leave holds their FP8 bytes at
@@ -391,14 +447,16 @@ def quantize(call: CacheCall, fmt: str, seed: int) -> CacheCall:
     g = call.k_cache.shape[2]
     gen = torch.Generator().manual_seed(seed * 31 + 17)
     dq, dk, dv = (descales(B, g, gen).to(call.q.device) for _ in range(3))
+    if bool(torch.rand((), generator=gen) < CALIBRATED):
+        dq, dk, dv = _calibrated(call, fp8, gen)
     per_head = dq.repeat_interleave(h // g, dim=1)  # (B, h): each query head's KV head's
-    q8 = (call.q / per_head[:, None, :, None]).to(fp8)
-    k8, v8 = call.k_cache.to(fp8), call.v_cache.to(fp8)
+    q8 = saturated(call.q / per_head[:, None, :, None], fp8)
+    k8, v8 = saturated(call.k_cache, fp8), saturated(call.v_cache, fp8)
     T_new = 0 if call.k_new is None else call.k_new.shape[1]
     k_new8 = v_new8 = None
     if call.k_new is not None and call.v_new is not None:
-        k_new8 = (call.k_new / dk[:, None, :, None]).to(fp8)  # (B, T_new, g, Dh)
-        v_new8 = (call.v_new / dv[:, None, :, None]).to(fp8)
+        k_new8 = saturated(call.k_new / dk[:, None, :, None], fp8)  # (B, T_new, g, Dh)
+        v_new8 = saturated(call.v_new / dv[:, None, :, None], fp8)
     page = call.k_cache.shape[1]
 
     def where(b: int, positions: range) -> tuple[Tensor, Tensor]:
@@ -410,8 +468,8 @@ def quantize(call: CacheCall, fmt: str, seed: int) -> CacheCall:
     cached = [int(n) for n in call.cache_seqlens.tolist()]
     for b, n in enumerate(cached):  # the cached keys, stored with their row's scales
         idx_r, idx_s = where(b, range(n))
-        k8[idx_r, idx_s] = (call.k_cache[idx_r, idx_s] / dk[b][:, None]).to(fp8)
-        v8[idx_r, idx_s] = (call.v_cache[idx_r, idx_s] / dv[b][:, None]).to(fp8)
+        k8[idx_r, idx_s] = saturated(call.k_cache[idx_r, idx_s] / dk[b][:, None], fp8)
+        v8[idx_r, idx_s] = saturated(call.v_cache[idx_r, idx_s] / dv[b][:, None], fp8)
     # the cache as the call must leave it: with the new tokens' FP8 bytes, if any
     k_after, v_after = (k8.clone(), v8.clone()) if T_new else (k8, v8)
     rows = []

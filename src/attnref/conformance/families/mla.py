@@ -61,7 +61,7 @@ from attnref.conformance.mutants import Mutant
 from attnref.conformance.oracle import close
 from attnref.conformance.profiles import Profile
 from attnref.conformance.properties import Property
-from attnref.conformance.serving import descales
+from attnref.conformance.serving import CALIBRATED, calibrated_scale, descales, saturated
 from attnref.conformance.serving_checks import agree, guard, judge
 from attnref.conformance.strategies import cache_strategy
 from attnref.conformance.verdicts import Failure, Skip
@@ -766,14 +766,24 @@ def _mla_cases(
 def quantize_latent(call: LatentCall, fmt: str, seed: int) -> LatentCall:
     """``call`` (built in float64) with q and the latent cache stored in FP8 ``fmt`` and
     per-tensor descales (vLLM's FlashMLA FP8 path): each divided by its scale (from 1/8
-    to 8, never within sqrt(2) of 1), rounded to FP8; its rows rebuilt from the stored
+    to 8, never within sqrt(2) of 1; or, half the time, calibrated: amax over the
+    format's largest, times 0.8 to 1, so that stored values reach saturation), rounded
+    to FP8, saturating; its rows rebuilt from the stored
     values times the scales, exact in float64, V the dequantized keys' leading dims.
     The unused slots stay NaN."""
     fp8 = FP8_FORMATS[fmt]
     gen = torch.Generator().manual_seed(seed * 31 + 23)
     dq, dk = (descales(1, 1, gen).reshape(1).to(call.q.device) for _ in range(2))
-    q8 = (call.q / dq.double()).to(fp8)
-    k8 = (call.k_cache / dk.double()).to(fp8)
+    if bool(torch.rand((), generator=gen) < CALIBRATED):  # amax / the format's largest
+        factor = 0.8 + 0.2 * torch.rand(2, generator=gen, dtype=torch.float64)
+        dq, dk = (
+            calibrated_scale(torch.nan_to_num(x.abs(), nan=0.0).amax().reshape(1), fp8, f).to(
+                call.q.device
+            )
+            for x, f in ((call.q, factor[:1]), (call.k_cache, factor[1:]))
+        )
+    q8 = saturated(call.q / dq.double(), fp8)
+    k8 = saturated(call.k_cache / dk.double(), fp8)
     queries, cache = q8.double() * dq.double(), k8.double() * dk.double()
     rows = []
     for b, x in enumerate(call.rows):
