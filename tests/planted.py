@@ -508,3 +508,14 @@ def _declare_empty_rows() -> None:
 
 
 _declare_empty_rows()
+
+
+def chatty_and_wrong(*args: Any, **kwargs: Any) -> Tensor:
+    """Logs thousands of lines a call to stdout and stderr (as ExecuTorch's ops do, from
+    Python and from C), and returns twice the right output."""
+    for i in range(2000):
+        print(f"chatty stdout line {i}")
+    sys.stdout.flush()
+    os.write(2, b"".join(b"chatty stderr line %d\n" % i for i in range(2000)))
+    os.write(2, b"the last words \x1b[31mred\x1b[0m\n")
+    return 2 * torch.nn.functional.scaled_dot_product_attention(*args, **kwargs)

@@ -254,15 +254,15 @@ def test_a_property_budget_an_estimate_and_the_start_up_in_the_time(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """--property-budget ends each property's search (it passes on what it judged, thin
-    here); after the first property the command estimates the whole audit; the time it
+    here); after three searches the command estimates what is left; the time it
     reports counts its start-up, in the summary line and the JSON."""
     path = tmp_path / "r.json"
     args = ["audit", "--no-progress", "--dtype", "float32", "--dtype", "float64"]
-    args += ["--property", "forward", "--property-budget", "0.01", "--json", str(path)]
+    args += ["--property", "forward", "--property", "hot"]
+    args += ["--property-budget", "0.01", "--json", str(path)]
     assert main(args) == 0
     out, err = capsys.readouterr()
-    assert "attnref audit: forward [float32] took" in err
-    assert "2 (property, dtype) pairs in all" in err
+    assert "attnref audit: 3 of 4 (property, dtype) searches done; about" in err
     assert "s of it start-up): OK" in out
     data = json.loads(path.read_text())
     for r in data["results"]:
@@ -271,3 +271,46 @@ def test_a_property_budget_an_estimate_and_the_start_up_in_the_time(
         assert 1 <= r["checked"] < 67
     assert 0 < data["startup_seconds"] < data["seconds"]
     assert main([*args[:-2], "--property-budget", "0"]) == 2
+
+
+def test_the_estimate_rests_on_several_searches_and_says_how_sure_it_is() -> None:
+    """The first search (``forward``) takes 2-5 times the others: the estimate is the
+    median of those finished, with a range, and how many it rests on (4.0 min predicted
+    from the first alone, where the audit took 63 s)."""
+    from attnref.cli import _checkpoints, estimate
+
+    said = estimate([30.0, 2.0, 3.0, 2.5], planned=100, judges=1)
+    assert "4 of 100 (property, dtype) searches done" in said
+    assert "about 4.4 min left" in said  # 96 searches at the median, 2.75 s; not 30 s
+    assert "(3.2 min to 15.0 min; a rough guess, from 4 searches" in said
+    assert "about 2.2 min left" in estimate([30.0, 2.0, 3.0, 2.5], planned=100, judges=2)
+    assert "sure, from 60" in estimate([1.0] * 60, planned=100, judges=1)
+    assert _checkpoints(100) == {3, 25, 50, 75}
+    assert _checkpoints(2) == set()
+
+
+@pytest.mark.slow  # two audits in fresh processes: 7 s
+def test_a_backend_s_own_output_stays_out_of_the_terminal(tmp_path: Path) -> None:
+    """What the backend writes to its stdout and stderr (a library's logging: 12 MB
+    around an audit once) is the backend's: captured in its worker's scratch folder, the
+    last of it kept with each finding in the JSON and shown by ``-v``, none of it
+    printed by default."""
+    report = tmp_path / "r.json"
+    args = ["audit", "--backend", "tests.planted:chatty_and_wrong", "--dtype", "float32",
+            "--property", "forward", "--no-progress", "--jobs", "1"]  # fmt: skip
+    quiet = subprocess.run(
+        [sys.executable, "-m", "attnref", *args, "--json", str(report)],
+        capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert quiet.returncode == 1, quiet.stdout + quiet.stderr
+    assert "chatty std" not in quiet.stdout + quiet.stderr
+    (result,) = json.loads(report.read_text())["results"]
+    output = result["failure"]["output"]
+    assert output.rstrip().endswith("the last words [31mred[0m")  # escapes dropped
+    assert len(output.encode()) <= 4096
+    loud = subprocess.run(
+        [sys.executable, "-m", "attnref", *args, "-v"],
+        capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert "| the last words" in loud.stdout
+    assert loud.stdout.count("chatty std") < 400  # the tail, not the 4,000 lines a call

@@ -112,7 +112,7 @@ def _alive(name: str) -> bool:
 
 
 def _audit_cli(spec: str, tmp_path: Path, *extra: str) -> tuple[int, dict[str, Any], str]:
-    env = dict(os.environ)
+    env = {**os.environ, "ATTNREF_BACKEND_OUTPUT": "show"}  # the ranks print their names
     out = tmp_path / "report.json"
     done = subprocess.run(
         [sys.executable, "-m", "attnref", "audit", "--api", "context-parallel",
@@ -167,7 +167,8 @@ def test_a_rank_cannot_reach_a_forkserver_s_socket() -> None:
                "--dtype", "float32", "--no-progress", "--property", "cp_agreement"]  # fmt: skip
         seen, outputs = {}, {}
         for off in ("", "1"):
-            env = {**os.environ, "TMPDIR": root, "ATTNREF_NO_SANDBOX": off}
+            env = {**os.environ, "TMPDIR": root, "ATTNREF_NO_SANDBOX": off,
+                   "ATTNREF_BACKEND_OUTPUT": "show"}  # fmt: skip
             done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
                                   timeout=600, check=False)  # fmt: skip
             output = done.stdout + done.stderr
@@ -205,7 +206,7 @@ def test_the_family_is_listed_from_the_registry(capsys: pytest.CaptureFixture[st
 def _torchrun(spec: str, tmp_path: Path, *extra: str) -> tuple[int, dict[str, Any], str]:
     """``torchrun --nproc-per-node 4 -m attnref audit ...``: rank 0 judges, the others
     host their ranks' workers."""
-    env = dict(os.environ)
+    env = {**os.environ, "ATTNREF_BACKEND_OUTPUT": "show"}  # the ranks print their names
     out = tmp_path / "report.json"
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

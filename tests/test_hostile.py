@@ -407,7 +407,8 @@ def test_a_hung_worker_ends_with_a_judge_that_is_killed(how: str, jobs: int) -> 
     # pytest-xdist does not)
     tmp = Path(tempfile.mkdtemp(prefix="k-"))
     judge = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                             text=True, env={**os.environ, "TMPDIR": str(tmp)})  # fmt: skip
+                             text=True, env={**os.environ, "TMPDIR": str(tmp),
+                                             "ATTNREF_BACKEND_OUTPUT": "show"})  # fmt: skip
     chain: list[int] = []
     workers = 0
     try:

@@ -46,7 +46,7 @@ from attnref.conformance.declarations import (
 )
 from attnref.conformance.family import FAMILIES
 from attnref.conformance.jobs import BackendDied, Job, Probe, Raised, Series, read_reply
-from attnref.conformance.sandboxed import handle, loader, serve
+from attnref.conformance.sandboxed import OUTPUT_FILE, SHOW_OUTPUT, handle, loader, serve
 from attnref.conformance.wire import (
     Arena,
     decode,
@@ -257,6 +257,9 @@ class Supervised:
         self._process: multiprocessing.process.BaseProcess | None = None
         self._conn: multiprocessing.connection.Connection | None = None
         self._arena = Arena()  # the file large jobs' tensors cross in, reused
+        #: bytes the backend wrote to its stdout and stderr, and the last of them
+        self.output_bytes = 0
+        self._tail = b""
         declared = self._start()
         self.backend = declared if isinstance(backend, str) else backend
 
@@ -282,6 +285,7 @@ class Supervised:
                 self._scratch,
                 policy,
                 self.jobs,
+                os.environ.get(SHOW_OUTPUT, "").strip() != "show",
             ),
             daemon=True,
         )
@@ -339,6 +343,7 @@ class Supervised:
             with contextlib.suppress(Exception):
                 self._conn.close()
         self._conn = None
+        self._collect_output()
         scratch, self._scratch = self._scratch, None
         if scratch is not None:  # what the worker wrote: not a byte outlives it
             shutil.rmtree(scratch, ignore_errors=True)
@@ -346,6 +351,40 @@ class Supervised:
         lock, self._lock = self._lock, None
         if lock is not None:
             os.close(lock)
+
+    def _collect_output(self) -> None:
+        """Read what the worker wrote to its stdout and stderr since the last job
+        (`sandboxed.OUTPUT_FILE`: the backend's bytes, untrusted), keep the last
+        `OUTPUT_TAIL` of them and count the rest, and empty the file (the worker appends).
+        A link or anything but a plain file there is not read: the judge reads no file
+        the backend points it to."""
+        if self._scratch is None:
+            return
+        path = os.path.join(self._scratch, OUTPUT_FILE)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError:
+            return
+        try:
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode) or info.st_size == 0:
+                return
+            os.lseek(fd, max(0, info.st_size - OUTPUT_TAIL), os.SEEK_SET)
+            got = os.read(fd, OUTPUT_TAIL)
+            os.ftruncate(fd, 0)
+            self.output_bytes += info.st_size
+            self._tail = (self._tail + got)[-OUTPUT_TAIL:]
+        except OSError:
+            return
+        finally:
+            os.close(fd)
+
+    def output_tail(self) -> str:
+        """The last `OUTPUT_TAIL` bytes the backend wrote to its stdout and stderr, as
+        text (undecodable bytes replaced, control characters but newlines and tabs
+        dropped: the backend's bytes reach a terminal only through this)."""
+        text = self._tail.decode("utf-8", errors="replace")
+        return "".join(c for c in text if c in "\n\t" or c.isprintable())
 
     def run(self, job: Any, timeout: float, meanwhile: Meanwhile = None) -> Any:
         # large tensors in a sealed file sent after the message, small ones in it
@@ -404,6 +443,7 @@ class Supervised:
             raise
         except (EOFError, OSError):  # the pipe broke: the worker is gone
             raise self._died() from None
+        self._collect_output()
         return data
 
     def _receive(self, conn: Any, deadline: float, limit: int) -> bytes | bytearray:
@@ -438,6 +478,8 @@ class Supervised:
             self.close()
 
 
+#: how much of the backend's stdout and stderr the judge keeps (the last bytes)
+OUTPUT_TAIL = 4096
 #: what a reply may hold beyond four times its job's bytes: outputs, gradients and
 #: caches come from the inputs and are no larger, but for a few shapes (many queries
 #: against few keys of a tiny head dim)

@@ -3,7 +3,8 @@
 JSON schema (``schema_version`` 11; 3 added ``api``, 4 ``trusted``, 5 ``checked``,
 ``cause`` and ``findings``, 6 ``world_size``, 7 the coverage: ``judged``, ``thin``,
 ``floor``, ``min_judged``, ``startup_seconds`` and ``not_tested``, 8 ``also``, 9
-``sandbox``, 10 ``judges`` and ``judge_notes``, 11 a result's ``cut``)::
+``sandbox``, 10 ``judges`` and ``judge_notes``, 11 a result's ``cut`` and a finding's
+``output``)::
 
     {
       "schema_version": 11,
@@ -52,7 +53,8 @@ JSON schema (``schema_version`` 11; 3 added ``api``, 4 ``trusted``, 5 ``checked`
             "got": float | null,    # the backend's value at ``where``
             "expected": float | null,  # the oracle's (for a law too, not the other call)
             "where": [int] | null,
-            "reproducer": str       # a runnable Python snippet
+            "reproducer": str,      # a runnable Python snippet
+            "output": str           # the last 4 KiB the backend wrote to stdout/stderr
          },
          "also": null | {...}       # a second finding, as "failure": a precision miss
                                     # met while the search went on to a semantic failure
@@ -114,6 +116,9 @@ class Finding:
     reproducer: str
     #: what it is grouped under in the report (`attnref.conformance.verdicts.cause_of`)
     cause: str = ""
+    #: the last of what the backend wrote to its stdout and stderr when it was found
+    #: (`Supervised.output_tail`; printed with ``-v`` only)
+    output: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -124,6 +129,7 @@ class Finding:
             "expected": _num(self.expected),
             "where": None if self.where is None else list(self.where),
             "reproducer": self.reproducer,
+            "output": self.output,
         }
 
 
@@ -502,6 +508,9 @@ class AuditReport:
                     lines.append(f"     {r.property} [{dtype_name(r.dtype)}]: {r.message}")
                     if r.finding is not None and (verbose or i == 0):
                         lines += ["       " + x for x in r.finding.reproducer.rstrip().splitlines()]
+                    if r.finding is not None and r.finding.output and verbose:
+                        lines.append("       the backend's last output (stdout and stderr):")
+                        lines += ["       | " + x for x in r.finding.output.rstrip().splitlines()]
         skips = [r for r in self.results if r.status == "skip" or r.skipped or r.refused]
         if skips and verbose:
             lines += ["", "skipped:"]

@@ -210,6 +210,8 @@ def run_property(
                 getattr(executor, "world_size", None),
             ),
             cause_of(failure, dtype_name(dtype)),
+            # a supervised worker's (an executor of another kind keeps none)
+            getattr(executor, "output_tail", str)(),
         )
 
     searched()

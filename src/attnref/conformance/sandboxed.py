@@ -316,6 +316,27 @@ def loader() -> Loader:
     return _LOADER[0]
 
 
+#: where a worker's stdout and stderr go, in its scratch folder: the backend's, which the
+#: judge reads after each job (`attnref.conformance.executors.Supervised.output`) and
+#: prints only when asked (a library's own logging ran to 12 MB around an audit's lines)
+OUTPUT_FILE = "output.log"
+#: set to ``show`` in the judge's environment: the backend's stdout and stderr go where
+#: the judge's go, as they come (to watch a backend's own logging, or a test's marks)
+SHOW_OUTPUT = "ATTNREF_BACKEND_OUTPUT"
+
+
+def _capture_output(scratch: str) -> None:
+    """File descriptors 1 and 2 (the C library's and Python's) into `OUTPUT_FILE`,
+    appended to, so that the judge may empty it between jobs."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    fd = os.open(os.path.join(scratch, OUTPUT_FILE), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+
+
 def serve(
     conn: multiprocessing.connection.Connection,
     spec: str,
@@ -328,12 +349,14 @@ def serve(
     scratch: str | None = None,
     policy: _sandbox.Policy | None = None,
     jobs: tuple[str, ...] = (),
+    capture: bool = True,
 ) -> None:
     """The worker's loop: enter the sandbox (in ``scratch``, as ``policy`` allows) and
     say what it enforced, resolve the backend with ``load``, say what it declares, then
     answer job after job. ``env``: set (None: removed) before anything else
     (``CUDA_VISIBLE_DEVICES``, before CUDA starts). ``jobs``: modules that register more
-    kinds of job (`HANDLERS`), imported before the backend."""
+    kinds of job (`HANDLERS`), imported before the backend. ``capture``: its stdout and
+    stderr go to `OUTPUT_FILE` (else where the judge's go: `SHOW_OUTPUT`)."""
     for name, value in (env or {}).items():
         if value is None:
             os.environ.pop(name, None)
@@ -353,6 +376,8 @@ def serve(
             conn.send_bytes(encode(error_reply("raised", e)))
             return
         conn.send_bytes(encode({"status": "ok", "value": enforced.message()}))
+        if capture:
+            _capture_output(scratch)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the audit's to handle
     faulthandler.disable()  # a crash is the audit's to report, in one line
     torch.set_num_threads(threads)
