@@ -281,6 +281,7 @@ def test_a_failure_is_shrunk_and_its_reproducer_runs(tmp_path: Path) -> None:
     assert proc.stdout.startswith("FAIL: GQA against expanded heads")
 
 
+@pytest.mark.slow  # an audit and its reproducer in a fresh process: 5 s
 def test_a_module_function_reproducer_runs_from_any_folder(tmp_path: Path) -> None:
     """A ``module:function`` backend imports from the folder the audit ran in: its
     reproducer moves there first, so it runs from wherever it was saved (it said only
@@ -911,6 +912,7 @@ def test_causality_finds_a_leak_past_the_diagonal_in_any_row(spec: str) -> None:
     assert not report.ok, report.format_table()
 
 
+@pytest.mark.slow  # a whole default-declaration audit: 18 s
 def test_a_leak_only_with_a_mask_fails_the_default_declaration() -> None:
     """A backend that drops the diagonal when a mask is passed too fails an audit with
     no declaration at all: the default tests every combination the signature takes, a

@@ -460,7 +460,7 @@ def _judged_truly(proc: subprocess.CompletedProcess[str], targets: dict[str, Any
 
 
 @needs_landlock
-@pytest.mark.parametrize("jobs", [1, 2])
+@pytest.mark.parametrize("jobs", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_a_backend_that_tries_every_way_out_is_judged_and_leaves_nothing(
     tmp_path: Path, jobs: int
 ) -> None:
