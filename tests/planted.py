@@ -519,3 +519,16 @@ def chatty_and_wrong(*args: Any, **kwargs: Any) -> Tensor:
     os.write(2, b"".join(b"chatty stderr line %d\n" % i for i in range(2000)))
     os.write(2, b"the last words \x1b[31mred\x1b[0m\n")
     return 2 * torch.nn.functional.scaled_dot_product_attention(*args, **kwargs)
+
+
+_CORRUPTED: list[bool] = []
+
+
+def dies_after_corrupting(*args: Any, **kwargs: Any) -> Tensor:
+    """Right on the first call of its process, which (as a write past an output would)
+    leaves its memory corrupted: every later call dies of it (SIGSEGV). The case a crash
+    is met on passes alone, in a fresh process."""
+    if _CORRUPTED:
+        ctypes.string_at(0)
+    _CORRUPTED.append(True)
+    return torch.nn.functional.scaled_dot_product_attention(*args, **kwargs)

@@ -301,6 +301,23 @@ def test_a_module_function_reproducer_runs_from_any_folder(tmp_path: Path) -> No
         resolve_backend("no_such_module_here:sdpa")
 
 
+def test_a_crash_that_its_case_does_not_repeat_alone_says_so() -> None:
+    """A process that dies of what an earlier call did (heap corruption: it dies on a
+    later call) is blamed on the call that was running; its shrunk case then passes
+    alone, and its reproducer would not reproduce. The case runs once more in a fresh
+    worker, and the finding says it does not reproduce alone. A kernel that dies on
+    every call is left as it is."""
+    report = run("tests.planted:dies_after_corrupting", properties=["forward"],
+                 dtypes=(torch.float32,))  # fmt: skip
+    (result,) = report.results
+    assert result.status == "fail"
+    assert "killed by SIGSEGV" in result.message, result.message
+    assert "does not reproduce alone, in a fresh worker (it passes)" in result.message
+    always = run("tests.planted:segfaults", properties=["forward"], dtypes=(torch.float32,))
+    assert "killed by SIGSEGV" in always.results[0].message
+    assert "alone" not in always.results[0].message
+
+
 def test_same_seed_same_search_other_seed_other_cases() -> None:
     a = run("mutant.scale_ignored", properties=["scale"], dtypes=(torch.float32,), seed=3)
     b = run("mutant.scale_ignored", properties=["scale"], dtypes=(torch.float32,), seed=3)

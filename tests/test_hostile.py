@@ -379,7 +379,13 @@ def test_the_sweep_removes_only_scratch_folders_no_live_judge_holds(
 )
 @pytest.mark.parametrize(
     ("how", "jobs"),
-    [("SIGKILL", 1), ("SIGTERM", 1), ("KeyboardInterrupt", 1), ("SIGKILL", 2), ("SIGTERM", 2)],
+    [
+        ("SIGKILL", 1),
+        ("SIGTERM", 1),
+        ("KeyboardInterrupt", 1),
+        pytest.param("SIGKILL", 2, marks=pytest.mark.slow),
+        pytest.param("SIGTERM", 2, marks=pytest.mark.slow),
+    ],
 )
 def test_a_hung_worker_ends_with_a_judge_that_is_killed(how: str, jobs: int) -> None:
     """A backend that hangs in its call; the judge is killed (SIGKILL: no cleanup of its

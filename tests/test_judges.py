@@ -86,6 +86,7 @@ def test_a_search_a_dead_helper_took_is_run_by_the_audit() -> None:
         judges.close()
 
 
+@pytest.mark.slow  # an audit in a fresh process with two judges: 12 s
 def test_the_cli_shares_the_searches_and_says_so(tmp_path: Path) -> None:
     """``attnref audit --jobs 2``: the report records two judges; ``--jobs 0`` and a bad
     ``ATTNREF_JOBS`` are refused with the value named."""

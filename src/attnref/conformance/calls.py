@@ -198,7 +198,7 @@ def invoke(
     except Raised as e:
         raise_for_error(backend, e.error, job)
     except BackendDied as e:
-        raise Failure(str(e)) from None
+        raise Failure(str(e), kind="died") from None
     except TimeoutError as e:
         raise Failure(f"{TIMED_OUT}{e}", fatal=True) from None
     except InternalError as e:

@@ -469,6 +469,11 @@ class Supervised:
         self.restarts += 1
         return BackendDied(_describe_exit(code))
 
+    def restart(self) -> None:
+        """End the worker now; the next job starts a fresh one (nothing of the calls
+        before it is left: its process, memory and scratch folder are new)."""
+        self._stop()
+
     def close(self) -> None:
         self._stop()
         self._arena.close()

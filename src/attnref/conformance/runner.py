@@ -223,6 +223,8 @@ def run_property(
         searched()
     if search.failure is None and search.imprecise is not None:
         search.failure = search.imprecise  # (the second search stopped before it)
+    if search.failure is not None and search.failure[1].kind == "died":
+        search.failure = (search.failure[0], _alone(search.failure, prop, ctx, executor))
     if search.failure is not None:
         case, failure = search.failure
         also = None
@@ -247,6 +249,38 @@ def run_property(
         note = "; ".join(x for x in (spent, ", ".join(counts)) if x)
         return done("pass", f"{note}, the last: {search.skip_reason}")
     return done("pass", spent)
+
+
+#: what a crash that its shrunk case does not repeat alone says of itself
+NOT_ALONE = (
+    "; it does not reproduce alone, in a fresh worker ({}): the crash needs the calls "
+    "before it (state kept from earlier calls, or memory they corrupted: an out-of-bounds "
+    "write shows later)"
+)
+
+
+def _alone(
+    found: tuple[Case, Failure], prop: Property, ctx: Context, executor: Executor | None
+) -> Failure:
+    """A crash's shrunk case checked once more in a fresh worker (``executor``'s
+    ``restart``): a process killed by heap corruption dies on a later call than the one
+    that corrupted it, so the case it died on may pass alone, and its reproducer would
+    not reproduce. The failure, with what the fresh worker said where it differs."""
+    case, failure = found
+    restart = getattr(executor, "restart", None)
+    if restart is None:  # in the judge's process, or a family's group: no fresh worker
+        return failure
+    restart()
+    try:
+        prop.check(ctx, case)
+        alone = "it passes"
+    except Skip as s:
+        alone = f"it is skipped: {s}"
+    except Failure as f:
+        if f.kind == "died":
+            return failure
+        alone = f"it fails otherwise: {str(f)[:200]}"
+    return failure.reworded(str(failure) + NOT_ALONE.format(alone))
 
 
 def audit(

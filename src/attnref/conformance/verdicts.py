@@ -35,7 +35,8 @@ class Failure(Exception):  # noqa: N818 (a verdict on the backend, not an error 
         self.fatal = fatal
         #: what went wrong, for grouping failures by cause (`cause_of`): "nan" (NaN/inf
         #: where the oracle is finite), "policy" (finite where the policy gives NaN),
-        #: "error" (values off by more than the bound), "" (anything else)
+        #: "error" (values off by more than the bound), "died" (the backend's process
+        #: ended), "" (anything else)
         self.kind = kind
         #: an "error" under 5% of the values' spread (`attnref.conformance.oracle.close`): what a
         #: precision loss looks like
