@@ -498,6 +498,9 @@ def uniform_empty_rows_sink_ignored(
 def _declare_empty_rows() -> None:
     from attnref.conformance import Capabilities
 
+    for fn in (wrong_past_one_query, wrong_on_one_query):  # torch's SDPA underneath
+        fn.capabilities = Capabilities(causal_with_mask=False)  # type: ignore[attr-defined]
+
     nan_empty_rows_softcap.capabilities = Capabilities(  # type: ignore[attr-defined]
         softcap=True, sinks=True, empty_row="nan", dropout=False, gradients=False
     )
@@ -505,9 +508,6 @@ def _declare_empty_rows() -> None:
         fn.capabilities = Capabilities(  # type: ignore[attr-defined]
             sinks=True, empty_row="uniform", dropout=False, gradients=False
         )
-
-
-_declare_empty_rows()
 
 
 def chatty_and_wrong(*args: Any, **kwargs: Any) -> Tensor:
@@ -532,3 +532,19 @@ def dies_after_corrupting(*args: Any, **kwargs: Any) -> Tensor:
         ctypes.string_at(0)
     _CORRUPTED.append(True)
     return torch.nn.functional.scaled_dot_product_attention(*args, **kwargs)
+
+
+def wrong_past_one_query(*args: Any, **kwargs: Any) -> Tensor:
+    """Right for one query (a decode step), off by 0.5 for more (a prefill): in the
+    ``decode`` law the original call is the wrong one, and finite."""
+    out = torch.nn.functional.scaled_dot_product_attention(*args, **kwargs)
+    return out + 0.5 if out.shape[-2] > 1 else out
+
+
+def wrong_on_one_query(*args: Any, **kwargs: Any) -> Tensor:
+    """Off by 0.5 for one query (a decode step), right for more."""
+    out = torch.nn.functional.scaled_dot_product_attention(*args, **kwargs)
+    return out + 0.5 if out.shape[-2] == 1 else out
+
+
+_declare_empty_rows()

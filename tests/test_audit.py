@@ -318,6 +318,25 @@ def test_a_crash_that_its_case_does_not_repeat_alone_says_so() -> None:
     assert "alone" not in always.results[0].message
 
 
+@pytest.mark.parametrize(
+    ("spec", "wrong"),
+    [("tests.planted:wrong_past_one_query", "original"),
+     ("tests.planted:wrong_on_one_query", "changed")],
+)  # fmt: skip
+def test_a_law_s_finding_names_the_wrong_call(spec: str, wrong: str) -> None:
+    """When the two calls of a law disagree, the one the oracle does not side with is
+    judged against its own oracle: the finding is that call's wrong values. Before, a
+    prefill wrong where its decode steps were right failed ``decode`` on the law alone,
+    naming the right call first, and the wrong finite one was never flagged (Pallas' TPU
+    flash kernel)."""
+    report = run(spec, properties=["decode"], dtypes=(torch.float32,))
+    (result,) = report.results
+    assert result.status == "fail"
+    assert result.finding is not None
+    assert f"the call on the {wrong} inputs: max error" in result.message, result.message
+    assert result.finding.cause.startswith("wrong values"), result.finding.cause
+
+
 def test_same_seed_same_search_other_seed_other_cases() -> None:
     a = run("mutant.scale_ignored", properties=["scale"], dtypes=(torch.float32,), seed=3)
     b = run("mutant.scale_ignored", properties=["scale"], dtypes=(torch.float32,), seed=3)

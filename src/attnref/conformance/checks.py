@@ -364,17 +364,37 @@ def law(
     delta = float(torch.where(usable, diff, 0.0).max()) if diff.numel() else 0.0  # diff >= 0
     gmax, gmean = eg.bounds(sel)
     bmax, bmean = eb.bounds(sel if base_sel is None else base_sel)
-    with ctx.naming_the_row(got_inputs):
-        close(
-            got.to(torch.float64),
-            want,
-            gmax + abs(factor) * bmax + delta,
-            gmean + abs(factor) * bmean + delta,
-            what,
-            sel,
-            law=eg.value,
-            semantic=eg.semantic,
-        )
+    try:
+        with ctx.naming_the_row(got_inputs):
+            close(
+                got.to(torch.float64),
+                want,
+                gmax + abs(factor) * bmax + delta,
+                gmean + abs(factor) * bmean + delta,
+                what,
+                sel,
+                law=eg.value,
+                semantic=eg.semantic,
+            )
+    except Failure as failed:
+        # two calls disagree: the one the oracle does not side with is judged against
+        # its own oracle first, so that the wrong call is the finding, not the law
+        calls = [
+            (base, eb, base_sel, base_finite, base_inputs, "the call on the original inputs"),
+            (got, eg, sel, None, got_inputs, "the call on the changed inputs"),
+        ]
+        if "sides with the original call" in str(failed):
+            calls.reverse()
+        for out, exp, rows, finite, inputs, which in calls:
+            keep = rows if finite is None else finite if rows is None else rows & finite
+            try:
+                with ctx.naming_the_row(inputs):
+                    close(out.to(torch.float64), exp.value, *exp.bounds(keep),
+                          f"{what}: {which}", exp.sel(keep), semantic=exp.semantic)  # fmt: skip
+            except Failure as blamed:  # that call's own failure, and the law's after it
+                law_said = str(failed).removeprefix(f"{what}: ")
+                raise blamed.reworded(f"{blamed}; the law: {law_said}") from None
+        raise
 
 
 @checked_internal
