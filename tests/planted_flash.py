@@ -142,3 +142,38 @@ def lse_not_returned(*args: Any, **kwargs: Any) -> Tensor:
 
 
 lse_not_returned.capabilities = CLAIMS  # type: ignore[attr-defined]
+
+
+def top_left_causal(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    dropout_p: float = 0.0,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    **_: Any,
+) -> Tensor:
+    """``flash_attn_func``'s signature, its causal diagonal from the top left when Tq !=
+    Tk (FlashAttention before 2.1): right for a kernel that declares so."""
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal,
+        scale=softmax_scale, enable_gqa=q.shape[2] != k.shape[2],
+    )  # fmt: skip
+    return out.transpose(1, 2)
+
+
+top_left_causal.capabilities = replace(  # type: ignore[attr-defined]
+    FLASH_LIKE, causal_alignments=("top_left",), window=False, softcap=False, alibi=False,
+    lse=False, sinks=False, gradients=False,
+)  # fmt: skip
+
+
+def top_left_undeclared(*args: Any, **kwargs: Any) -> Tensor:
+    """`top_left_causal`, declaring the flash preset's bottom-right diagonal: wrong."""
+    return top_left_causal(*args, **kwargs)
+
+
+top_left_undeclared.capabilities = replace(  # type: ignore[attr-defined]
+    top_left_causal.capabilities,
+    causal_alignments=("bottom_right",),  # type: ignore[attr-defined]
+)

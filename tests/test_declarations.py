@@ -561,3 +561,37 @@ def test_a_backend_whose_value_dim_is_its_head_dim_is_drawn_inside_it() -> None:
     for r in report.results:
         assert r.status == "pass", r.message
         assert r.skipped == 0, (r.property, r.message)
+
+
+def test_a_flash_kernel_that_is_top_left_declares_it_and_is_judged_so() -> None:
+    """A ``flash`` kernel whose causal diagonal is top-left when Tq != Tk (FlashAttention
+    before 2.1) declares ``causal_alignments=("top_left",)``: its causal calls with Tq !=
+    Tk are made and judged top-left, and it passes; declaring the preset's bottom-right
+    instead, the same kernel fails."""
+    props = ["forward", "causality"]
+    kwargs = {"properties": props, "dtypes": [torch.float32], "device": "cpu", "progress": False}
+    right = audit(resolve_backend("tests.planted_flash:top_left_causal", api="flash"), **kwargs)  # type: ignore[arg-type]
+    assert right.ok, right.format_table()
+    assert all(r.judged for r in right.results)
+    wrong = audit(resolve_backend("tests.planted_flash:top_left_undeclared", api="flash"), **kwargs)  # type: ignore[arg-type]
+    assert not wrong.ok
+
+
+def test_a_declaration_the_family_cannot_honour_is_an_error() -> None:
+    """``causal_alignments=("top_left",)`` on a ``flash-varlen`` (or kvcache, mla)
+    backend was accepted, reported "not tested", and its Tq != Tk causal calls were
+    judged bottom-right anyway (11 failures): it is refused, naming what to declare, from
+    a spec and from Python alike."""
+    from attnref.conformance.families.flash_varlen import FLASH_ATTN_2_VARLEN
+
+    caps = replace(FLASH_ATTN_2_VARLEN, causal_alignments=("top_left",))
+    backend = Backend("top-left-varlen", lambda *a, **k: None, "", caps, api="flash-varlen")
+    with pytest.raises(BackendError, match=r"bottom_right only.*declare causal_alignments"):
+        audit(backend, device="cpu", progress=False, properties=["varlen"])
+    from attnref.conformance.family import get_family
+
+    for api in ("flash-varlen", "flash-kvcache", "mla"):
+        family = get_family(api)
+        assert family.cannot_honour(family.defaults) is None
+        bad = replace(family.defaults, causal_alignments=("top_left",))
+        assert family.cannot_honour(bad) is not None

@@ -124,6 +124,9 @@ def resolve_backend(spec: str, api: str | None = None) -> Backend:
         raise BackendError(f"{spec}.capabilities must be an attnref Capabilities, got {caps!r}")
     if caps.family != family.name:
         raise BackendError(family_mismatch(spec, caps.family, family.name))
+    why = family.cannot_honour(caps)
+    if why is not None:
+        raise BackendError(f"{spec}: {why}")
     doc = (inspect.getdoc(fn) or "").split("\n")[0]
     return Backend(spec, fn, doc or spec, caps, api=family.name, spec=spec)
 

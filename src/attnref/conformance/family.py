@@ -98,6 +98,22 @@ class Convention:
     #: (``share(args, kwargs, share) -> (args, kwargs)``; the bench's worker applies it
     #: to a job whose case carries ``"_share"``)
     share: "Callable[[tuple[Any, ...], dict[str, Any], dict[str, Any]], Arguments] | None" = None
+    #: the causal alignments its calls can express (a backend declaring another one is
+    #: an error: `cannot_honour`)
+    alignments: tuple[str, ...] = ("top_left", "bottom_right")
+
+    def cannot_honour(self, caps: Capabilities) -> str | None:
+        """Why this convention cannot audit a backend declaring ``caps`` as declared, or
+        None. A declaration the family cannot honour is an error, not a report that says
+        "not tested" and then judges those calls otherwise."""
+        odd = [a for a in caps.causal_alignments if a not in self.alignments]
+        if odd:
+            return (
+                f"causal_alignments={caps.causal_alignments!r}: the {self.name!r} "
+                f"convention's causal calls are {' or '.join(self.alignments)} only "
+                f"({self.signature}); declare causal_alignments={self.alignments!r}"
+            )
+        return None
 
     def check(self, fn: object, spec: str) -> Callable[..., Any]:
         """``fn`` if its signature can take this family's calls, else `BackendError`."""

@@ -25,7 +25,8 @@ from tqdm import tqdm
 from attnref._checking import audit_checking, checking_enabled, set_checking
 from attnref.conformance.calls import TIMED_OUT, availability
 from attnref.conformance.cases import Case
-from attnref.conformance.declarations import Backend
+from attnref.conformance.declarations import Backend, BackendError
+from attnref.conformance.family import get_family
 from attnref.conformance.judges import Judges, Setup, wait_after_timeout
 from attnref.conformance.profiles import Profile, get_profile
 from attnref.conformance.properties import PROPERTIES, Context, Property, get_property
@@ -356,6 +357,10 @@ def audit(
         raise ValueError(f"jobs must be >= 1, got {jobs}")
     if min_judged is not None and min_judged < 1:
         raise ValueError(f"min_judged must be >= 1, got {min_judged}")
+    if isinstance(backend, Backend):  # a spec's declaration is checked where it resolves
+        why = get_family(backend.api).cannot_honour(backend.capabilities)
+        if why is not None:
+            raise BackendError(f"{backend.name}: {why}")
     prof = get_profile(profile) if isinstance(profile, str) else profile
     device = device or best_device()
     limit = None if memory_limit is None else int(memory_limit * 2**30)

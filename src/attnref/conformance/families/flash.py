@@ -117,8 +117,13 @@ def _flash_build(
     if inputs.attn_mask is not None:
         raise Skip("attn_mask: the flash convention takes no mask")
     Tq, Tk = inputs.query.shape[-2], inputs.key.shape[-2]
-    if inputs.causal == "top_left" and Tq != Tk:
-        raise Skip("top-left causal with Tq != Tk: the flash convention is bottom-right")
+    # a kernel that declares causal_alignments=("top_left",) computes causal=True from
+    # the top left (FlashAttention before 2.1 did): its Tq != Tk calls are judged so
+    if inputs.causal is not None and Tq != Tk and inputs.causal not in caps.causal_alignments:
+        raise Skip(
+            f"{inputs.causal.replace('_', '-')} causal with Tq != Tk: the backend's causal "
+            f"diagonal is declared {' or '.join(caps.causal_alignments)}"
+        )
     kwargs: dict[str, Any] = {
         "dropout_p": 0.0,
         "softmax_scale": inputs.scale,

@@ -1287,6 +1287,7 @@ def _decode_workload(case: ServingCase) -> Workload:
 
 FAMILY = ApiFamily(
     name=NAME,
+    alignments=("bottom_right",),  # each sequence's, as FlashAttention's
     summary="FlashAttention 2's flash_attn_with_kvcache: decoding against a contiguous or "
     "paged KV cache, an in-place append, rotary for the new tokens, split-KV",
     signature="fn(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None, "

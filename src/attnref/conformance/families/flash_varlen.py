@@ -632,6 +632,7 @@ def _prefill_workload(case: ServingCase) -> Workload:
 
 FAMILY = ApiFamily(
     name=NAME,
+    alignments=("bottom_right",),  # each sequence's, as FlashAttention's
     summary="FlashAttention 2's flash_attn_varlen_func: packed sequences (total, h, D) "
     "described by int32 cu_seqlens, each attended on its own, bottom-right",
     signature="fn(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, "

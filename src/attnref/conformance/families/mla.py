@@ -1059,6 +1059,7 @@ def _latent_values(args: tuple[object, ...]) -> object:
 
 FAMILY = ApiFamily(
     name=NAME,
+    alignments=("bottom_right",),  # each sequence's, as FlashAttention's
     summary="FlashMLA's flash_mla_with_kvcache: multi-head latent attention decode over a "
     "paged cache of latent rows, one KV head, V the cache's first head_dim_v dims",
     signature="fn(q, k_cache, block_table, cache_seqlens, head_dim_v, "
