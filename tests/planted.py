@@ -498,6 +498,13 @@ def uniform_empty_rows_sink_ignored(
 def _declare_empty_rows() -> None:
     from attnref.conformance import Capabilities
 
+    windows_end_at_the_query.capabilities = Capabilities(  # type: ignore[attr-defined]
+        window=True,
+        causal_windows_only=True,
+        dropout=False,
+        gradients=False,
+        causal_alignments=("top_left", "bottom_right"),
+    )
     for fn in (wrong_past_one_query, wrong_on_one_query):  # torch's SDPA underneath
         fn.capabilities = Capabilities(causal_with_mask=False)  # type: ignore[attr-defined]
 
@@ -547,4 +554,19 @@ def wrong_on_one_query(*args: Any, **kwargs: Any) -> Tensor:
     return out + 0.5 if out.shape[-2] == 1 else out
 
 
-_declare_empty_rows()
+def windows_end_at_the_query(
+    q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None = None, **kw: Any
+) -> Tensor:
+    """attnref's reference, a window's right side read as 0 whatever it is (ONNX
+    Runtime GQA's ``local_window_size``: windows end at the query). Right for a backend
+    that declares ``causal_windows_only``; wrong for one that takes ``(left, right)``."""
+    from attnref.functional import scaled_dot_product_attention
+
+    window = kw.pop("window", None)
+    if window is not None:
+        kw["window"] = (window[0], 0)
+    out: Tensor = scaled_dot_product_attention(q, k, v, attn_mask, **kw)
+    return out
+
+
+_declare_empty_rows()  # last: it declares what is defined above

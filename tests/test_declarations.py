@@ -595,3 +595,23 @@ def test_a_declaration_the_family_cannot_honour_is_an_error() -> None:
         assert family.cannot_honour(family.defaults) is None
         bad = replace(family.defaults, causal_alignments=("top_left",))
         assert family.cannot_honour(bad) is not None
+
+
+def test_a_backend_whose_windows_end_at_the_query_is_audited_inside_that() -> None:
+    """``causal_windows_only`` (ONNX Runtime GQA's ``local_window_size``): windows are
+    drawn ``(left, 0)`` and ``window_none`` checks ``(-1, 0)`` on causal calls, so such
+    a backend passes (two-sided windows judged 5-6 of 25 cases before); declaring
+    two-sided windows, the same kernel fails."""
+    from attnref.conformance.declarations import not_tested
+
+    props = ["window_keys", "window_none", "variants"]
+    kwargs = {"properties": props, "dtypes": [torch.float32], "device": "cpu", "progress": False}
+    spec = "tests.planted:windows_end_at_the_query"
+    right = audit(resolve_backend(spec), **kwargs)  # type: ignore[arg-type]
+    assert right.ok, right.format_table()
+    assert all(r.judged >= 10 for r in right.results), right.format_table()
+    assert any("windows that reach past the query" in u for u in not_tested(
+        right.capabilities))  # fmt: skip
+    declared = replace(resolve_backend(spec).capabilities, causal_windows_only=False)
+    both = Backend("two-sided", resolve_backend(spec).fn, "", declared, spec=spec)
+    assert not audit(both, **kwargs).ok  # type: ignore[arg-type]

@@ -170,6 +170,10 @@ class Capabilities:
     refuses: tuple[str, ...] = ()
     # the variants of docs/variants.md, each as the API family spells it
     window: bool = False  # a sliding window (left, right)
+    #: only windows that end at the query, ``(left, 0)`` (ONNX Runtime GQA's
+    #: ``local_window_size``): cases draw so, and `window_none` checks ``(-1, 0)`` and the
+    #: covering ``(left, 0)`` on causal calls
+    causal_windows_only: bool = False
     softcap: bool = False  # softcap * tanh(score / softcap)
     alibi: bool = False  # ALiBi slopes, (h,) or (B, h)
     sinks: bool = False  # one sink logit per query head
@@ -255,6 +259,8 @@ class Capabilities:
             raise ValueError(f"Capabilities.head_dims must be ints >= 0, got {self.head_dims!r}")
         if self.window_required and not self.window:
             raise ValueError("Capabilities.window_required needs window=True")
+        if self.causal_windows_only and not self.window:
+            raise ValueError("Capabilities.causal_windows_only needs window=True")
         if self.sinks_required and not self.sinks:
             raise ValueError("Capabilities.sinks_required needs sinks=True")
         if self.causal_only and not self.causal_alignments:
@@ -342,6 +348,7 @@ class Capabilities:
             or self.sink_shared
             or bool(self.sink_values)
             or self.cp_equal_shards
+            or self.causal_windows_only
         )
 
 
@@ -424,6 +431,11 @@ def not_tested(caps: Capabilities) -> list[str]:
     )
     add(caps.causal_only, "non-causal calls", "causal_only=True")
     add(caps.window_required, "calls without a window", "window_required=True")
+    add(
+        caps.causal_windows_only,
+        "windows that reach past the query (right > 0)",
+        "causal_windows_only=True",
+    )
     add(caps.sinks_required, "calls without sink logits", "sinks_required=True")
     add(caps.cp_full_group, "calls on a subgroup of the ranks", "cp_full_group=True")
     others = [s for s in SHARDINGS if s not in caps.cp_shardings]

@@ -577,6 +577,8 @@ def inside(
         case = replace(case, scale=None)
     if caps.window_required and case.window is None:
         case = replace(case, window=pick(_REQUIRED_WINDOWS))
+    if caps.causal_windows_only and case.window is not None and case.window[1] != 0:
+        case = replace(case, window=(case.window[0], 0))
     if caps.sinks_required and not case.sinks:
         case = replace(case, sinks=True)
     if caps.head_dims and case.Dh not in caps.head_dims:
