@@ -173,7 +173,7 @@ def top_left_undeclared(*args: Any, **kwargs: Any) -> Tensor:
     return top_left_causal(*args, **kwargs)
 
 
+_TOP_LEFT: Any = top_left_causal.capabilities  # type: ignore[attr-defined]
 top_left_undeclared.capabilities = replace(  # type: ignore[attr-defined]
-    top_left_causal.capabilities,
-    causal_alignments=("bottom_right",),  # type: ignore[attr-defined]
+    _TOP_LEFT, causal_alignments=("bottom_right",)
 )
