@@ -157,6 +157,22 @@ def test_no_figure_of_the_worker_s_moves_the_time_the_judge_reports(
     assert lying == pytest.approx(honest, rel=1e-9)  # the worker's shape, the judge's size
 
 
+def test_a_batch_too_short_for_the_judge_s_clock_grows_until_it_resolves() -> None:
+    """Ten calls of 0.2 ms are 2 ms on the judge's clock, within its noise: the batch is
+    timed again with enough calls to see 40 ms of them (capped), so that the clocks can
+    be compared (a worker reporting a tenth of its times passed them at 128 tokens)."""
+    from attnref.bench.verified import MAX_RUNS, RESOLVED, _runs_to_resolve
+
+    assert _runs_to_resolve(10, 0.002) >= 10 * RESOLVED / 0.002
+    assert _runs_to_resolve(10, 0.2) == 10
+    assert _runs_to_resolve(10, -0.001) == MAX_RUNS  # a dry run longer than the batch
+    r = run_case(resolve_backend("reference"), BenchCase(B=1, h=1, Tq=8, Tk=8, Dh=8),
+                 warmup=1, runs=2)  # fmt: skip
+    assert r.status == "ok", r.note
+    timed = int(r.note.split("all ")[1].split()[0])
+    assert timed > 2, r.note
+
+
 def test_cpu_peak_memory_sees_a_large_temporary() -> None:
     """The process's peak during one call, above what it held before: a 64 MiB
     temporary that is freed before the call returns is still seen."""
