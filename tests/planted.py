@@ -505,6 +505,9 @@ def _declare_empty_rows() -> None:
         gradients=False,
         causal_alignments=("top_left", "bottom_right"),
     )
+    tiled_lengths_and_dims.capabilities = Capabilities(  # type: ignore[attr-defined]
+        head_dim_multiple=8, length_multiples=(16, 32), zero_head_dim=False, dropout=False
+    )
     for fn in (wrong_past_one_query, wrong_on_one_query):  # torch's SDPA underneath
         fn.capabilities = Capabilities(causal_with_mask=False)  # type: ignore[attr-defined]
 
@@ -567,6 +570,20 @@ def windows_end_at_the_query(
         kw["window"] = (window[0], 0)
     out: Tensor = scaled_dot_product_attention(q, k, v, attn_mask, **kw)
     return out
+
+
+def tiled_lengths_and_dims(
+    q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None = None, **kw: Any
+) -> Tensor:
+    """torch's SDPA behind a kernel that raises on query lengths not a multiple of 16,
+    key lengths not a multiple of 32 or head dims not a multiple of 8 (Pallas' blocks,
+    ONNX Runtime's CPU kernel): right inside what it declares."""
+    Tq, Tk, D = q.shape[-2], k.shape[-2], q.shape[-1]
+    if Tq % 16 or Tk % 32 or D % 8 or v.shape[-1] % 8:
+        raise ValueError(f"unsupported shape: Tq={Tq}, Tk={Tk}, D={D}")
+    from tests.torch_sdpa import sdpa
+
+    return sdpa(q, k, v, attn_mask, **kw)
 
 
 _declare_empty_rows()  # last: it declares what is defined above

@@ -615,3 +615,25 @@ def test_a_backend_whose_windows_end_at_the_query_is_audited_inside_that() -> No
     declared = replace(resolve_backend(spec).capabilities, causal_windows_only=False)
     both = Backend("two-sided", resolve_backend(spec).fn, "", declared, spec=spec)
     assert not audit(both, **kwargs).ok  # type: ignore[arg-type]
+
+
+def test_head_dims_and_lengths_by_a_rule_are_drawn_inside_it() -> None:
+    """Head dims that must be multiples of 8 and lengths of 16 and 32 (a kernel's
+    blocks) are declared as rules, not lists: cases are drawn at the nearest multiple,
+    the kernel (which raises outside them) passes with its cases judged, and a call of
+    other lengths is skipped, not failed. Undeclared, the same kernel fails."""
+    spec = "tests.planted:tiled_lengths_and_dims"
+    kwargs = {"properties": ["forward", "layouts", "decode"], "dtypes": [torch.float32],
+              "device": "cpu", "progress": False}  # fmt: skip
+    report = audit(resolve_backend(spec), **kwargs)  # type: ignore[arg-type]
+    assert report.ok, report.format_table()
+    forward, layouts, decode = report.results
+    assert forward.judged >= 20, report.format_table()
+    assert layouts.judged >= 20, report.format_table()
+    assert decode.status in ("pass", "skip")  # its one-query steps are outside it
+    declared = replace(resolve_backend(spec).capabilities, head_dim_multiple=1,
+                       length_multiples=(1, 1))  # fmt: skip
+    plain = Backend("untiled", resolve_backend(spec).fn, "", declared, spec=spec)
+    assert not audit(plain, **kwargs).ok  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="length_multiples"):
+        Capabilities(length_multiples=(0, 16))

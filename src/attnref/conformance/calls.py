@@ -93,7 +93,13 @@ def skip_reason(backend: Backend, inputs: Inputs, kwargs: dict[str, Any]) -> str
         dims = ", ".join(map(str, caps.head_dims))
         odd = Dh if Dh not in caps.head_dims else Dv
         return f"head dim {odd}: the declared head dims are {dims}"
+    m = caps.head_dim_multiple
+    if Dh % m or Dv % m:
+        return f"head dims {Dh} and {Dv}: multiples of {m} declared"
     Tq, Tk = inputs.query.shape[-2], inputs.key.shape[-2]
+    mq, mk = caps.length_multiples
+    if Tq % mq or Tk % mk:
+        return f"Tq = {Tq}, Tk = {Tk}: multiples of {mq} and {mk} declared"
     if caps.self_attention_only and Tq != Tk:
         return f"Tq = {Tq} != Tk = {Tk}: self-attention only declared"
     if caps.queries_at_most_keys and Tq > Tk:

@@ -210,6 +210,13 @@ class Capabilities:
     #: the only head dims taken (Dqk and Dv), e.g. powers of two; () : any up to
     #: ``max_head_dim``. Cases draw among them
     head_dims: tuple[int, ...] = ()
+    #: head dims (Dqk and Dv) must be multiples of this (ONNX Runtime GQA's CPU kernel:
+    #: 8), a rule rather than a list; cases draw the nearest multiple at or above
+    head_dim_multiple: int = 1
+    #: (queries, keys): a dense call's Tq and Tk must be multiples of these (Pallas'
+    #: ``block_q``, ``block_k``); cases draw the nearest at or above, and a call of other
+    #: lengths (a decode step of one query) is skipped
+    length_multiples: tuple[int, int] = (1, 1)
     #: multi-head latent attention (the ``mla`` family): one key/value head, and the
     #: values are the keys' leading ``Dv`` dims (V is the cached latent row itself).
     #: Cases are drawn so (``g = 1``, ``Dv <= Dqk``; with ``head_dims``, the keys take
@@ -255,6 +262,21 @@ class Capabilities:
                 f"Capabilities.sink_values must not hold NaN, got {self.sink_values!r}"
             )
         object.__setattr__(self, "sink_values", values)
+        if type(self.head_dim_multiple) is not int or self.head_dim_multiple < 1:
+            raise ValueError(
+                "Capabilities.head_dim_multiple must be an int >= 1, got "
+                f"{self.head_dim_multiple!r}"
+            )
+        multiples = self.length_multiples
+        if not (
+            isinstance(multiples, tuple)
+            and len(multiples) == 2
+            and all(type(m) is int and m >= 1 for m in multiples)
+        ):
+            raise ValueError(
+                "Capabilities.length_multiples must be (queries, keys), ints >= 1, got "
+                f"{multiples!r}"
+            )
         if any(type(d) is not int or d < 0 for d in self.head_dims):
             raise ValueError(f"Capabilities.head_dims must be ints >= 0, got {self.head_dims!r}")
         if self.window_required and not self.window:
@@ -349,6 +371,8 @@ class Capabilities:
             or bool(self.sink_values)
             or self.cp_equal_shards
             or self.causal_windows_only
+            or self.head_dim_multiple > 1
+            or self.length_multiples != (1, 1)
         )
 
 
@@ -431,6 +455,16 @@ def not_tested(caps: Capabilities) -> list[str]:
     )
     add(caps.causal_only, "non-causal calls", "causal_only=True")
     add(caps.window_required, "calls without a window", "window_required=True")
+    add(
+        caps.head_dim_multiple > 1,
+        f"head dims that are not multiples of {caps.head_dim_multiple}",
+        f"head_dim_multiple={caps.head_dim_multiple}",
+    )
+    add(
+        caps.length_multiples != (1, 1),
+        "query and key lengths that are not multiples of {} and {}".format(*caps.length_multiples),
+        f"length_multiples={caps.length_multiples}",
+    )
     add(
         caps.causal_windows_only,
         "windows that reach past the query (right > 0)",
@@ -616,7 +650,7 @@ def from_declaration(data: object) -> Backend:
             ):
                 raise ValueError(f"{where} must be a list of [dtype, policy] pairs")
             caps[name] = tuple((d, _rows_from(p, f"{where}[{d!r}]")) for d, p in value)
-        elif name == "head_dims":
+        elif name in ("head_dims", "length_multiples"):
             if type(value) is not list or not all(type(x) is int for x in value):
                 raise ValueError(f"{where} must be a list of ints")
             caps[name] = tuple(value)

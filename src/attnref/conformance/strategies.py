@@ -581,6 +581,17 @@ def inside(
         case = replace(case, window=(case.window[0], 0))
     if caps.sinks_required and not case.sinks:
         case = replace(case, sinks=True)
+    m = caps.head_dim_multiple
+    if m > 1 and (case.Dh % m or case.Dv % m):
+        Dh, Dv = (-(-d // m) * m for d in (case.Dh, case.Dv))
+        if caps.max_head_dim is not None:
+            top = caps.max_head_dim // m * m
+            Dh, Dv = min(Dh, top), min(Dv, top)
+        case = replace(case, Dh=Dh, Dv=Dv, rotary=min(case.rotary, Dh - Dh % 2))
+    mq, mk = caps.length_multiples
+    if (mq, mk) != (1, 1) and not case.seqlens and not case.cached:
+        Tq, Tk = (-(-t // b) * b for t, b in ((case.Tq, mq), (case.Tk, mk)))
+        case = replace(case, Tq=Tq, Tk=Tk)
     if caps.head_dims and case.Dh not in caps.head_dims:
         Dh = pick(caps.head_dims)
         case = replace(case, Dh=Dh, rotary=min(case.rotary, Dh - Dh % 2))
