@@ -270,3 +270,21 @@ def _nan(kernel: Any, name: str) -> Any:
 #: with itself, and NaN must never equal NaN there
 nan_varlen = _nan(correct_varlen, "nan_varlen")
 nan_kvcache = _nan(correct_kvcache, "nan_kvcache")
+
+
+def decode_only(q: Tensor, k_cache: Tensor, v_cache: Tensor, *args: Any, **kwargs: Any) -> Any:
+    """`correct_kvcache` behind a decode kernel's limits: one query a sequence, and never
+    a sequence with no key (vLLM's ``single_query_cached_kv_attention``, SGLang's
+    decode): it raises outside them. Right inside what it declares."""
+    seqlens = kwargs.get("cache_seqlens")
+    new = 0 if kwargs.get("k") is None else kwargs["k"].shape[1]
+    if q.shape[1] != 1:
+        raise ValueError(f"one query a sequence, got {q.shape[1]}")
+    if seqlens is not None and bool((seqlens + new == 0).any()):
+        raise ValueError("a sequence with no key")
+    return correct_kvcache(q, k_cache, v_cache, *args, **kwargs)
+
+
+decode_only.capabilities = replace(  # type: ignore[attr-defined]
+    KVCACHE_CLAIMS, single_query=True, empty_sequences=False
+)

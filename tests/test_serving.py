@@ -273,3 +273,26 @@ def test_the_adapter_reads_the_cache_as_the_reference_does_without_cache_seqlens
                         causal=True), kc, vc))  # fmt: skip
     for a, b in zip(outs[0], outs[1], strict=True):
         torch.testing.assert_close(a, b)
+
+
+def test_a_decode_kernel_of_one_query_and_no_empty_sequence_is_audited_inside_that() -> None:
+    """A decode kernel takes one query a sequence and never a sequence with no key
+    (``single_query``, ``empty_sequences=False``): its cases are drawn so and judged
+    (before, 1630 of 2157 drawn cases were refused and the verdict still OK); declared
+    as the preset, the same kernel fails on the calls it cannot take."""
+    from dataclasses import replace
+
+    from attnref.conformance import Backend, audit, resolve_backend
+
+    spec = "tests.planted_serving:decode_only"
+    backend = resolve_backend(spec, api="flash-kvcache")
+    props = ["kvcache", "kvcache_pages", "kvcache_splits"]
+    kwargs = {"properties": props, "dtypes": [torch.float32], "device": "cpu", "progress": False}
+    report = audit(backend, **kwargs)  # type: ignore[arg-type]
+    assert report.ok, report.format_table()
+    for r in report.results:
+        assert r.judged >= 20, report.format_table()
+        assert r.skipped <= r.checks // 5, report.format_table()
+    caps = replace(backend.capabilities, single_query=False, empty_sequences=True)
+    preset = Backend("as-the-preset", backend.fn, "", caps, api="flash-kvcache", spec=spec)
+    assert not audit(preset, **kwargs).ok  # type: ignore[arg-type]

@@ -97,6 +97,10 @@ def skip_reason(backend: Backend, inputs: Inputs, kwargs: dict[str, Any]) -> str
     if Dh % m or Dv % m:
         return f"head dims {Dh} and {Dv}: multiples of {m} declared"
     Tq, Tk = inputs.query.shape[-2], inputs.key.shape[-2]
+    if caps.single_query and Tq > 1:
+        return f"Tq = {Tq}: one query a sequence declared"
+    if not caps.empty_sequences and Tk == 0:
+        return "no key: sequences with keys only declared"
     mq, mk = caps.length_multiples
     if Tq % mq or Tk % mk:
         return f"Tq = {Tq}, Tk = {Tk}: multiples of {mq} and {mk} declared"

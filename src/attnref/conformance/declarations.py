@@ -213,6 +213,13 @@ class Capabilities:
     #: head dims (Dqk and Dv) must be multiples of this (ONNX Runtime GQA's CPU kernel:
     #: 8), a rule rather than a list; cases draw the nearest multiple at or above
     head_dim_multiple: int = 1
+    #: one query per sequence (decode kernels: vLLM's ``single_query_cached_kv_attention``,
+    #: SGLang's and FlashInfer's decode): cases draw Tq = 1 (one new token at most), and a
+    #: call of more is skipped
+    single_query: bool = False
+    #: may a sequence have no key at all? False: a serving kernel that never sees one
+    #: (cases draw at least one key a sequence; a call with none is skipped)
+    empty_sequences: bool = True
     #: (queries, keys): a dense call's Tq and Tk must be multiples of these (Pallas'
     #: ``block_q``, ``block_k``); cases draw the nearest at or above, and a call of other
     #: lengths (a decode step of one query) is skipped
@@ -372,6 +379,8 @@ class Capabilities:
             or self.cp_equal_shards
             or self.causal_windows_only
             or self.head_dim_multiple > 1
+            or self.single_query
+            or not self.empty_sequences
             or self.length_multiples != (1, 1)
         )
 
@@ -455,6 +464,8 @@ def not_tested(caps: Capabilities) -> list[str]:
     )
     add(caps.causal_only, "non-causal calls", "causal_only=True")
     add(caps.window_required, "calls without a window", "window_required=True")
+    add(caps.single_query, "more than one query a sequence", "single_query=True")
+    add(not caps.empty_sequences, "sequences with no key", "empty_sequences=False")
     add(
         caps.head_dim_multiple > 1,
         f"head dims that are not multiples of {caps.head_dim_multiple}",

@@ -588,6 +588,20 @@ def inside(
             top = caps.max_head_dim // m * m
             Dh, Dv = min(Dh, top), min(Dv, top)
         case = replace(case, Dh=Dh, Dv=Dv, rotary=min(case.rotary, Dh - Dh % 2))
+    if caps.single_query:
+        if case.cached:
+            case = replace(case, Tq=1, new=min(case.new, 1))
+        elif case.seqlens:
+            case = replace(case, seqlens=tuple((min(tq, 1), tk) for tq, tk in case.seqlens))
+        else:
+            case = replace(case, Tq=min(case.Tq, 1))
+    if not caps.empty_sequences:
+        if case.cached and not case.new:
+            case = replace(case, cached=tuple(max(c, 1) for c in case.cached))
+        elif case.seqlens:
+            case = replace(case, seqlens=tuple((tq, max(tk, 1)) for tq, tk in case.seqlens))
+        elif not case.cached:
+            case = replace(case, Tk=max(case.Tk, 1))
     mq, mk = caps.length_multiples
     if (mq, mk) != (1, 1) and not case.seqlens and not case.cached:
         Tq, Tk = (-(-t // b) * b for t, b in ((case.Tq, mq), (case.Tk, mk)))
