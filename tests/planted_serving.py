@@ -288,3 +288,32 @@ def decode_only(q: Tensor, k_cache: Tensor, v_cache: Tensor, *args: Any, **kwarg
 decode_only.capabilities = replace(  # type: ignore[attr-defined]
     KVCACHE_CLAIMS, single_query=True, empty_sequences=False
 )
+
+
+def _with_sinks(bug: str) -> Any:
+    def kernel(q: Tensor, k_cache: Tensor, v_cache: Tensor, *args: Any, **kwargs: Any) -> Any:
+        from attnref.functional import apply_sinks
+        from attnref.kvcache import kvcache_attention
+
+        sinks = kwargs.pop("sinks", None)
+        lse_asked = kwargs.pop("return_softmax_lse", False)
+        out, lse = kvcache_attention(q, k_cache, v_cache, *args, return_softmax_lse=True, **kwargs)
+        if sinks is not None and bug != "sinks_ignored":
+            out = apply_sinks(out.transpose(1, 2), lse, sinks).transpose(1, 2).to(out.dtype)
+            if bug == "lse_with_sink":  # SGLang's extend: the LSE counts the sink
+                lse = torch.logaddexp(lse, sinks.to(lse.dtype)[:, None])
+        return (out, lse) if lse_asked else out
+
+    kernel.__name__ = bug or "kvcache_sinks"
+    kernel.capabilities = replace(  # type: ignore[attr-defined]
+        KVCACHE_CLAIMS, sinks=True, rotary=False, alibi=False, lse_with_sink=bug == "lse_with_sink"
+    )
+    return kernel
+
+
+#: attnref's kvcache reference with per-head sinks applied (SGLang's decode, vLLM's
+#: unified attention): right; and the same taking ``sinks=`` and dropping them
+kvcache_sinks = _with_sinks("")
+sinks_ignored = _with_sinks("sinks_ignored")
+#: the LSE with the sink in it, declared (`Capabilities.lse_with_sink`): right
+lse_with_sink = _with_sinks("lse_with_sink")

@@ -296,3 +296,43 @@ def test_a_decode_kernel_of_one_query_and_no_empty_sequence_is_audited_inside_th
     caps = replace(backend.capabilities, single_query=False, empty_sequences=True)
     preset = Backend("as-the-preset", backend.fn, "", caps, api="flash-kvcache", spec=spec)
     assert not audit(preset, **kwargs).ok  # type: ignore[arg-type]
+
+
+def test_sinks_in_a_cache_call_are_drawn_and_judged() -> None:
+    """``Capabilities.preset("flash-kvcache", sinks=True)`` was accepted and never
+    tested: the convention skipped every call with sinks. Declared, cache calls carry
+    ``sinks=`` (one logit a query head); a kernel that applies them passes, one that
+    takes them and drops them fails."""
+    from attnref.conformance import audit, resolve_backend
+
+    kwargs = {"properties": ["kvcache", "variants"], "dtypes": [torch.float32],
+              "device": "cpu", "progress": False}  # fmt: skip
+    right = audit(resolve_backend("tests.planted_serving:kvcache_sinks", api="flash-kvcache"),
+                  **kwargs)  # type: ignore[arg-type]  # fmt: skip
+    assert right.ok, right.format_table()
+    assert all(r.judged >= 20 for r in right.results), right.format_table()
+    wrong = audit(resolve_backend("tests.planted_serving:sinks_ignored", api="flash-kvcache"),
+                  **kwargs)  # type: ignore[arg-type]  # fmt: skip
+    assert not wrong.ok
+
+
+def test_an_lse_that_counts_the_sink_is_declared_and_judged_so() -> None:
+    """SGLang's extend kernel returns ``logaddexp(lse, sink)``: declared
+    (``lse_with_sink``), its LSE is judged so and passes; the same kernel declaring the
+    keys-only LSE of FlashAttention fails on its LSE."""
+    from dataclasses import replace
+
+    from attnref.conformance import Backend, audit, resolve_backend
+
+    kwargs = {"properties": ["kvcache"], "dtypes": [torch.float32], "device": "cpu",
+              "progress": False}  # fmt: skip
+    spec = "tests.planted_serving:lse_with_sink"
+    backend = resolve_backend(spec, api="flash-kvcache")
+    assert backend.capabilities.lse
+    right = audit(backend, **kwargs)  # type: ignore[arg-type]
+    assert right.ok, right.format_table()
+    caps = replace(backend.capabilities, lse_with_sink=False)
+    keys_only = Backend("keys-only", backend.fn, "", caps, api="flash-kvcache", spec=spec)
+    wrong = audit(keys_only, **kwargs)  # type: ignore[arg-type]
+    assert not wrong.ok
+    assert "log-sum-exp" in wrong.results[0].message, wrong.format_table()

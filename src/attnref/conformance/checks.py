@@ -173,7 +173,9 @@ class Context:
 
     def expect_lse(self, inputs: Inputs) -> Expected:
         """The oracle's log-sum-exp of ``inputs``, on the rows `rows` judges."""
-        return expect_lse(inputs, self.caps.empty_lse, self.rows(inputs))
+        return expect_lse(
+            inputs, self.caps.empty_lse, self.rows(inputs), with_sink=self.caps.lse_with_sink
+        )
 
     def keep(self, inputs: Inputs, expected: Expected) -> None:
         """Make ``expected`` the oracle of ``inputs`` for the rest of the check (a

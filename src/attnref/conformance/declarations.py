@@ -179,6 +179,9 @@ class Capabilities:
     sinks: bool = False  # one sink logit per query head
     lse: bool = False  # returns the log-sum-exp on request
     empty_lse: EmptyLse = "-inf"  # the log-sum-exp of a query with no visible key
+    #: the log-sum-exp it returns counts the sink: ``logaddexp(lse, sink)`` (SGLang's
+    #: extend kernel); False: over the keys only, as FlashAttention's
+    lse_with_sink: bool = False
     combined_variants: bool = True  # may several variants be on in one call?
     # the decode calls of the flash-kvcache family (docs/kvcache.md)
     rotary: bool = False  # rotary_cos / rotary_sin for the new tokens, both layouts

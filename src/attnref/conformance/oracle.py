@@ -472,7 +472,10 @@ def _spread_rows(sampled: Expected, rows: Int[Tensor, " n"], Tq: int, axis: int)
 
 @checked
 def expect_lse(
-    inputs: Inputs, empty_lse: EmptyLse = "-inf", rows: Int[Tensor, " n"] | None = None
+    inputs: Inputs,
+    empty_lse: EmptyLse = "-inf",
+    rows: Int[Tensor, " n"] | None = None,
+    with_sink: bool = False,
 ) -> Expected:
     """The oracle's log-sum-exp (``(*batch, h, Tq)``, float64) under the declared policy
     for a row with no visible key (``-inf``, or FlashAttention 2's ``+inf``).
@@ -481,13 +484,18 @@ def expect_lse(
     storing it in float32 rounds it by ``eps32 * |lse|``; at least the atol of the dtype
     the LSE is computed in (float32, or float64 for float64 inputs), not the inputs'
     (an LSE taken relative to a row's max differs by that max only). ``rows``: only
-    these query rows (`at_rows`), as for `expect`.
+    these query rows (`at_rows`), as for `expect`. ``with_sink``: the backend's LSE counts
+    its sink (`Capabilities.lse_with_sink`: ``logaddexp(lse, sink)``, the sink's logit
+    itself in a row with no visible key).
     """
     whole = inputs
     if rows is not None:
         inputs = at_rows(inputs, rows)
     oracle = reference_lse(inputs.to(torch.float64))
     same = reference_lse(inputs).to(torch.float64)
+    if with_sink and inputs.sinks is not None:
+        sink = inputs.sinks.to(torch.float64).unsqueeze(-1)  # (h, 1)
+        oracle, same = torch.logaddexp(oracle, sink), torch.logaddexp(same, sink)
     finite = torch.isfinite(oracle)
     ref_err = torch.where(finite, (same - oracle).abs(), 0.0)
     ref_err = torch.nan_to_num(ref_err, nan=0.0)

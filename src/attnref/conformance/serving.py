@@ -290,6 +290,12 @@ def build_cache(case: Case, dtype: torch.dtype, device: str | torch.device = "cp
         if case.alibi == "batch_heads":
             slopes = slopes * (0.5 + torch.rand((B, 1), generator=gen))
         slopes = slopes.to(device)
+    sinks = None
+    if case.sinks:  # one logit a query head, from a generator of its own (as `build`'s)
+        sinks = 2 * torch.randn(h, generator=torch.Generator().manual_seed(case.seed + 31337))
+        if case.sink is not None:
+            sinks = torch.full((h,), case.sink)
+        sinks = sinks.to(device)
 
     moving = case.causal is not None or case.window is not None
     k_after, v_after = (k_cache.clone(), v_cache.clone()) if T_new else (k_cache, v_cache)
@@ -316,7 +322,7 @@ def build_cache(case: Case, dtype: torch.dtype, device: str | torch.device = "cp
                 case.window,
                 case.softcap,
                 None if slopes is None else (slopes[b] if slopes.dim() == 2 else slopes),
-                None,
+                sinks,
             )
         )
     return CacheCall(

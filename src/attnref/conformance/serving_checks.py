@@ -101,7 +101,7 @@ def agree(
                 semantic=exp.semantic,
             )
         if lses is not None:
-            el = expect_lse(x, ctx.caps.empty_lse)
+            el = expect_lse(x, ctx.caps.empty_lse, with_sink=ctx.caps.lse_with_sink)
             if rotated:
                 el = replace(el, floor=el.floor + rotation_slack(x, output=False))
             close(lses[n].to(torch.float64), el.value, *el.bounds(), f"{label}: log-sum-exp")
