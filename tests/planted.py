@@ -508,6 +508,9 @@ def _declare_empty_rows() -> None:
     tiled_lengths_and_dims.capabilities = Capabilities(  # type: ignore[attr-defined]
         head_dim_multiple=8, length_multiples=(16, 32), zero_head_dim=False, dropout=False
     )
+    causal_flag_square_only.capabilities = Capabilities(  # type: ignore[attr-defined]
+        causal_square_only=True, dropout=False
+    )
     for fn in (wrong_past_one_query, wrong_on_one_query):  # torch's SDPA underneath
         fn.capabilities = Capabilities(causal_with_mask=False)  # type: ignore[attr-defined]
 
@@ -581,6 +584,18 @@ def tiled_lengths_and_dims(
     Tq, Tk, D = q.shape[-2], k.shape[-2], q.shape[-1]
     if Tq % 16 or Tk % 32 or D % 8 or v.shape[-1] % 8:
         raise ValueError(f"unsupported shape: Tq={Tq}, Tk={Tk}, D={D}")
+    from tests.torch_sdpa import sdpa
+
+    return sdpa(q, k, v, attn_mask, **kw)
+
+
+def causal_flag_square_only(
+    q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None = None, **kw: Any
+) -> Tensor:
+    """torch's SDPA behind a library whose own causal flag holds for Tq == Tk only (ONNX
+    Runtime's attention operators): with Tq != Tk it raises. Right where it declares."""
+    if kw.get("is_causal") and q.shape[-2] != k.shape[-2]:
+        raise ValueError("is_causal needs as many queries as keys")
     from tests.torch_sdpa import sdpa
 
     return sdpa(q, k, v, attn_mask, **kw)

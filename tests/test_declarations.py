@@ -637,3 +637,18 @@ def test_head_dims_and_lengths_by_a_rule_are_drawn_inside_it() -> None:
     assert not audit(plain, **kwargs).ok  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="length_multiples"):
         Capabilities(length_multiples=(0, 16))
+
+
+def test_a_causal_flag_for_square_calls_only_gets_the_rest_folded_into_the_mask() -> None:
+    """``causal_square_only``: the library's own causal flag holds for Tq == Tk only;
+    a causal call with Tq != Tk reaches it folded into the mask, and it passes (with
+    the flag it raises there, as the same kernel undeclared shows)."""
+    spec = "tests.planted:causal_flag_square_only"
+    kwargs = {"properties": ["forward", "causality"], "dtypes": [torch.float32],
+              "device": "cpu", "progress": False}  # fmt: skip
+    report = audit(resolve_backend(spec), **kwargs)  # type: ignore[arg-type]
+    assert report.ok, report.format_table()
+    assert all(r.skipped == 0 for r in report.results), report.format_table()
+    caps = replace(resolve_backend(spec).capabilities, causal_square_only=False)
+    flagged = Backend("flag-everywhere", resolve_backend(spec).fn, "", caps, spec=spec)
+    assert not audit(flagged, **kwargs).ok  # type: ignore[arg-type]

@@ -158,6 +158,10 @@ class Capabilities:
     # both are tested unless declared away (torch's own SDPA raises on both: its
     # built-ins declare False, and the diagonal then reaches it folded into the mask)
     causal_with_mask: bool = True
+    #: its own causal flag only where Tq == Tk (ONNX Runtime's attention operators):
+    #: elsewhere the diagonal reaches it folded into the mask, as an undeclared
+    #: alignment does
+    causal_square_only: bool = False
     # output for a query with no visible key: one policy, or one per cause (`EmptyRows`)
     empty_row: EmptyRow | EmptyRows = "zero"
     masked_nan: MaskedNaN = "propagates"  # may NaN/inf at hidden keys reach the output?
@@ -433,6 +437,11 @@ def not_tested(caps: Capabilities) -> list[str]:
         masks and not caps.causal_with_mask,
         "causal attention with a mask passed together",
         "causal_with_mask=False: the diagonal reaches the backend folded into the mask",
+    )
+    add(
+        caps.causal_square_only,
+        "its own causal flag with Tq != Tk",
+        "causal_square_only=True: the diagonal reaches the backend folded into the mask",
     )
     add(not caps.bool_mask, "boolean masks", "bool_mask=False")
     add(not caps.float_mask, "float (additive) masks", "float_mask=False")

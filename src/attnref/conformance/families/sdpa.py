@@ -59,9 +59,11 @@ TORCH_SDPA_CAPS = Capabilities(causal_with_mask=False)
 
 
 def _sdpa_native_causal(caps: Capabilities, inputs: Inputs) -> bool:
+    square = inputs.query.shape[-2] == inputs.key.shape[-2]
     return inputs.causal is not None and (
         inputs.causal in caps.causal_alignments
         and (inputs.attn_mask is None or caps.causal_with_mask)
+        and (square or not caps.causal_square_only)
     )
 
 
