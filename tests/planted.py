@@ -508,6 +508,9 @@ def _declare_empty_rows() -> None:
     tiled_lengths_and_dims.capabilities = Capabilities(  # type: ignore[attr-defined]
         head_dim_multiple=8, length_multiples=(16, 32), zero_head_dim=False, dropout=False
     )
+    scale_and_alignment_ignored.capabilities = Capabilities(  # type: ignore[attr-defined]
+        causal_alignments=("top_left", "bottom_right"), dropout=False, gradients=False
+    )
     causal_flag_square_only.capabilities = Capabilities(  # type: ignore[attr-defined]
         causal_square_only=True, dropout=False
     )
@@ -596,6 +599,18 @@ def causal_flag_square_only(
     Runtime's attention operators): with Tq != Tk it raises. Right where it declares."""
     if kw.get("is_causal") and q.shape[-2] != k.shape[-2]:
         raise ValueError("is_causal needs as many queries as keys")
+    from tests.torch_sdpa import sdpa
+
+    return sdpa(q, k, v, attn_mask, **kw)
+
+
+def scale_and_alignment_ignored(
+    q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None = None, **kw: Any
+) -> Tensor:
+    """Two bugs in one kernel (IPEX's varlen attention had both): ``scale`` ignored, and
+    ``causal_alignment`` ignored (top-left whatever is asked, wrong when Tq != Tk)."""
+    kw.pop("scale", None)
+    kw.pop("causal_alignment", None)
     from tests.torch_sdpa import sdpa
 
     return sdpa(q, k, v, attn_mask, **kw)

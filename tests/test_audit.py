@@ -1066,3 +1066,19 @@ def test_softcap_bound_names_the_culprit(spec: str, culprit: str) -> None:
     (result,) = report.results
     assert result.status == "fail", report.format_table()
     assert culprit in result.message, result.message
+
+
+def test_two_bugs_that_are_both_wrong_values_are_two_findings() -> None:
+    """A kernel that ignores ``scale`` and gets the causal alignment wrong when Tq != Tk
+    (IPEX's varlen attention): both are wrong values in rows that see keys, and were one
+    finding with one shrunk case. Each shrunk case is checked again without each of its
+    features: one needs an explicit scale, the other causal with Tq != Tk, and they are
+    two findings, each saying so."""
+    props = ["forward", "scale", "causality", "hot", "tails"]
+    report = run("tests.planted:scale_and_alignment_ignored", properties=props,
+                 dtypes=(torch.float32,))  # fmt: skip
+    wrong = [(c, rs) for c, rs in report.findings() if c.startswith("wrong values")]
+    titles = sorted(c.split("needs ")[-1] for c, _ in wrong)
+    assert titles == ["an explicit scale)", "causal with Tq != Tk)"], [c for c, _ in wrong]
+    for _, rs in wrong:  # each group's shrunk cases need the same thing
+        assert len({r.finding.needs for r in rs if r.finding}) == 1

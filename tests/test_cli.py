@@ -45,7 +45,7 @@ def test_audit_fails_a_mutant_and_writes_json(
     assert code == 1
     out = capsys.readouterr().out
     assert "findings (failures grouped by cause, each shrunk to a minimal case):" in out
-    assert "gqa [float32]: GQA against expanded heads: max difference" in out
+    assert "gqa [float32]: GQA against expanded heads: the call on the changed inputs" in out
     assert "check_case('gqa', 'mutant.gqa_tiled', case" in out  # the reproducer
     assert "reproducers written to" in out
     data = json.loads(path.read_text())

@@ -54,7 +54,8 @@ JSON schema (``schema_version`` 11; 3 added ``api``, 4 ``trusted``, 5 ``checked`
             "expected": float | null,  # the oracle's (for a law too, not the other call)
             "where": [int] | null,
             "reproducer": str,      # a runnable Python snippet
-            "output": str           # the last 4 KiB the backend wrote to stdout/stderr
+            "output": str,          # the last 4 KiB the backend wrote to stdout/stderr
+            "needs": [str]          # the shrunk case's features it fails only with
          },
          "also": null | {...}       # a second finding, as "failure": a precision miss
                                     # met while the search went on to a semantic failure
@@ -119,6 +120,9 @@ class Finding:
     #: the last of what the backend wrote to its stdout and stderr when it was found
     #: (`Supervised.output_tail`; printed with ``-v`` only)
     output: str = ""
+    #: the features of the shrunk case it fails only with (`attnref.conformance.needs`):
+    #: findings that need different ones are different findings
+    needs: tuple[str, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -130,6 +134,7 @@ class Finding:
             "where": None if self.where is None else list(self.where),
             "reproducer": self.reproducer,
             "output": self.output,
+            "needs": list(self.needs),
         }
 
 
@@ -361,10 +366,12 @@ class AuditReport:
 
     def findings(self) -> list[tuple[str, list[PropertyResult]]]:
         """The failures grouped by cause (`cause_key`: causes that differ only in their
-        numbers are one; a cause that names a dtype is kept apart by it), most frequent
-        first (then in audit order); each group is named by its first failure's cause,
-        numbers as they are, and lists each (property, dtype) once (a second finding of
-        the same cause as the first adds nothing to it)."""
+        numbers are one; a cause that names a dtype is kept apart by it) and by what
+        their shrunk cases need (`Finding.needs`: a scale ignored and a causal alignment
+        wrong are two findings, though both are wrong values), most frequent first
+        (then in audit order); each group is named by its first failure's cause,
+        numbers as they are, and what it needs, and lists each (property, dtype) once (a
+        second finding of the same cause as the first adds nothing to it)."""
         from attnref.conformance.verdicts import cause_key
 
         groups: dict[str, tuple[str, list[PropertyResult]]] = {}
@@ -378,7 +385,9 @@ class AuditReport:
                 views.append(replace(result, message=second.message, finding=second, also=None))
             for r in views:
                 cause = r.finding.cause if r.finding is not None and r.finding.cause else r.message
-                members = groups.setdefault(cause_key(cause), (cause, []))[1]
+                need = () if r.finding is None else r.finding.needs
+                title = cause + (f" (its shrunk case needs {', '.join(need)})" if need else "")
+                members = groups.setdefault(cause_key(cause) + repr(need), (title, []))[1]
                 if not any((m.property, m.dtype) == (r.property, r.dtype) for m in members):
                     members.append(r)
         return sorted(groups.values(), key=lambda item: -len(item[1]))

@@ -28,6 +28,7 @@ from attnref.conformance.cases import Case
 from attnref.conformance.declarations import Backend, BackendError
 from attnref.conformance.family import get_family
 from attnref.conformance.judges import Judges, Setup, wait_after_timeout
+from attnref.conformance.needs import needs
 from attnref.conformance.profiles import Profile, get_profile
 from attnref.conformance.properties import PROPERTIES, Context, Property, get_property
 from attnref.conformance.report import (
@@ -193,7 +194,10 @@ def run_property(
                 except _Found:
                     break
 
-    def finding_of(case: Case, failure: Failure) -> Finding:
+    def finding_of(case: Case, failure: Failure, isolate: bool = True) -> Finding:
+        # what the shrunk case needs, before the worker's output is read (its checks
+        # add to it)
+        needed = needs(prop, ctx, case, failure, dtype_name(dtype)) if isolate else ()
         return Finding(
             case,
             str(failure),
@@ -213,6 +217,7 @@ def run_property(
             cause_of(failure, dtype_name(dtype)),
             # a supervised worker's (an executor of another kind keeps none)
             getattr(executor, "output_tail", str)(),
+            needed,
         )
 
     searched()
@@ -231,7 +236,7 @@ def run_property(
         also = None
         if search.imprecise is not None and not search.strict:
             # a semantic failure, and precision misses besides: both are findings
-            also = finding_of(*search.imprecise)
+            also = finding_of(*search.imprecise, isolate=False)
         result = done("fail", str(failure), finding_of(case, failure))
         result.also = also
         return result
