@@ -423,6 +423,7 @@ def test_garbage_beside_an_empty_row_gets_no_hint_of_a_spread_nan() -> None:
         assert "oneDNN" not in r.finding.message, r.finding.message
 
 
+@pytest.mark.slow  # four audits: 5 s
 def test_three_right_behaviours_are_not_failed() -> None:
     """False positives met on MLX and Intel Extension for PyTorch, each on behaviour that
     is right. (a) Under the ``uniform`` empty-row policy (a finite fill), a sink takes

@@ -545,6 +545,7 @@ def test_semantic_bugs_on_values_far_from_zero_are_wrong_values_not_precision(bu
     assert imprecise.value.small
 
 
+@pytest.mark.slow  # two properties at quick: 8 s
 def test_a_backend_whose_value_dim_is_its_head_dim_is_drawn_inside_it() -> None:
     """``distinct_value_dim=False``: every property draws Dv == Dqk, as the declaration
     says, and judges its cases instead of skipping them (``large_index`` skipped 28-38 of
@@ -597,6 +598,7 @@ def test_a_declaration_the_family_cannot_honour_is_an_error() -> None:
         assert family.cannot_honour(bad) is not None
 
 
+@pytest.mark.slow  # six window audits: 6 s
 def test_a_backend_whose_windows_end_at_the_query_is_audited_inside_that() -> None:
     """``causal_windows_only`` (ONNX Runtime GQA's ``local_window_size``): windows are
     drawn ``(left, 0)`` and ``window_none`` checks ``(-1, 0)`` on causal calls, so such

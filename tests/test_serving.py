@@ -298,6 +298,7 @@ def test_a_decode_kernel_of_one_query_and_no_empty_sequence_is_audited_inside_th
     assert not audit(preset, **kwargs).ok  # type: ignore[arg-type]
 
 
+@pytest.mark.slow  # four cache audits: 6 s
 def test_sinks_in_a_cache_call_are_drawn_and_judged() -> None:
     """``Capabilities.preset("flash-kvcache", sinks=True)`` was accepted and never
     tested: the convention skipped every call with sinks. Declared, cache calls carry
