@@ -496,7 +496,7 @@ def uniform_empty_rows_sink_ignored(
 
 
 def _declare_empty_rows() -> None:
-    from attnref.conformance import Capabilities
+    from attnref.conformance import Capabilities, EmptyRows
 
     windows_end_at_the_query.capabilities = Capabilities(  # type: ignore[attr-defined]
         window=True,
@@ -510,6 +510,12 @@ def _declare_empty_rows() -> None:
     )
     scale_and_alignment_ignored.capabilities = Capabilities(  # type: ignore[attr-defined]
         causal_alignments=("top_left", "bottom_right"), dropout=False, gradients=False
+    )
+    finite_diagonal_inf_mask.capabilities = Capabilities(  # type: ignore[attr-defined]
+        empty_row=EmptyRows(causal="diagonal", bool_mask="nan", float_mask="nan"),
+        causal_alignments=("top_left", "bottom_right"),
+        dropout=False,
+        gradients=False,
     )
     causal_flag_square_only.capabilities = Capabilities(  # type: ignore[attr-defined]
         causal_square_only=True, dropout=False
@@ -614,6 +620,33 @@ def scale_and_alignment_ignored(
     from tests.torch_sdpa import sdpa
 
     return sdpa(q, k, v, attn_mask, **kw)
+
+
+def finite_diagonal_inf_mask(
+    q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None = None, **kw: Any
+) -> Tensor:
+    """ONNX Runtime GroupQueryAttention's way: its own causal diagonal a finite fill
+    added to the scores (-1e4), the mask's hidden keys -inf. A row the diagonal alone
+    empties attends the keys it hid; one the mask empties is NaN. Right, declared as
+    ``EmptyRows(causal="diagonal", bool_mask="nan", float_mask="nan")``."""
+    Tq, Tk = q.shape[-2], k.shape[-2]
+    offset = Tk - Tq if kw.get("causal_alignment") == "bottom_right" else 0
+    bias = torch.zeros(Tq, Tk, dtype=torch.float32)
+    if kw.get("is_causal"):
+        later = torch.arange(Tk)[None, :] > torch.arange(Tq)[:, None] + offset
+        bias = bias.masked_fill(later, -1e4)
+    full = bias.expand(*q.shape[:-1], Tk).clone()
+    if attn_mask is not None:
+        hide = ~attn_mask if attn_mask.dtype == torch.bool else torch.isinf(attn_mask)
+        full = full.masked_fill(hide.expand_as(full), -math.inf)
+        if attn_mask.dtype != torch.bool:
+            full = full + attn_mask.masked_fill(hide, 0.0).to(torch.float32)
+    groups = q.shape[-3] // k.shape[-3]
+    kk = k.repeat_interleave(groups, dim=-3).to(torch.float32)
+    vv = v.repeat_interleave(groups, dim=-3).to(torch.float32)
+    scale = kw.get("scale") or 1 / math.sqrt(q.shape[-1])
+    s = q.to(torch.float32) @ kk.transpose(-1, -2) * scale + full
+    return (torch.softmax(s, dim=-1) @ vv).to(q.dtype)
 
 
 _declare_empty_rows()  # last: it declares what is defined above

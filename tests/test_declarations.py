@@ -654,3 +654,23 @@ def test_a_causal_flag_for_square_calls_only_gets_the_rest_folded_into_the_mask(
     caps = replace(resolve_backend(spec).capabilities, causal_square_only=False)
     flagged = Backend("flag-everywhere", resolve_backend(spec).fn, "", caps, spec=spec)
     assert not audit(flagged, **kwargs).ok  # type: ignore[arg-type]
+
+
+@pytest.mark.slow  # four audits: 5 s
+def test_a_finite_diagonal_and_an_inf_mask_is_a_policy_that_can_be_declared() -> None:
+    """ONNX Runtime's GroupQueryAttention adds a finite fill on its causal diagonal and
+    -inf in its mask: a row the diagonal alone empties attends the keys it hid, one the
+    mask empties is NaN, and one both empty attends the keys the diagonal alone hid.
+    ``EmptyRows(causal="diagonal", ...)`` declares it, and such a kernel's empty rows
+    pass; declared as the default policy, they fail. (Its finite fill is still a
+    stand-in for -inf that scores past 1e4 see through: forward fails it, rightly.)"""
+    spec = "tests.planted:finite_diagonal_inf_mask"
+    kwargs = {"properties": ["empty_rows", "mask_kinds"], "dtypes": [torch.float32],
+              "device": "cpu", "progress": False}  # fmt: skip
+    report = audit(resolve_backend(spec), **kwargs)  # type: ignore[arg-type]
+    assert report.ok, report.format_table()
+    caps = replace(resolve_backend(spec).capabilities, empty_row="nan")
+    plain = Backend("nan-everywhere", resolve_backend(spec).fn, "", caps, spec=spec)
+    assert not audit(plain, **kwargs).ok  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="diagonal"):
+        EmptyRows(causal="diagonals")  # type: ignore[arg-type]

@@ -437,7 +437,7 @@ def gradient(ctx: Context, case: Case) -> None:
 def agree_grads(ctx: Context, case: Case, inputs: Inputs, **overrides: Any) -> None:
     """dQ, dK, dV (and dSinks) of the backend's call on ``inputs`` (its keywords
     ``overrides`` replaced) against the oracle's, for a random upstream gradient."""
-    policies: tuple[EmptyRow, ...] = ("nan", "uniform", "unmasked")
+    policies: tuple[EmptyRow, ...] = ("nan", "uniform", "unmasked", "diagonal")
     for policy in policies:
         if bool(ctx.empty(inputs, policy).any()):
             raise Skip(f"gradients of rows with no visible key under policy {policy!r}")
@@ -492,6 +492,7 @@ def masked_keys(ctx: Context, case: Case) -> None:
     dirty = ctx.run(dirty_inputs, oracle=False)  # judged against the clean call's oracle
     # rows whose policy reads the hidden keys: the mean of every V, or attention over them
     reads = ctx.empty(clean_inputs, "uniform") | ctx.empty(clean_inputs, "unmasked")
+    reads = reads | ctx.empty(clean_inputs, "diagonal")
     sel = ~reads if bool(reads.any()) else None
     law(
         ctx,

@@ -50,7 +50,10 @@ SDPA = Callable[..., Any]
 #: finite fill that *replaces* the hidden scores, as ``masked_fill(~mask, finfo.min)``),
 #: or "unmasked": attention over the keys the mask hid, as if it hid none (a finite fill
 #: *added* to the scores, as diffusers' ``-10000``: every score of the row moves alike)
-EmptyRow = Literal["zero", "nan", "uniform", "unmasked"]
+#: "diagonal": attention over the keys the causal diagonal alone hid, the mask's hidden
+#: keys kept hidden (a finite fill added on the diagonal, -inf in the mask: ONNX Runtime's
+#: GroupQueryAttention); NaN where the mask hides every key
+EmptyRow = Literal["zero", "nan", "uniform", "unmasked", "diagonal"]
 #: "contained": NaN/inf in K/V at keys no query sees never reaches the output;
 #: "propagates": it may (0 * NaN = NaN in a materialised P @ V, as torch's CPU kernels)
 MaskedNaN = Literal["contained", "propagates"]

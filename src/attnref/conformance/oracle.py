@@ -283,15 +283,33 @@ def policy_rows(
 UNMASKED_FILL = -1e4
 
 
-def _unhidden(inputs: Inputs, cause: Cause, native_causal: bool) -> tuple[Inputs, Inputs]:
+def _unhidden(
+    inputs: Inputs, cause: Cause, native_causal: bool, keep_mask: bool = False
+) -> tuple[Inputs, Inputs]:
     """``inputs`` as a backend with a finite fill *added* to hidden scores computes a row
     that ``cause`` empties: every hidden key of the row shifted alike, so none hidden.
     Returns them without the hiding (the exact answer) and with `UNMASKED_FILL` added
     instead (whose rounding in the dtype bounds the error). The mask goes (a float mask
     keeps its finite entries); the causal diagonal goes too when it emptied the row or
-    reached the backend folded into the mask, and a window when it emptied the row."""
+    reached the backend folded into the mask, and a window when it emptied the row.
+    ``keep_mask``: the mask stays as it is (its hidden keys hidden), and only the causal
+    diagonal is opened (the ``diagonal`` policy)."""
     mask = inputs.attn_mask
     T = (inputs.query.shape[-2], inputs.key.shape[-2])
+    if keep_mask:
+        if inputs.causal is None:  # nothing to open: the row is the mask's
+            return inputs, inputs
+        diagonal = ~causal_mask(*T, inputs.causal, device=inputs.query.device)
+        opened = replace(inputs, causal=None)
+        base = torch.zeros(T, dtype=torch.float32, device=diagonal.device)
+        if mask is not None:
+            base = (
+                base.masked_fill(~mask, -math.inf)
+                if mask.dtype == torch.bool
+                else base + mask.to(torch.float32)
+            )
+        shifted = base.masked_fill(diagonal & torch.isfinite(base), UNMASKED_FILL)
+        return opened, replace(opened, attn_mask=shifted.to(inputs.query.dtype))
     hidden = torch.zeros(T, dtype=torch.bool, device=inputs.query.device)
     if mask is not None:
         hidden = (~mask if mask.dtype == torch.bool else torch.isinf(mask)) | hidden
@@ -398,15 +416,19 @@ def expect(
             # two bfloat16 values, so no output meets a bound without it
             rounded = (policy.to(inputs.query.dtype).to(torch.float64) - policy).abs()
             ref_err = torch.where(empty, rounded, ref_err)
-        else:  # "unmasked": attention over the keys the mask hid
-            opened, filled = _unhidden(inputs, cause, native_causal)
+        else:  # "unmasked": attention over the keys the mask hid; "diagonal": over those
+            # the diagonal alone hid, the mask's kept hidden
+            opened, filled = _unhidden(inputs, cause, native_causal, name == "diagonal")
             if rows is not None:
                 opened, filled = at_rows(opened, rows), at_rows(filled, rows)
             policy = reference(opened.to(torch.float64))
             fill_err = (reference(filled).to(torch.float64) - policy).abs()
             ref_err = torch.where(empty, fill_err, ref_err)
+            if name == "diagonal":  # where the mask hides every key: a softmax of -inf
+                nothing = ~opened.visible().any(dim=-1, keepdim=True)
+                policy = policy.masked_fill(nothing, math.nan)
         oracle = torch.where(empty, policy, oracle)
-        if name not in ("unmasked", "uniform"):
+        if name not in ("unmasked", "uniform", "diagonal"):
             ref_err = ref_err.masked_fill(empty, 0.0)
     ref_err = torch.nan_to_num(ref_err, nan=0.0)
     floor = error_floor(inputs, None if rows is None else target)
