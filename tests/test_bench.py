@@ -166,6 +166,9 @@ def test_a_batch_too_short_for_the_judge_s_clock_grows_until_it_resolves() -> No
     assert _runs_to_resolve(10, 0.002) >= 10 * RESOLVED / 0.002
     assert _runs_to_resolve(10, 0.2) == 10
     assert _runs_to_resolve(10, -0.001) == MAX_RUNS  # a dry run longer than the batch
+    # a batch's outputs all cross to be verified: at most 64 MiB of them (a replay is
+    # instant, and grew to 1,000 outputs of 1 MiB, past the reply's size limit)
+    assert _runs_to_resolve(10, 0.0001, output_bytes=2**20) == 64
     r = run_case(resolve_backend("reference"), BenchCase(B=1, h=1, Tq=8, Tk=8, Dh=8),
                  warmup=1, runs=2)  # fmt: skip
     assert r.status == "ok", r.note

@@ -117,11 +117,23 @@ TRIES = 3
 #: what the judge's clock must see of a batch's calls (``wall - dry``) for the clocks to
 #: be compared: a batch shorter than this is timed again with more calls
 RESOLVED = 4 * SCHEDULER_NOISE
-#: the most calls a batch grows to
+#: the most calls a batch grows to, and the most bytes of outputs it may then send back
+#: (every output crosses to be verified; a replayed output is instant, and its batch
+#: would grow to the most calls)
 MAX_RUNS = 1000
+MAX_BATCH_BYTES = 64 * 2**20
 
 
-def _runs_to_resolve(runs: int, judged: float) -> int:
+def _nbytes(value: object) -> int:
+    """The bytes of the tensors in an output (a tensor, or a tuple or list of them)."""
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, tuple | list):
+        return sum(_nbytes(v) for v in value)
+    return 0
+
+
+def _runs_to_resolve(runs: int, judged: float, output_bytes: int = 0) -> int:
     """How many calls a batch needs for the judge's clock to see `RESOLVED` of them, from
     a batch of ``runs`` whose calls it saw take ``judged`` seconds (its own clock only).
     A batch too short to tell the calls from the loop around them took whatever the
@@ -130,7 +142,8 @@ def _runs_to_resolve(runs: int, judged: float) -> int:
     if judged >= RESOLVED:
         return runs
     per_call = max(judged, 1e-5) / runs
-    return min(MAX_RUNS, max(runs, math.ceil(RESOLVED / per_call * 1.25)))
+    most = min(MAX_RUNS, MAX_BATCH_BYTES // max(1, output_bytes))
+    return max(runs, min(most, math.ceil(RESOLVED / per_call * 1.25)))
 
 
 def _timed(run: Callable[[], object]) -> float:
@@ -226,7 +239,7 @@ def measure(
             dries.append(_timed(dry_run))
             dry_wall = sum(dries) / 2
             spread = abs(dries[0] - dries[1])
-            more = _runs_to_resolve(runs, wall - dry_wall)
+            more = _runs_to_resolve(runs, wall - dry_wall, _nbytes(first))
             if more > runs and not grown:  # too short for the judge's clock: time more calls
                 grown, runs = True, more
                 dry = BenchJob("dry", case, timed_seed, runs=runs)
