@@ -336,9 +336,12 @@ def test_a_kernel_that_takes_only_the_full_group_is_audited_inside_it() -> None:
         ("tests.planted_cp:contiguous_only", {"cp_shardings": ("contiguous",)}),
         # all-gather attention that places zigzag chunks at multiples of T // 2W: right
         # exactly where the chunks are equal
-        ("tests.planted_cp:zigzag_equal_chunks", {"cp_equal_shards": True}),
+        pytest.param(
+            "tests.planted_cp:zigzag_equal_chunks", {"cp_equal_shards": True},
+            marks=pytest.mark.slow,  # 8 s
+        ),
     ],
-)
+)  # fmt: skip
 def test_a_kernel_of_one_sharding_or_equal_chunks_is_audited_inside_it(
     spec: str, limit: dict[str, Any]
 ) -> None:

@@ -28,6 +28,7 @@ def _verdicts(report: object) -> list[tuple[str, str, str, int, int, str]]:
     ]
 
 
+@pytest.mark.slow  # two audits, one with two judges: 10 s
 def test_two_judges_give_the_verdict_one_gives() -> None:
     """Every search is seeded alone: shared between two judges (in whatever order they
     finish), the results are those of one judge, in the same order, passes, failures

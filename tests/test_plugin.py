@@ -92,6 +92,7 @@ def test_a_flash_convention_kernel_with_attnref_api(pytester: pytest.Pytester) -
     result.assert_outcomes(passed=1)
 
 
+@pytest.mark.slow  # a pytest session of its own: 7 s
 def test_min_judged_fails_a_thin_property(pytester: pytest.Pytester) -> None:
     result = plugin_run(
         pytester,

@@ -509,6 +509,7 @@ def test_require_sandbox_refuses_an_unconfined_worker(capsys: pytest.CaptureFixt
     assert "--require-sandbox: the backend's worker is not wholly confined" in err
 
 
+@pytest.mark.slow  # audits in fresh processes: 8 s
 def test_switched_off_the_sandbox_is_reported_missing_and_refused_when_required(
     tmp_path: Path,
 ) -> None:
