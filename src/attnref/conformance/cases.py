@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any, Literal, get_args
 
 import torch
-from jaxtyping import Bool, Float, Float32
+from jaxtyping import Bool, Float, Float32, Float64
 from torch import Tensor
 
 from attnref._checking import checked_internal
@@ -332,7 +332,8 @@ def build(case: Case, dtype: torch.dtype, device: str | torch.device = "cpu") ->
 POISONS = ("none", "garbage", "nan", "inf")
 
 
-def _past_float32(x: Tensor, gen: torch.Generator) -> Tensor:
+@checked_internal
+def _past_float32(x: Float[Tensor, "*shape"], gen: torch.Generator) -> Float64[Tensor, "*shape"]:
     """``x`` (float32 numbers) in float64 with its low 29 mantissa bits filled: each value
     moved by a random share of half its float32 spacing, so that it is no float32 number,
     and rounding it to float32 gives back ``x``. An adapter that rounds float64 inputs to

@@ -406,9 +406,10 @@ def calibrated_scale(
     return (amax.double().clamp(min=2.0**-20) / top * factor).to(torch.float32)
 
 
+@checked_internal
 def _calibrated(
     call: CacheCall, fp8: torch.dtype, gen: torch.Generator
-) -> tuple[Tensor, Tensor, Tensor]:
+) -> tuple[Float32[Tensor, "B g"], Float32[Tensor, "B g"], Float32[Tensor, "B g"]]:
     """``(B, g)`` descales of q, K and V from each (sample, KV head)'s own amax over the
     values the call stores (the cached keys each sample attends, its new ones, its
     queries), times 0.8 to 1: the stored values span the format up to its largest
