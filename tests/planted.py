@@ -139,10 +139,15 @@ def nan_row_spreads(
     )
     if attn_mask is None:
         return out
-    seen = attn_mask if attn_mask.dtype == torch.bool else attn_mask > float("-inf")
-    empty = ~seen.expand(*q.shape[:-1], k.shape[-2]).any(dim=-1, keepdim=True)
+    empty = _mask_empties(q, k, attn_mask)
     spread = empty | torch.cat([empty[..., 1:, :], torch.zeros_like(empty[..., :1, :])], -2)
     return out.masked_fill(spread, float("nan"))
+
+
+def _mask_empties(q: Tensor, k: Tensor, attn_mask: Tensor) -> Tensor:
+    """``(*batch, h, Tq, 1)``: the queries ``attn_mask`` leaves no key."""
+    seen = attn_mask if attn_mask.dtype == torch.bool else attn_mask > float("-inf")
+    return ~seen.expand(*q.shape[:-1], k.shape[-2]).any(dim=-1, keepdim=True)
 
 
 def garbage_beside_empty_rows(
@@ -160,8 +165,7 @@ def garbage_beside_empty_rows(
     out = nan_row_spreads(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     if attn_mask is None:
         return out
-    seen = attn_mask if attn_mask.dtype == torch.bool else attn_mask > float("-inf")
-    empty = ~seen.expand(*q.shape[:-1], k.shape[-2]).any(dim=-1, keepdim=True)
+    empty = _mask_empties(q, k, attn_mask)
     garbage = torch.full_like(out, float("inf"))
     garbage[..., 1:] = 7e31
     return torch.where(torch.isnan(out) & ~empty, garbage, out)  # empty rows keep NaN

@@ -374,7 +374,7 @@ class AuditReport:
         second finding of the same cause as the first adds nothing to it)."""
         from attnref.conformance.verdicts import cause_key
 
-        groups: dict[str, tuple[str, list[PropertyResult]]] = {}
+        groups: dict[tuple[str, tuple[str, ...]], tuple[str, list[PropertyResult]]] = {}
         for result in self.results:
             if result.status != "fail":
                 continue
@@ -387,7 +387,7 @@ class AuditReport:
                 cause = r.finding.cause if r.finding is not None and r.finding.cause else r.message
                 need = () if r.finding is None else r.finding.needs
                 title = cause + (f" (its shrunk case needs {', '.join(need)})" if need else "")
-                members = groups.setdefault(cause_key(cause) + repr(need), (title, []))[1]
+                members = groups.setdefault((cause_key(cause), need), (title, []))[1]
                 if not any((m.property, m.dtype) == (r.property, r.dtype) for m in members):
                     members.append(r)
         return sorted(groups.values(), key=lambda item: -len(item[1]))

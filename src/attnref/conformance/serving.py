@@ -418,18 +418,15 @@ def _calibrated(
     few units, below 32."""
     B, _, h, D = call.q.shape
     g = call.k_cache.shape[2]
-    page = call.k_cache.shape[1]
     amax = torch.zeros(3, B, g, dtype=torch.float64)
     for b, n in enumerate(int(x) for x in call.cache_seqlens.tolist()):
         r = b if call.cache_batch_idx is None else int(call.cache_batch_idx[b])
-        slots = cache_slots(b, range(n), call.block_table, page, r)
-        for i, cache in ((1, call.k_cache), (2, call.v_cache)):
-            rows = [cache[s[0], s[1]] for s in slots]  # (g, D) each
-            new = call.k_new if i == 1 else call.v_new
+        for i, cache, new in ((1, call.k_cache, call.k_new), (2, call.v_cache, call.v_new)):
+            stored = valid_keys(cache, b, n, call.block_table, r)  # (n, g, D)
             if new is not None:
-                rows += list(new[b])
-            if rows:
-                amax[i, b] = torch.stack(rows).double().abs().amax(dim=(0, 2)).cpu()
+                stored = torch.cat([stored, new[b]])
+            if stored.numel():
+                amax[i, b] = stored.double().abs().amax(dim=(0, 2)).cpu()
         group = call.q[b].double().abs().reshape(call.q.shape[1], g, h // g, D)
         amax[0, b] = group.amax(dim=(0, 2, 3)).cpu()
     factor = 0.8 + 0.2 * torch.rand((3, B, g), generator=gen, dtype=torch.float64)
