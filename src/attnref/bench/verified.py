@@ -27,7 +27,16 @@ from attnref.conformance.calls import invoke
 from attnref.conformance.verdicts import Failure, Skip
 from attnref.conformance.worker import Executor
 
-__all__ = ["JOBS", "TRIES", "CleanLoop", "Measured", "clocks", "measure"]
+__all__ = [
+    "JOBS",
+    "NOISE_SHARE",
+    "RESOLVED",
+    "TRIES",
+    "CleanLoop",
+    "Measured",
+    "clocks",
+    "measure",
+]
 
 #: the module a worker imports to take the bench's jobs (`Supervised`'s ``jobs``): every
 #: executor the bench starts names it
@@ -115,13 +124,25 @@ TRIES = 3
 
 
 #: what the judge's clock must see of a batch's calls (``wall - dry``) for the clocks to
-#: be compared: a batch shorter than this is timed again with more calls
-RESOLVED = 4 * SCHEDULER_NOISE
+#: be compared closely: a batch shorter than this is timed again with more calls. Ten
+#: times the scheduler's noise, so that a resolved batch allows at most a quarter of
+#: itself for noise (`clocks`). At 40 ms, with no such bound, a worker counting a tenth
+#: of its times passed 2 rows of 10 (B=1, T=128 and B=8, T=256, float32 on 2 cores):
+#: there the dry runs' spread excused 40% or more of the batch
+RESOLVED = 10 * SCHEDULER_NOISE
+#: the most of a resolved batch's time (``wall - dry``) that the dry runs' spread may
+#: excuse: past it, the spread is noise in the dry runs, not room for the worker's count
+NOISE_SHARE = 0.25
 #: the most calls a batch grows to, and the most bytes of outputs it may then send back
 #: (every output crosses to be verified; a replayed output is instant, and its batch
 #: would grow to the most calls)
 MAX_RUNS = 1000
 MAX_BATCH_BYTES = 64 * 2**20
+#: how many times, at most, a batch grows: the first estimate of a call's time comes
+#: from a batch the judge's clock could not resolve, and is as noisy as it. Measured: at
+#: B=1, T=128 (0.26 ms a call, and twice that for the loop around it), a batch grown
+#: once to 230 calls showed 33 ms of them on the judge's clock, a third of `RESOLVED`
+GROWTHS = 3
 
 
 def _nbytes(value: object) -> int:
@@ -160,10 +181,15 @@ def clocks(
     ``dry_wall`` (two runs ``spread`` apart), so the calls took about ``wall - dry_wall``.
     The worker's sum may not exceed the whole batch, nor fall short of half the calls'
     time, less the noise of a loaded machine (the dry runs' spread, and at least
-    `SCHEDULER_NOISE`: calls much shorter than that cannot be told apart from it)."""
+    `SCHEDULER_NOISE`: calls much shorter than that cannot be told apart from it). Where
+    the judge's clock resolves the calls (`RESOLVED`), the spread excuses at most
+    `NOISE_SHARE` of them: a worker that counts a tenth of what its calls took is caught
+    however far apart two dry runs were."""
     worker = sum(times)
     judge = wall - dry_wall
     noise = max(SCHEDULER_NOISE, 2 * spread)
+    if judge >= RESOLVED:
+        noise = min(noise, max(SCHEDULER_NOISE, NOISE_SHARE * judge))
     if worker > wall + 1e-3 or worker < 0.5 * judge - noise:
         return (
             f"clocks disagree: the worker's clock counts {worker * 1e3:.3f} ms for {runs} "
@@ -225,7 +251,7 @@ def measure(
         invoke(backend, setup, timeout, clean.executor())  # no code of the backend's
         dry = BenchJob("dry", case, timed_seed, runs=runs)
         verdicts: list[str | None] = []
-        grown = False
+        growths = 0
         while max(verdicts.count(None), len(verdicts) - verdicts.count(None)) < (TRIES + 1) // 2:
             # a dry run on each side of the timed batch: their mean is the loop's cost,
             # their spread how much the machine's load moves it
@@ -240,8 +266,8 @@ def measure(
             dry_wall = sum(dries) / 2
             spread = abs(dries[0] - dries[1])
             more = _runs_to_resolve(runs, wall - dry_wall, _nbytes(first))
-            if more > runs and not grown:  # too short for the judge's clock: time more calls
-                grown, runs = True, more
+            if more > runs and growths < GROWTHS:  # too short for the judge's clock
+                growths, runs = growths + 1, more
                 dry = BenchJob("dry", case, timed_seed, runs=runs)
                 continue
             try:
