@@ -20,12 +20,21 @@ import attnref
 from attnref import functional as F
 from attnref._checking import CHECKED_ATTR, checking_enabled, set_checking
 
+#: the optional extras some modules import (attnref.interpreted's Triton kernels need
+#: the interpret extra): a module that needs one not installed here is left out
+OPTIONAL = ("triton", "jax")
+
 
 def _modules() -> Iterator[types.ModuleType]:
     yield attnref
     for info in pkgutil.walk_packages(attnref.__path__, prefix="attnref."):
-        if info.name != "attnref.__main__":
+        if info.name == "attnref.__main__":
+            continue
+        try:
             yield importlib.import_module(info.name)
+        except ModuleNotFoundError as e:
+            if e.name not in OPTIONAL:
+                raise
 
 
 def _annotations(fn: Callable[..., Any]) -> list[object]:

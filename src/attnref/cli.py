@@ -77,7 +77,16 @@ def _parser() -> argparse.ArgumentParser:
         "--list-families", action="store_true", help="list the API families (--api) and signatures"
     )
     a.add_argument(
-        "--no-progress", action="store_true", help="no progress bar (none when not a terminal)"
+        "--no-progress",
+        action="store_true",
+        help="no progress bar (without a terminal: no line every 30 s)",
+    )
+    a.add_argument(
+        "--interpreter",
+        choices=["triton", "pallas"],
+        help="run the backend's kernel through this interpreter on the CPU: set up in its "
+        "worker before its module is imported (a module may declare it itself: "
+        "Capabilities(interpreter=...); docs/interpreted.md)",
     )
     a.add_argument(
         "--verbose", "-v", action="store_true", help="tracebacks, skip reasons, all reproducers"
@@ -267,6 +276,10 @@ def _audit(args: argparse.Namespace) -> int:
             )
             if code is not None:
                 return int(code)
+        if args.interpreter:  # read by every worker this audit starts, helpers' too
+            from attnref.interpreted import INTERPRETER_VARIABLE
+
+            os.environ[INTERPRETER_VARIABLE] = args.interpreter
         # the backend's module is imported in its worker only (unless --in-process)
         executor = start_executor(
             args.backend,
@@ -295,9 +308,19 @@ def _audit(args: argparse.Namespace) -> int:
         startup=_process_age(),
     )
 
+    quiet = args.no_progress
+    bar = not quiet and sys.stderr.isatty()
+    said = [time.perf_counter()]
+
     def save(partial: AuditReport) -> None:  # after every property: a crash loses nothing
+        now = time.perf_counter()
         if len(partial.results) in _checkpoints(partial.planned):
             print(_estimate(partial), file=sys.stderr, flush=True)
+            said[0] = now
+        elif not bar and not quiet and now - said[0] >= PROGRESS_EVERY:
+            # no terminal for a bar (a CI log, a pipe): a line now and then instead
+            print(_progress(partial), file=sys.stderr, flush=True)
+            said[0] = now
         if json_path is None:
             return
         reason = partial.incomplete
@@ -314,7 +337,7 @@ def _audit(args: argparse.Namespace) -> int:
             **settings.audit_kwargs(),
             executor=executor,
             fail_fast=args.fail_fast,
-            progress=not args.no_progress and sys.stderr.isatty(),
+            progress=bar,
             on_result=save,
             report=report,
             jobs=jobs,
@@ -352,6 +375,19 @@ def _checkpoints(planned: int) -> set[int]:
     """After how many finished searches the estimate is said: three (the first alone is
     the slowest, `forward`), then a quarter, a half and three quarters of them."""
     return {n for n in (3, planned // 4, planned // 2, 3 * planned // 4) if 3 <= n < planned}
+
+
+#: seconds between two progress lines of an audit printed without a terminal
+PROGRESS_EVERY = 30.0
+
+
+def _progress(report: "AuditReport") -> str:
+    """One line on an audit under way, for a log with no terminal to draw a bar on."""
+    failed = report.count("fail")
+    return (
+        f"attnref audit: {len(report.results)} of {report.planned} (property, dtype) "
+        f"searches done, {failed} failed, {report.seconds / 60:.1f} min so far"
+    )
 
 
 def _estimate(report: "AuditReport") -> str:

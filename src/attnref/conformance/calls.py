@@ -80,7 +80,11 @@ def skip_reason(backend: Backend, inputs: Inputs, kwargs: dict[str, Any]) -> str
         return "boolean masks not declared"
     if mask is not None and mask.is_floating_point() and not caps.float_mask:
         return "float masks not declared"
-    if kwargs.get("enable_gqa") and not caps.gqa:
+    # GQA is fewer key heads than query heads, whatever a family's signature calls it
+    # (torch's enable_gqa; the flash families' K of g heads): a flash kernel declaring
+    # none was given a fixed GQA case, and failed it
+    heads_differ = inputs.key.dim() >= 3 and inputs.key.shape[-3] != inputs.query.shape[-3]
+    if (kwargs.get("enable_gqa") or heads_differ) and not caps.gqa:
         return "GQA not declared"
     if inputs.query.shape[-1] == 0 and not caps.zero_head_dim:
         return "head dim 0 not declared"

@@ -264,6 +264,26 @@ class Capabilities:
         tuple[tuple[str, EmptyRow | EmptyRows], ...] | dict[str, EmptyRow | EmptyRows]
     ) = ()
 
+    #: the kernel runs through an interpreter on the CPU: ``"triton"`` (Triton's,
+    #: ``TRITON_INTERPRET=1``) or ``"pallas"`` (JAX's Pallas in interpret mode);
+    #: ``""``: it runs natively. The worker sets the interpreter up before the backend's
+    #: module is imported (`attnref.interpreted`), leaves out the dtypes the interpreter
+    #: computes wrong, checks the interpreter on a kernel of attnref's own first, and
+    #: fits the cases' sizes to the tiles and the cost bound below
+    interpreter: str = ""
+    #: the kernel's tiles: its query block and key block (a program's rows and the keys
+    #: one step of its loop reads), and the number of KV splits it makes (split-KV
+    #: decode: the keys cut into that many chunks, merged after). 0: not declared. Cases
+    #: then put lengths one below, at and one above each tile and split boundary within
+    #: ``max_call_work`` (`attnref.conformance.profiles.fitted`)
+    tile_queries: int = 0
+    tile_keys: int = 0
+    kv_splits: int = 0
+    #: the most work one call may do, ``batch * h * Tq * Tk * (Dh + Dv)`` (0: the
+    #: profile's): an interpreted call costs milliseconds per program and tile, and the
+    #: profile's production sizes would take minutes a case
+    max_call_work: int = 0
+
     def __post_init__(self) -> None:
         by_dtype: object = self.empty_row_by_dtype
         if isinstance(by_dtype, dict):
@@ -294,6 +314,17 @@ class Capabilities:
                 "Capabilities.length_multiples must be (queries, keys), ints >= 1, got "
                 f"{multiples!r}"
             )
+        from attnref.interpreted import INTERPRETERS
+
+        if self.interpreter and self.interpreter not in INTERPRETERS:
+            raise ValueError(
+                f"Capabilities.interpreter must be one of {', '.join(INTERPRETERS)} (or '' "
+                f"for a kernel that runs natively), got {self.interpreter!r}"
+            )
+        for name in ("tile_queries", "tile_keys", "kv_splits", "max_call_work"):
+            value = getattr(self, name)
+            if type(value) is not int or value < 0:
+                raise ValueError(f"Capabilities.{name} must be an int >= 0, got {value!r}")
         if any(type(d) is not int or d < 0 for d in self.head_dims):
             raise ValueError(f"Capabilities.head_dims must be ints >= 0, got {self.head_dims!r}")
         if self.window_required and not self.window:

@@ -53,6 +53,7 @@ from attnref.conformance.wire import (
     encode,
     encode_shared,
 )
+from attnref.interpreted import INTERPRETER_VARIABLE, INTERPRETERS, record
 
 __all__ = [
     "Executor",
@@ -209,6 +210,10 @@ class Supervised:
             TCP only, and no pathname socket on the machine is in the worker's reach.
         jobs: modules the worker imports to take more kinds of job (`HANDLERS`: the
             bench's, ``attnref.bench.worker``).
+        interpreter: the interpreter the worker sets up before it imports the backend
+            (`attnref.interpreted`; default: what ``ATTNREF_INTERPRETER`` in the judge's
+            environment names, else none). A backend given by its spec that declares
+            one is restarted with it: its module is imported again, interpreted.
 
     Raises:
         BackendError: the worker could not resolve the backend (its message says why),
@@ -229,6 +234,7 @@ class Supervised:
         network: bool = False,
         unix: bool = True,
         jobs: tuple[str, ...] = (),
+        interpreter: str | None = None,
     ) -> None:
         self.spec = backend if isinstance(backend, str) else backend.spec or backend.name
         #: whether the declaration is the one the spec resolves to in a worker (another
@@ -244,6 +250,20 @@ class Supervised:
         #: the backend's ran): ``{"enforced": {part: how}, "missing": {part: why}, "allowed":
         #: {part: why}}``
         self.sandbox: dict[str, dict[str, str]] = {}
+        if interpreter is None:
+            interpreter = (
+                os.environ.get(INTERPRETER_VARIABLE, "")
+                if isinstance(backend, str)
+                else backend.capabilities.interpreter
+            )
+        if interpreter and interpreter not in INTERPRETERS:
+            raise BackendError(
+                f"unknown interpreter {interpreter!r}: use one of {', '.join(INTERPRETERS)}"
+            )
+        self.interpreter = interpreter
+        #: what the worker's interpreter said of itself before the backend loaded
+        #: (`attnref.interpreted.prepare`): {} when it runs natively
+        self.interpreted: dict[str, Any] = {}
         self._scratch: str | None = None
         self._lock: int | None = None  # a descriptor of the scratch folder, locked
         self.api = api if isinstance(backend, str) else backend.api
@@ -261,6 +281,13 @@ class Supervised:
         self.output_bytes = 0
         self._tail = b""
         declared = self._start()
+        wanted = declared.capabilities.interpreter
+        if self.from_spec and wanted and wanted != self.interpreter:
+            # its module declares an interpreter: imported again, interpreted, in a new
+            # worker (the interpreter is set up before the module's import)
+            self._stop()
+            self.interpreter = wanted
+            declared = self._start()
         self.backend = declared if isinstance(backend, str) else backend
 
     def _start(self) -> Backend:
@@ -286,6 +313,7 @@ class Supervised:
                 policy,
                 self.jobs,
                 os.environ.get(SHOW_OUTPUT, "").strip() != "show",
+                self.interpreter,
             ),
             daemon=True,
         )
@@ -296,9 +324,11 @@ class Supervised:
         try:
             if not parent.poll(self.start_timeout):
                 raise BackendError(f"{self.spec}: its worker did not start in time")
-            self.sandbox = _read_sandbox(
+            self.sandbox, self.interpreted = _read_sandbox(
                 receive_frame(parent, time.perf_counter(), DECLARATION_LIMIT), self.policy
             )
+            if "error" in self.interpreted:
+                raise BackendError(f"{self.spec}: {self.interpreted['error']}")
             if not parent.poll(self.start_timeout):
                 raise BackendError(
                     f"{self.spec}: its worker did not finish importing it within "
@@ -652,13 +682,20 @@ def _is_socket(entry: os.DirEntry[str]) -> bool:
         return True  # unreadable: not kept
 
 
-def _read_sandbox(frame: bytes | bytearray, policy: _sandbox.Policy) -> dict[str, dict[str, str]]:
-    """The worker's first frame (its sandbox, sent by attnref's code before the backend
-    loaded), checked; what ``policy`` leaves open is listed as ``allowed``."""
+def _read_sandbox(
+    frame: bytes | bytearray, policy: _sandbox.Policy
+) -> tuple[dict[str, dict[str, str]], dict[str, Any]]:
+    """The worker's first frame (its sandbox, and its interpreter's check of itself,
+    sent by attnref's code before the backend loaded), checked; what ``policy`` leaves
+    open is listed as ``allowed``."""
     try:
         value = read_reply(frame)
     except Raised as e:
         raise BackendError(f"its worker could not enter its sandbox: {e.error}") from None
+    try:
+        interpreted = record(value.pop("interpreter", {}) if isinstance(value, dict) else {})
+    except ValueError as e:
+        raise BackendError(f"its worker sent a malformed interpreter record: {e}") from None
     parts = {}
     for key in ("enforced", "missing"):
         part = value.get(key) if isinstance(value, dict) else None
@@ -668,7 +705,7 @@ def _read_sandbox(frame: bytes | bytearray, policy: _sandbox.Policy) -> dict[str
             raise BackendError("its worker sent a malformed sandbox record")
         parts[key] = dict(part)
     parts["allowed"] = policy.allowed()
-    return parts
+    return parts, interpreted
 
 
 class FrameError(Exception):
@@ -792,4 +829,12 @@ def _start_executor(
         return Supervised(backend, api, threads=threads, memory_limit=memory_limit, jobs=jobs)
     for module in jobs:  # the judge's own process takes them too
         importlib.import_module(module)
-    return InProcess(loader()(backend, api) if isinstance(backend, str) else backend)
+    made = InProcess(loader()(backend, api) if isinstance(backend, str) else backend)
+    interpreter = made.backend.capabilities.interpreter or os.environ.get(INTERPRETER_VARIABLE)
+    if interpreter:
+        raise BackendError(
+            f"{made.backend.name}: an interpreted kernel ({interpreter}) runs in a worker, "
+            "which sets its interpreter up before its module is imported: audit it "
+            "isolated (without --in-process)"
+        )
+    return made

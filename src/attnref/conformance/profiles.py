@@ -13,9 +13,9 @@ sample of its rows (`attnref.conformance.checks.Context.rows`), so its cost to t
 does not grow with it.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-__all__ = ["PROFILES", "Profile", "get_profile"]
+__all__ = ["PROFILES", "Profile", "fitted", "get_profile"]
 
 #: head dims production kernels are built for (and small odd ones, where masks of dims
 #: and scales go wrong)
@@ -88,6 +88,16 @@ class Profile:
     #: 32-bit signed offset wraps past 2**31). Each such case holds K and V caches of
     #: more than this many elements, and runs only where memory allows it
     far_pages: int = 2**31 + 2**20
+    #: fitted to a kernel's tiles and cost bound (`fitted`): the properties' fixed
+    #: cases past its bound (production sizes: 4097 keys, 1028 programs) are not run
+    fitted: bool = False
+
+    def within(self, batch_heads: int, case_work: int) -> bool:
+        """Whether a fixed case of ``batch_heads`` programs' worth of batch and heads
+        and ``case_work`` fits a fitted profile (any case fits one that is not)."""
+        if not self.fitted:
+            return True
+        return case_work <= self.max_work and batch_heads <= max(self.programs)
 
 
 PROFILES: dict[str, Profile] = {
@@ -160,3 +170,57 @@ def get_profile(name: str) -> Profile:
         return PROFILES[name]
     except KeyError:
         raise ValueError(f"unknown profile {name!r}: use one of {', '.join(PROFILES)}") from None
+
+
+def fitted(
+    profile: Profile,
+    *,
+    tile_queries: int = 0,
+    tile_keys: int = 0,
+    kv_splits: int = 0,
+    max_call_work: int = 0,
+) -> Profile:
+    """``profile`` with its sizes fitted to a kernel's tiles and cost bound
+    (`attnref.conformance.declarations.Capabilities.tile_keys` and the rest): what an
+    interpreted kernel is audited at, where a production length costs minutes a call.
+
+    The long cases' lengths are one below, at and one above each tile boundary (one,
+    two and three query tiles; one to four key tiles) and each split boundary (as many
+    keys as splits, where a split may be empty, and one and two key tiles a split), and
+    the short lengths drawn often are those around one and two tiles. Every case's work
+    (``batch * h * Tq * Tk * (Dh + Dv)``), scores and K/V stay within ``max_call_work``
+    (0: the profile's own bound); wide grids stop at 129 batch-heads, small cases at two
+    batch rows and two KV heads, and the large-index cases hold ``max_call_work / 1024``
+    key rows. A tile not declared is taken as the
+    other one, or 16.
+    """
+    work = min(profile.max_work, max_call_work) if max_call_work else profile.max_work
+    bk = tile_keys or tile_queries or 16
+    bq = tile_queries or bk
+    keys = [bk * m for m in (1, 2, 3, 4)]
+    if kv_splits > 1:
+        keys += [kv_splits, kv_splits * bk, 2 * kv_splits * bk]
+    queries = [bq * m for m in (1, 2, 3)]
+    return replace(
+        profile,
+        tail_lengths=tuple(sorted({n for n in _around(bq, bk, 2 * bk) if n > 0})),
+        long_keys=tuple(sorted({n for n in _around(*keys) if n > 0})),
+        long_queries=tuple(sorted({n for n in _around(*queries) if n > 0})),
+        max_work=work,
+        max_scores=min(profile.max_scores, max(256, work // 256)),
+        max_long_scores=min(profile.max_long_scores, work // 2),
+        max_mask_scores=min(profile.max_mask_scores, work // 2),
+        max_kv=min(profile.max_kv, work),
+        max_grad_work=min(profile.max_grad_work, work),
+        max_wide_work=min(profile.max_wide_work, work),
+        large_rows=min(profile.large_rows, max(64, work // 1024)),
+        # an interpreted program costs milliseconds: a grid of 1025 batch-heads took
+        # seconds a call, and grids that large are a launch's matter, not the logic's
+        programs=tuple(n for n in profile.programs if n <= 129) or profile.programs[:1],
+        # and the small cases' batch and KV heads: a split-KV decode kernel launches a
+        # program a batch row, head and split, and a small case of 9 batch rows and 12
+        # heads (1,296 programs) took 36 s a call
+        max_batch=min(profile.max_batch, 2),
+        max_kv_heads=min(profile.max_kv_heads, 2),
+        fitted=True,
+    )

@@ -1,13 +1,13 @@
 """Audit reports: a verdict per (property, dtype), a terminal table, a versioned JSON document.
 
-JSON schema (``schema_version`` 11; 3 added ``api``, 4 ``trusted``, 5 ``checked``,
+JSON schema (``schema_version`` 12; 3 added ``api``, 4 ``trusted``, 5 ``checked``,
 ``cause`` and ``findings``, 6 ``world_size``, 7 the coverage: ``judged``, ``thin``,
 ``floor``, ``min_judged``, ``startup_seconds`` and ``not_tested``, 8 ``also``, 9
 ``sandbox``, 10 ``judges`` and ``judge_notes``, 11 a result's ``cut`` and a finding's
-``output``)::
+``output``, 12 ``interpreted`` and a result's ``case_seconds``)::
 
     {
-      "schema_version": 11,
+      "schema_version": 12,
       "attnref_version": str, "torch_version": str,
       "backend": str, "api": an API family ("sdpa", "flash", ...), "device": str,
       "dtypes": [str], "world_size": int | null (the processes each call ran on),
@@ -22,6 +22,13 @@ JSON schema (``schema_version`` 11; 3 added ``api``, 4 ``trusted``, 5 ``checked`
       "sandbox": {                 # what confined the backend's worker (docs/untrusted.md)
         "enforced": {part: how}, "missing": {part: why},  # the platform's doing
         "allowed": {part: why}     # what the family needs open (sockets, for ranks)
+      },
+      "interpreted": null | {      # the kernel ran through an interpreter on the CPU
+        "interpreter": "triton" | "pallas", "version": str,
+        "not_judged": str,         # what running interpreted cannot show
+        "dtypes_out": {dtype: why},  # left out: the interpreter's own check failed there
+        "checked": {dtype: float},   # its check's error in each dtype
+        "sizes": str               # the tiles and cost bound the cases were fitted to
       },
       "incomplete": null | str,    # why the audit did not finish (then "ok" is false)
       "summary": {"passed": int, "failed": int, "skipped": int,  # (property, dtype) verdicts
@@ -45,6 +52,7 @@ JSON schema (``schema_version`` 11; 3 added ``api``, 4 ``trusted``, 5 ``checked`
          "thin": bool,             # a pass judged on fewer cases than the floor
          "cut": bool,              # its search ended when its budget ran out
          "seconds": float,
+         "case_seconds": [float],  # each drawn case's time, in order, shrinking included
          "message": str,           # the failure's one-line summary, or why it was skipped
          "failure": null | {
             "case": {Case fields},  # the shrunk, minimal failing case
@@ -87,11 +95,12 @@ __all__ = [
     "Finding",
     "PropertyResult",
     "Status",
+    "interpreted_lines",
     "is_thin",
     "reproducer",
 ]
 
-SCHEMA_VERSION = 11
+SCHEMA_VERSION = 12
 
 #: a pass judged on fewer than this share of the profile's examples (per property and
 #: dtype) is thin, unless ``--min-judged`` sets the floor
@@ -160,6 +169,8 @@ class PropertyResult:
     #: the search ended because its budget (``--property-budget``) ran out, not because
     #: it drew every case it would: what it judged is held to the whole floor
     cut: bool = False
+    #: each drawn case's seconds, in the order drawn (shrinking included)
+    case_seconds: list[float] = field(default_factory=list)
 
     @builtins.property  # (``property`` is a field's name here)
     def judged(self) -> int:
@@ -179,6 +190,7 @@ class PropertyResult:
             "thin": self.thin,
             "cut": self.cut,
             "seconds": round(self.seconds, 4),
+            "case_seconds": [round(t, 4) for t in self.case_seconds],
             "message": self.message,
             "failure": None if self.finding is None else self.finding.to_dict(),
             "also": None if self.also is None else self.also.to_dict(),
@@ -281,6 +293,9 @@ class AuditReport:
     judges: int = 1
     #: a helper judge that stopped before its share was done, and what became of it
     judge_notes: list[str] = field(default_factory=list)
+    #: the kernel ran through an interpreter (`attnref.interpreted.prepare`'s record,
+    #: with the sizes the cases were fitted to): {} when it ran natively
+    interpreted: dict[str, Any] = field(default_factory=dict)
     _t0: float = 0.0
 
     @classmethod
@@ -423,6 +438,7 @@ class AuditReport:
             "world_size": self.world_size,
             "judges": self.judges,
             "judge_notes": self.judge_notes,
+            "interpreted": self.interpreted or None,
             "incomplete": self.incomplete or None,
             "summary": {
                 "passed": self.count("pass"),
@@ -487,9 +503,9 @@ class AuditReport:
         lines = [
             f"attnref audit: backend {self.backend} on {self.device}, profile {self.profile}, "
             f"seed {self.seed}, torch {torch.__version__}",
-            header,
-            "-" * len(header),
         ]
+        lines += interpreted_lines(self.interpreted)
+        lines += [header, "-" * len(header)]
         for name in names:
             row = [f"{name:<{width}}"]
             row += [f"{_cell(cells.get((name, d))):>{cw}}" for d in self.dtypes]
@@ -574,6 +590,24 @@ def _skip_note(r: PropertyResult) -> str:
     if r.status != "fail":
         return r.message
     return f"{r.skipped} drawn cases skipped (outside the declaration), {r.refused} refused"
+
+
+def interpreted_lines(interpreted: dict[str, Any]) -> list[str]:
+    """What the report says first of a kernel that ran through an interpreter
+    (`AuditReport.interpreted`): which, what that does not judge, the dtypes left out
+    and the sizes fitted; nothing for a kernel that ran natively."""
+    if not interpreted:
+        return []
+    name = interpreted.get("interpreter", "?")
+    lines = [
+        f"interpreted: {name} {interpreted.get('version', '')}".rstrip()
+        + f"; {interpreted.get('not_judged', '')}"
+    ]
+    for dtype, why in (interpreted.get("dtypes_out") or {}).items():
+        lines.append(f"  {dtype} left out: {why}")
+    if interpreted.get("sizes"):
+        lines.append(f"  sizes: {interpreted['sizes']}")
+    return lines
 
 
 def sandbox_line(sandbox: dict[str, dict[str, str]]) -> str:

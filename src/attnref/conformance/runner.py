@@ -15,7 +15,7 @@ import secrets
 import time
 import zlib
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import torch
 from hypothesis import HealthCheck, Phase, Verbosity, given, settings
@@ -25,11 +25,11 @@ from tqdm import tqdm
 from attnref._checking import audit_checking, checking_enabled, set_checking
 from attnref.conformance.calls import TIMED_OUT, availability
 from attnref.conformance.cases import Case
-from attnref.conformance.declarations import Backend, BackendError
+from attnref.conformance.declarations import Backend, BackendError, Capabilities
 from attnref.conformance.family import get_family
 from attnref.conformance.judges import Judges, Setup, wait_after_timeout
 from attnref.conformance.needs import needs
-from attnref.conformance.profiles import Profile, get_profile
+from attnref.conformance.profiles import Profile, fitted, get_profile
 from attnref.conformance.properties import PROPERTIES, Context, Property, get_property
 from attnref.conformance.report import (
     FLOOR_SHARE,
@@ -39,10 +39,11 @@ from attnref.conformance.report import (
     Status,
     reproducer,
 )
-from attnref.conformance.strategies import inside, narrowed
+from attnref.conformance.strategies import inside, narrowed, work
 from attnref.conformance.verdicts import Failure, Skip, cause_of
 from attnref.conformance.worker import Executor, start_executor
 from attnref.devices import best_device, dtype_name
+from attnref.interpreted import INTERPRETERS
 
 __all__ = ["audit", "check_case", "property_seed", "run_property"]
 
@@ -66,6 +67,8 @@ class _Search:
     #: the first precision miss (an error over the bound, under 5% of the values'
     #: spread) met while searching for a semantic failure
     imprecise: tuple[Case, Failure] | None = None
+    #: each drawn case's seconds
+    case_seconds: list[float] = field(default_factory=list)
 
 
 def _precision_miss(f: Failure) -> bool:
@@ -115,6 +118,7 @@ def run_property(
             message=message,
             finding=finding,
             cut=search.over_budget,
+            case_seconds=search.case_seconds,
         )
 
     search = _Search()
@@ -141,8 +145,17 @@ def run_property(
         if search.stop:
             return  # out of shrink budget (or the backend hangs): keep what we have
         search.checks += 1
+        # a budget or deadline holds within a case too: a call still running when it
+        # passes is stopped (its worker ended), and the search ends there, not failed
+        judged = search.checks - 1 - search.skipped - search.refused
+        ends = [stop_at] if stop_at is not None else []
+        if budget_at is not None and search.failure is None and judged:
+            ends.append(budget_at)  # as between cases: after one judged case
+        left = min(ends) - time.perf_counter() if ends else None
+        wait = timeout if left is None else max(1.0, min(timeout, left))
+        t0 = time.perf_counter()
         try:
-            prop.check(ctx, case)
+            prop.check(ctx if wait == timeout else replace(ctx, timeout=wait), case)
         except Skip as s:
             if s.refused:
                 search.refused += 1
@@ -151,6 +164,14 @@ def run_property(
             search.skip_reason = str(s)
             return
         except Failure as f:
+            if wait < timeout and str(f).startswith(TIMED_OUT):
+                search.checks -= 1  # stopped, not judged
+                search.stop = True
+                if stop_at is not None and time.perf_counter() >= stop_at - 1.0:
+                    search.late = True
+                else:
+                    search.over_budget = True
+                return
             if not search.strict and _precision_miss(f):
                 # judged apart: the search goes on for a semantic failure, which a
                 # precision miss met first would otherwise hide (and shrink away)
@@ -163,6 +184,8 @@ def run_property(
                 search.shrink_until = now + profile.shrink_seconds
             search.stop = f.fatal or now > search.shrink_until
             raise _Found from None
+        finally:
+            search.case_seconds.append(time.perf_counter() - t0)
 
     def searched() -> None:
         test = given(narrowed(prop.cases(profile, caps), caps, profile, chunks))(body)
@@ -187,6 +210,10 @@ def run_property(
                 raise
         if search.failure is None:
             for case in prop.examples(profile, caps):
+                keys = max([case.Tk, *(n + case.new for n in case.cached)])
+                batch_heads = math.prod(case.batch) * case.h * max(1, len(case.cached))
+                if not profile.within(batch_heads, work(replace(case, Tk=keys))):
+                    continue  # a production size, past a fitted kernel's bound
                 if caps.narrow():
                     case = inside(case, caps, chunks=chunks)
                 try:
@@ -392,6 +419,18 @@ def audit(
     if not gradients:
         chosen = [p for p in chosen if not p.gradient]
     dtype_list = list(dtypes) if dtypes is not None else list(backend.capabilities.dtypes)
+    interpreted = dict(getattr(executor, "interpreted", {}) or {})
+    prof, sizes = _fitted(prof, backend.capabilities, interpreted.get("interpreter", ""))
+    if sizes:
+        interpreted["sizes"] = sizes
+    left_out = interpreted.get("dtypes_out") or {}
+    # an FP8 call returns bfloat16 and is audited in the bfloat16 search; its rounding
+    # (FP8's, 2**-4) is far past the interpreter's bfloat16 artefacts (a truncation of
+    # 2**-8 at worst), so those searches stay where bfloat16 itself is left out
+    fp8_kept = [
+        d for d in dtype_list if dtype_name(d) in left_out and d == torch.bfloat16
+    ] if backend.capabilities.fp8 else []  # fmt: skip
+    dtype_list = [d for d in dtype_list if dtype_name(d) not in left_out]
     report = report or AuditReport.start(
         backend.name,
         device,
@@ -402,12 +441,17 @@ def audit(
         backend.api,
     )
     report.trusted = executor.trusted
+    report.interpreted = interpreted
+    report.dtypes = [dtype_name(d) for d in dtype_list]
     report.sandbox = dict(getattr(executor, "sandbox", {}))
     report.world_size = getattr(executor, "world_size", None)
     report.min_judged = min_judged
     report.examples = prof.examples
     report.floor = min_judged or max(1, math.ceil(prof.examples * FLOOR_SHARE))
     work = [(p, d) for p in chosen for d in dtype_list]
+    work += [(p, d) for p in chosen for d in fp8_kept if "fp8" in p.id]
+    if fp8_kept and any(d in fp8_kept for _, d in work):
+        report.dtypes.append(dtype_name(torch.bfloat16))
     report.planned = len(work)
     stop_at = None if deadline is None else time.perf_counter() + deadline
     threads_before = torch.get_num_threads()
@@ -539,6 +583,34 @@ def audit(
         torch.set_num_threads(threads_before)
         report.finish()
     return report
+
+
+def _fitted(prof: Profile, caps: Capabilities, interpreter: str) -> tuple[Profile, str]:
+    """The profile fitted to a kernel's declared tiles and cost bound (`fitted`), and
+    what to say of it; an interpreted kernel that declares no bound gets its
+    interpreter's (`Interpreter.default_work`). ``prof`` as it is for a kernel that
+    declares neither and runs natively."""
+    interpreter = caps.interpreter or interpreter
+    work = caps.max_call_work
+    if not work and interpreter:
+        work = INTERPRETERS[interpreter].default_work
+    tiles = (caps.tile_queries, caps.tile_keys, caps.kv_splits)
+    if not work and not any(tiles):
+        return prof, ""
+    prof = fitted(
+        prof,
+        tile_queries=caps.tile_queries,
+        tile_keys=caps.tile_keys,
+        kv_splits=caps.kv_splits,
+        max_call_work=work,
+    )
+    said = [f"tiles {caps.tile_queries or '-'} x {caps.tile_keys or '-'} (queries x keys)"]
+    if caps.kv_splits:
+        said.append(f"{caps.kv_splits} KV splits")
+    said.append(f"work per call at most {prof.max_work:,} (batch*h*Tq*Tk*(Dh+Dv))")
+    said.append(f"long keys {', '.join(map(str, prof.long_keys))}")
+    said.append(f"long queries {', '.join(map(str, prof.long_queries))}")
+    return prof, "; ".join(said)
 
 
 def _start_judges(

@@ -350,13 +350,16 @@ def serve(
     policy: _sandbox.Policy | None = None,
     jobs: tuple[str, ...] = (),
     capture: bool = True,
+    interpreter: str = "",
 ) -> None:
     """The worker's loop: enter the sandbox (in ``scratch``, as ``policy`` allows) and
     say what it enforced, resolve the backend with ``load``, say what it declares, then
     answer job after job. ``env``: set (None: removed) before anything else
     (``CUDA_VISIBLE_DEVICES``, before CUDA starts). ``jobs``: modules that register more
     kinds of job (`HANDLERS`), imported before the backend. ``capture``: its stdout and
-    stderr go to `OUTPUT_FILE` (else where the judge's go: `SHOW_OUTPUT`)."""
+    stderr go to `OUTPUT_FILE` (else where the judge's go: `SHOW_OUTPUT`).
+    ``interpreter``: set up, and checked, before the backend's module is imported
+    (`attnref.interpreted.prepare`); what it said goes in the first frame."""
     for name, value in (env or {}).items():
         if value is None:
             os.environ.pop(name, None)
@@ -375,7 +378,12 @@ def serve(
         except BaseException as e:  # attnref's own code: an error of ours, said as such
             conn.send_bytes(encode(error_reply("raised", e)))
             return
-        conn.send_bytes(encode({"status": "ok", "value": enforced.message()}))
+        said: dict[str, Any] = dict(enforced.message())
+        if interpreter:
+            from attnref.interpreted import prepare
+
+            said["interpreter"] = prepare(interpreter, scratch)
+        conn.send_bytes(encode({"status": "ok", "value": said}))
         if capture:
             _capture_output(scratch)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the audit's to handle

@@ -1,0 +1,215 @@
+"""Kernels of GPU languages run on a CPU, through their own interpreters.
+
+A backend that declares ``Capabilities(interpreter="triton")`` (or ``"pallas"``) runs its
+kernel's own code, launched as on a device, in its worker: Triton's interpreter
+(``TRITON_INTERPRET=1``) or JAX's Pallas in interpret mode on JAX's CPU platform
+(the kernel's launcher passes ``interpret=True``). This
+module is what the worker does about it, before the backend's module is imported
+(`prepare`):
+
+- it sets the interpreter's environment, with every cache it writes in the worker's
+  scratch folder (nothing written outside it);
+- it pins Triton's autotuning to one configuration (the interpreter has no benchmarker:
+  ``@triton.autotune`` with several configurations fails), the first, and says so;
+- it checks the interpreter itself, on a kernel of attnref's own known to be right
+  (`attnref.interpreted.triton_flash`), in every dtype: a dtype the interpreter computes
+  wrong is left out of the audit, with the error measured (Triton 3.9's interpreter
+  multiplies bfloat16 tiles into garbage), so that a kernel is never blamed for its
+  interpreter; where the check fails in every dtype, nothing is judged.
+
+What an interpreter runs is the kernel's logic: its indices, masks, alignments, page and
+split boundaries, descales and merges, as on every device. What it cannot show is said in
+the report (`Interpreter.not_judged`): races between programs, a device's own numerics
+(its fused multiply-adds, its tensor cores' rounding), memory ordering, and speed.
+"""
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["INTERPRETERS", "INTERPRETER_VARIABLE", "Interpreter", "prepare", "record"]
+
+#: names the interpreter of a backend given by its spec, in the judge's environment
+#: (``attnref audit --interpreter``): its worker sets it up before the module's import
+#: (a module that fails to import uninterpreted cannot say so itself)
+INTERPRETER_VARIABLE = "ATTNREF_INTERPRETER"
+
+
+@dataclass(frozen=True)
+class Interpreter:
+    """One interpreter: its environment, its caches, what it does not judge, and the
+    work per call a kernel under it may do when it declares none."""
+
+    name: str
+    #: the package whose kernels it runs (its version goes in the report)
+    package: str
+    #: set before the backend's module is imported
+    env: tuple[tuple[str, str], ...]
+    #: variables naming folders it writes to: each is pointed into the scratch folder
+    caches: tuple[str, ...]
+    #: what running interpreted on a CPU cannot show
+    not_judged: str
+    #: `Capabilities.max_call_work` where the backend declares none
+    default_work: int
+    #: the checks of itself, in the worker, after `env` (`self_check`)
+    check: Callable[[], dict[str, Any]]
+
+
+def _triton_check() -> dict[str, Any]:
+    from attnref.interpreted.checks import triton_self_check
+
+    return triton_self_check()
+
+
+def _pallas_check() -> dict[str, Any]:
+    from attnref.interpreted.checks import pallas_self_check
+
+    return pallas_self_check()
+
+
+_NOT_JUDGED = (
+    "it ran interpreted on a CPU: its logic is judged (indices, masks, alignments, tile, "
+    "page and split boundaries, descales, merges); not judged are races between its "
+    "programs, a GPU's own numerics (fused multiply-adds, tensor-core rounding), memory "
+    "ordering and speed"
+)
+
+INTERPRETERS: dict[str, Interpreter] = {
+    "triton": Interpreter(
+        "triton",
+        "triton",
+        env=(("TRITON_INTERPRET", "1"),),
+        caches=("TRITON_CACHE_DIR", "TRITON_HOME", "TRITON_DUMP_DIR", "TRITON_OVERRIDE_DIR"),
+        not_judged=_NOT_JUDGED,
+        # attnref's own kernel (16 x 16 tiles, head dim 64): 1.2 s at 2**23, B=1, h=4,
+        # T=128 (2 cores, quiet); at 2**21 its quick audit took 15.6 min (with another
+        # audit beside it), large_index and wide grids the most of it
+        default_work=2**20,
+        check=_triton_check,
+    ),
+    "pallas": Interpreter(
+        "pallas",
+        "jax",
+        # not JAX_ENABLE_X64: it changes what a kernel computes (Pallas' flash kernel
+        # fails to trace under it: int32 program ids against int64 constants), and a
+        # kernel that takes float64 enables it itself
+        env=(("JAX_PLATFORMS", "cpu"),),
+        caches=("JAX_COMPILATION_CACHE_DIR", "XDG_CACHE_HOME"),
+        not_judged=_NOT_JUDGED,
+        default_work=2**20,
+        check=_pallas_check,
+    ),
+}
+
+
+def environment(name: str, scratch: str) -> dict[str, str]:
+    """What interpreter ``name`` needs in the environment, its caches in ``scratch``."""
+    interpreter = INTERPRETERS[name]
+    env = dict(interpreter.env)
+    for var in interpreter.caches:
+        folder = os.path.join(scratch, "interpreter", var.lower())
+        os.makedirs(folder, exist_ok=True)
+        env[var] = folder
+    return env
+
+
+#: the autotuned kernels pinned to one configuration in this process: (kernel, configs)
+PINNED: list[tuple[str, int]] = []
+
+
+def _pin_autotune() -> None:
+    """``triton.autotune`` keeps only its first configuration: the interpreter cannot
+    time the others (Triton 3.9: no benchmarker), and every configuration computes the
+    same function. `PINNED` records each kernel pinned, with how many it had."""
+    import triton
+    import triton.runtime.autotuner as autotuner
+
+    original = autotuner.autotune
+    if getattr(original, "_attnref_pinned", False):
+        return
+
+    def autotune(configs: list[Any], *args: Any, **kwargs: Any) -> Any:
+        decorate = original(list(configs[:1]), *args, **kwargs)
+
+        def pinned(fn: Any) -> Any:
+            PINNED.append((getattr(fn, "__name__", repr(fn)), len(configs)))
+            return decorate(fn)
+
+        return pinned
+
+    autotune._attnref_pinned = True  # type: ignore[attr-defined]
+    autotuner.autotune = autotune
+    triton.autotune = autotune
+
+
+def _configure_jax() -> None:
+    """JAX on its CPU platform: set through its configuration as well as its
+    environment, since JAX may be imported already (jaxtyping imports it, where it is
+    installed, when attnref's shape-checked functions are defined); its backends start
+    on first use, after this."""
+    import jax
+
+    config: Any = jax.config
+    config.update("jax_platforms", "cpu")
+
+
+def prepare(name: str, scratch: str) -> dict[str, Any]:
+    """In the worker, before the backend's module is imported: interpreter ``name``'s
+    environment (caches in ``scratch``), autotuning pinned, and its check of itself.
+    Returns what the report says of it: ``{"interpreter", "version", "not_judged",
+    "dtypes_out": {dtype: why}, "checked": {dtype: error}}``; an interpreter that is not
+    installed, or fails its check in every dtype, is said in ``"error"``."""
+    interpreter = INTERPRETERS[name]
+    os.environ.update(environment(name, scratch))
+    said: dict[str, Any] = {"interpreter": name, "not_judged": interpreter.not_judged}
+    try:
+        from importlib.metadata import version
+
+        said["version"] = version(interpreter.package)
+    except Exception:
+        said["error"] = (
+            f"the {name} interpreter needs the {interpreter.package!r} package, which is not "
+            f"installed here (pip install 'attnref[interpret]')"
+        )
+        return said
+    try:
+        if name == "triton":
+            _pin_autotune()
+        if name == "pallas":
+            _configure_jax()
+        said.update(interpreter.check())
+    except Exception as e:  # the interpreter's, before any code of the backend's ran
+        said["error"] = f"{name}'s interpreter failed attnref's check of itself: {e!r}"[:500]
+    return said
+
+
+def record(value: object) -> dict[str, Any]:
+    """What `prepare` said, as the judge reads it from the worker: its known fields,
+    each of its type (the worker's first frame, sent before the backend loaded).
+
+    Raises:
+        ValueError: a field of the wrong type, or unknown.
+    """
+    if not isinstance(value, dict):
+        raise ValueError(f"a dict, got {type(value).__name__}")
+    texts = ("interpreter", "version", "not_judged", "error")
+    out: dict[str, Any] = {}
+    for key, item in value.items():
+        if key in texts and isinstance(item, str):
+            out[key] = item[:1000]
+        elif (
+            key == "dtypes_out"
+            and isinstance(item, dict)
+            and all(isinstance(k, str) and isinstance(v, str) for k, v in item.items())
+        ):
+            out[key] = {k: v[:300] for k, v in item.items()}
+        elif (
+            key == "checked"
+            and isinstance(item, dict)
+            and all(isinstance(k, str) and isinstance(v, float) for k, v in item.items())
+        ):
+            out[key] = dict(item)
+        else:
+            raise ValueError(f"field {key!r}: {str(item)[:80]}")
+    return out

@@ -1,0 +1,60 @@
+"""Triton kernels audited through Triton's interpreter on the CPU (docs/interpreted.md):
+attnref's own flash and split-KV decode kernels pass, and each bug planted in their
+Triton code fails the quick audit, within the kernel's declared tiles and cost bound
+(`tests/planted_triton.py`). Slow: an interpreted call costs milliseconds a program, so
+the decode kernels are audited on their family's cache properties, each planted bug on
+the one aimed at its class (the whole quick audits are measured in
+docs/interpreted.md). Needs the ``interpret`` extra (triton,
+numpy), which `.ci/run` installs."""
+
+import pytest
+import torch
+
+from attnref.conformance import audit
+
+pytest.importorskip("triton")
+pytestmark = pytest.mark.slow
+
+
+@pytest.mark.parametrize(
+    ("spec", "api", "properties"),
+    [
+        ("tests.planted_triton:tail_dropped", "flash", None),
+        ("tests.planted_triton:causal_top_left", "flash", None),
+        ("tests.planted_triton:no_rescale", "flash", None),
+        # each on the cache property aimed at its class, for time (every cache property
+        # fails page_off_by_one and merge_unweighted: docs/interpreted.md)
+        ("tests.planted_triton:page_off_by_one", "flash-kvcache", ["kvcache_pages"]),
+        ("tests.planted_triton:merge_unweighted", "flash-kvcache", ["kvcache_splits"]),
+        ("tests.planted_triton:v_descale_dropped", "flash-kvcache", ["kvcache_fp8"]),
+    ],
+)
+def test_a_bug_planted_in_triton_code_fails_the_quick_audit(
+    spec: str, api: str, properties: list[str] | None
+) -> None:
+    report = audit(spec, api=api, properties=properties, fail_fast=True, progress=False)
+    assert report.interpreted["interpreter"] == "triton"
+    assert not report.ok, report.format_table()
+    assert report.count("fail"), report.format_table()
+
+
+def test_the_right_flash_kernel_passes_interpreted() -> None:
+    """In float32 here (the whole quick audit, every dtype, is measured in
+    docs/interpreted.md); bfloat16 is left out by the interpreter's own check."""
+    report = audit("tests.planted_triton:right", api="flash", dtypes=(torch.float32,),
+                   progress=False)  # fmt: skip
+    assert report.ok, report.format_table()
+    assert "bfloat16" in report.interpreted["dtypes_out"]
+    assert report.interpreted["sizes"].startswith("tiles")
+
+
+def test_the_right_decode_kernel_passes_the_cache_properties_fp8_included() -> None:
+    """FP8 calls return bfloat16 and are audited in the bfloat16 search, which stays
+    where the interpreter leaves bfloat16 itself out."""
+    report = audit("tests.planted_triton:decode_right", api="flash-kvcache",
+                   properties=["kvcache_pages", "kvcache_splits", "kvcache_fp8"],
+                   progress=False)  # fmt: skip
+    assert report.ok, report.format_table()
+    fp8 = [r for r in report.results if "fp8" in r.property and r.status == "pass"]
+    assert fp8, report.format_table()
+    assert {r.dtype for r in fp8} == {torch.bfloat16}
