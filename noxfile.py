@@ -120,5 +120,14 @@ def peers(session: nox.Session) -> None:
     # its import needs
     session.install("-c", constraints, "--no-deps", "litgpt")
     session.install("-c", constraints, "lightning", "jsonargparse[signatures]")
+    # GPU kernels run interpreted (docs/interpreted.md): triton, and SGLang's wheel
+    # without its dependencies (it pins a CUDA torch), with the pure-Python packages its
+    # sglang.srt.environ and sglang.srt.utils import
+    session.install("-c", constraints, "-e", ".[interpret]")
+    session.install("-c", constraints, "--no-deps", "sglang")
+    session.install(
+        "-c", constraints, "orjson", "psutil", "pybase64", "requests", "packaging", "pillow",
+        "starlette", "msgspec", "pydantic", "pyzmq", "ipython", "aiohttp",
+    )  # fmt: skip
     session.run("pytest", "-m", "", "tests/test_adapters.py")
     session.run("python", "-m", "examples.adapters.audit_all", *session.posargs)

@@ -15,6 +15,7 @@ import subprocess
 import sys
 import warnings
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -212,7 +213,8 @@ def _jax_call(q: Tensor, k: Tensor, v: Tensor, dtype: str = "float64") -> Tensor
     import jax
     import numpy as np
 
-    jax.config.update("jax_enable_x64", True)
+    config: Any = jax.config  # typed where JAX is installed, Any where it is not
+    config.update("jax_enable_x64", True)
     arrays = [
         jax.numpy.asarray(t.transpose(1, 2).double().numpy().astype(dtype)) for t in (q, k, v)
     ]
@@ -242,7 +244,8 @@ def jax_causal_fill_overrides_a_minus_inf_bias() -> bool:
     bias = np.zeros((1, 1, 3, 3), dtype=np.float32)
     bias[..., 0, :] = -np.inf
     arrays = [np.ascontiguousarray(t.transpose(1, 2).numpy()) for t in (q, k, v)]
-    out = jax.nn.dot_product_attention(*arrays, bias=bias, is_causal=True)
+    attention: Any = jax.nn.dot_product_attention
+    out = attention(*arrays, bias=bias, is_causal=True)
     row = torch.from_numpy(np.asarray(out, dtype=np.float64).copy()).transpose(1, 2)[0, 0, 0]
     future = v[0, 0, 1:].double().mean(dim=0)
     return close(row, future) and not close(row, v[0, 0].double().mean(dim=0))
@@ -843,6 +846,86 @@ def keras_jax_causal_fill_overrides_a_minus_inf_bias() -> bool:
     ))  # fmt: skip
 
 
+# ------------------------------------------------- GPU kernels, interpreted
+
+
+def pallas_mha_causal_reads_past_the_keys() -> bool:
+    """Pallas' GPU flash kernel (``jax.experimental.pallas.ops.gpu.attention.mha``), run
+    in interpret mode, with ``causal=True`` and more queries than keys (13 against 5):
+    its causal loop bound, ``cdiv(block_q * (i + 1), block_k)`` key blocks, is not
+    clamped to the keys' ``seq_len / block_k``, so it reads key blocks past the end (the
+    interpreter fills them with NaN; a GPU reads whatever lies there), and its causal
+    mask lets query ``i >= 5`` attend those keys ``5..i``, which exist on no device.
+    Top-left causal attention, as the kernel means it, is finite: query 0 sees key 0."""
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.experimental.pallas.ops.gpu.attention import BlockSizes, mha
+
+    q, k, v = qkv(1, 1, 13, 5, 8)
+    arrays = [jnp.asarray(t.transpose(1, 2).numpy()) for t in (q, k, v)]
+    out = mha(*arrays, None, sm_scale=8**-0.5, causal=True,
+              block_sizes=BlockSizes(block_q=16, block_k=16), interpret=True)  # fmt: skip
+    got = torch.from_numpy(np.array(out)).transpose(1, 2)
+    want = oracle(q, k, v, top_left(13, 5))
+    return bool(torch.isfinite(want).all() and not torch.isfinite(got).all())
+
+
+def _sglang_decode(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    """SGLang's Triton ``decode_attention_fwd``, interpreted, on one query a row ``q``
+    ``(B, h, D)`` against all of ``k``, ``v`` ``(B, T, g, D)`` (a slot pool in order),
+    4 KV splits; its output ``(B, h, Dv)``."""
+    import os
+
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
+    from sglang.kernels.ops.attention.decode_attention import decode_attention_fwd
+
+    B, T, g, D = k.shape
+    h, Dv = q.shape[1], v.shape[-1]
+    out = torch.empty(B, h, Dv, dtype=q.dtype)
+    indptr = torch.arange(B + 1, dtype=torch.int32) * T
+    indices = torch.arange(B * T, dtype=torch.int32)
+    logits = torch.empty(B, h, 4, Dv, dtype=torch.float32)
+    lse = torch.empty(B, h, 4, dtype=torch.float32)
+    splits = torch.full((B,), 4, dtype=torch.int32)
+    decode_attention_fwd(q, k.reshape(B * T, g, D), v.reshape(B * T, g, Dv), out, indptr,
+                         indices, logits, lse, splits, 4, D**-0.5, 1.0, 1.0)  # fmt: skip
+    return out
+
+
+def sglang_decode_float16_products_overflow() -> bool:
+    """SGLang's decode with one KV head a query head (its ``decode_attention_fwd_normal``
+    path) forms each score as ``tl.sum((q * k).to(float32))``: the products are rounded
+    to float16 first, so a product past 65504 is ``inf`` and the row NaN, where the
+    score itself (300 * 300 / sqrt(8), about 31820) and the softmax are finite."""
+    q = torch.zeros(1, 1, 8, dtype=torch.float16)
+    q[..., 0] = 300.0
+    k = torch.zeros(1, 2, 1, 8, dtype=torch.float16)
+    k[0, 0, 0, 0] = 300.0
+    v = torch.randn(1, 2, 1, 8, generator=torch.Generator().manual_seed(0)).half()
+    got = _sglang_decode(q, k, v)
+    want = oracle(q[:, :, None], k.transpose(1, 2), v.transpose(1, 2))[:, :, 0]
+    return bool(torch.isfinite(want).all() and torch.isnan(got).any())
+
+
+def sglang_decode_float16_products_rounded() -> bool:
+    """The same path in float16, scores far from zero (``q_d = 40``, ``k_d`` about -40:
+    each score about -12800, the keys a few units apart): each product ``q_d * k_d``
+    rounded to float16 (a spacing of 1 at 1600) moves the scores by units, and the
+    output is off by far more than float16 rounding of the inputs and output (0.27
+    against 0.00026 for torch's own float16 SDPA on the same inputs)."""
+    gen = torch.Generator().manual_seed(1)
+    q = torch.full((1, 1, 64), 40.0).half()
+    k = (-40 + 0.05 * torch.randn(1, 33, 1, 64, generator=gen)).half()
+    v = torch.randn(1, 33, 1, 64, generator=gen).half()
+    want = oracle(q[:, :, None], k.transpose(1, 2), v.transpose(1, 2))[:, :, 0]
+    got = _sglang_decode(q, k, v)
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q[:, :, None], k.transpose(1, 2), v.transpose(1, 2)
+    )[:, :, 0]
+    error, torch_error = ((x.double() - want).abs().max() for x in (got, ref))
+    return bool(error > 30 * torch_error)
+
+
 FINDINGS: list[tuple[str, Callable[[], bool]]] = [
     ("transformers", hf_sdpa_single_query_is_not_causal),
     ("transformers", hf_sdpa_drops_causal_with_a_mask),
@@ -886,6 +969,9 @@ FINDINGS: list[tuple[str, Callable[[], bool]]] = [
     ("ring_attention_pytorch", ring_gqa_maps_heads_tiled),
     ("ring_attention_pytorch", ring_dkv_wrong_over_two_ranks),
     ("ring_attention_pytorch", ring_causal_buckets_misplaced),
+    ("jax", pallas_mha_causal_reads_past_the_keys),
+    ("sglang", sglang_decode_float16_products_overflow),
+    ("sglang", sglang_decode_float16_products_rounded),
 ]
 #: seen once in an audit, not yet rebuilt from a small case: tried, reported, not counted
 SEEN_ONCE: list[tuple[str, Callable[[], bool]]] = []

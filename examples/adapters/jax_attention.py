@@ -66,7 +66,8 @@ def attention(
     """``jax.jit(jax.nn.dot_product_attention)`` on the inputs moved to JAX."""
     import jax
 
-    jax.config.update("jax_enable_x64", True)  # float64 stays float64
+    config: Any = jax.config  # typed where JAX is installed, Any where it is not
+    config.update("jax_enable_x64", True)  # float64 stays float64
     no_dropout(dropout_p)
     if value.shape[-1] != key.shape[-1]:
         raise NotImplementedError(f"{REFUSAL} values shaped like keys (Dv = Dh)")

@@ -1,0 +1,107 @@
+"""SGLang's Triton decode kernel (``decode_attention_fwd``, SGLang 0.5.23:
+``sglang/kernels/ops/attention/decode_attention.py``) behind FlashAttention's
+``flash_attn_with_kvcache`` signature (``--api flash-kvcache``), run through Triton's
+interpreter on the CPU (docs/interpreted.md).
+
+SGLang's decode reads a pool of token slots ``(slots, g, D)`` through ``kv_indptr``
+(``B + 1`` offsets) and ``kv_indices`` (each row's slots, in order): a block table of
+pages of one slot. The adapter writes the new tokens into the cache (SGLang does that in
+a kernel of its own before attention), flattens the cache (paged ``(pages, page, g, D)``
+or contiguous ``(B_cache, T, g, D)``) into that pool, lists each row's slots through
+its block table (or ``cache_batch_idx``), and calls the kernel with ``num_kv_splits`` of
+4 a row (its stage 1 cuts a row's keys into 4 splits of ``cdiv(cdiv(L, 4), 32) * 32``
+keys, in blocks of 32; its stage 2 merges them). One query a row (``single_query``), and
+a row always has a key (``empty_sequences=False``: a row with none divides 0 by 0).
+``sinks`` (one logit a query head) reach its ``sinks``; its ``logit_cap`` is not
+audited here, nor its per-tensor FP8 scales (the family's FP8 calls carry per-row
+descales). It returns no LSE.
+
+What importing it took (``nox -s peers`` does this): SGLang's wheel installed
+``--no-deps``, and the pure-Python packages that ``sglang.srt.environ`` and
+``sglang.srt.utils`` import (pinned in examples/adapters/constraints.txt).
+"""
+
+from dataclasses import replace
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from attnref.conformance.families.flash_kvcache import FLASH_ATTN_2_KVCACHE
+from attnref.kvcache import cached_lengths
+
+#: KV splits a row, as SGLang's scheduler picks for short contexts
+SPLITS = 4
+
+
+def decode(
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    k: Tensor | None = None,
+    v: Tensor | None = None,
+    cache_seqlens: Tensor | int | None = None,
+    cache_batch_idx: Tensor | None = None,
+    block_table: Tensor | None = None,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    num_splits: int = 0,
+    sinks: Tensor | None = None,
+) -> Tensor:
+    """SGLang's ``decode_attention_fwd``, interpreted, on the cache as its slot pool."""
+    from sglang.kernels.ops.attention.decode_attention import decode_attention_fwd
+
+    B, Tq, H, D = q.shape
+    G, Dv = k_cache.shape[2], v_cache.shape[3]
+    if Tq != 1:
+        raise ValueError(f"SGLang's decode takes one query a row, got {Tq}")
+    T_new = 0 if k is None else k.shape[1]
+    page = k_cache.shape[1]
+    if block_table is None:
+        rows = range(B) if cache_batch_idx is None else [int(r) for r in cache_batch_idx]
+        table = torch.tensor([[r] for r in rows], dtype=torch.int64)
+    else:
+        table = block_table.long()
+    # the tokens already cached (FlashAttention's rule: none given, the cache is full)
+    before = cached_lengths(cache_seqlens, B, table.shape[1] * page, T_new)
+    slots: list[Tensor] = []
+    for b, n in enumerate(before):
+        t = torch.arange(n + T_new)
+        slots.append(table[b, t // page] * page + t % page)
+    if k is not None and v is not None:  # in place, in the caller's cache
+        for b, n in enumerate(before):
+            new = slots[b][n:]
+            k_cache[new // page, new % page] = k[b].to(k_cache.dtype)
+            v_cache[new // page, new % page] = v[b].to(v_cache.dtype)
+    k_pool, v_pool = k_cache.reshape(-1, G, D), v_cache.reshape(-1, G, Dv)
+    indptr = torch.tensor([0, *torch.tensor([len(s) for s in slots]).cumsum(0).tolist()],
+                          dtype=torch.int32)  # fmt: skip
+    indices = torch.cat(slots).to(torch.int32)
+    out = torch.empty(B, H, Dv, dtype=q.dtype)
+    logits = torch.empty(B, H, SPLITS, Dv, dtype=torch.float32)
+    lse = torch.empty(B, H, SPLITS, dtype=torch.float32)
+    splits = torch.full((B,), SPLITS, dtype=torch.int32)
+    scale = D**-0.5 if softmax_scale is None else float(softmax_scale)
+    sink: Any = None if sinks is None else sinks.float().contiguous()
+    decode_attention_fwd(q[:, 0].contiguous(), k_pool, v_pool, out, indptr, indices, logits,
+                         lse, splits, SPLITS, scale, 1.0, 1.0, sinks=sink)  # fmt: skip
+    return out.unsqueeze(1)
+
+
+decode.capabilities = replace(  # type: ignore[attr-defined]
+    FLASH_ATTN_2_KVCACHE,
+    dtypes=(torch.float32, torch.float16, torch.bfloat16),
+    window=False,
+    softcap=False,
+    alibi=False,
+    rotary=False,
+    lse=False,
+    sinks=True,
+    distinct_value_dim=True,
+    page_multiple=1,
+    single_query=True,
+    empty_sequences=False,
+    interpreter="triton",
+    tile_keys=32,
+    kv_splits=SPLITS,
+)
