@@ -37,6 +37,7 @@ ADAPTERS = [
     ("examples.adapters.ring_attention:ring_buckets", "ring_attention_pytorch"),
     # GPU kernels, run through their interpreters on the CPU (docs/interpreted.md)
     ("examples.adapters.sglang_decode:decode", "sglang"),
+    ("examples.adapters.sglang_extend:extend", "sglang"),
     ("examples.adapters.pallas_flash:mha", "jax"),
 ]
 #: the API family of an adapter that is not torch SDPA's (``--api``)
@@ -44,6 +45,7 @@ FAMILIES = {
     "examples.adapters.ring_attention:ring": "context-parallel",
     "examples.adapters.ring_attention:ring_buckets": "context-parallel",
     "examples.adapters.sglang_decode:decode": "flash-kvcache",
+    "examples.adapters.sglang_extend:extend": "flash-kvcache",
     "examples.adapters.pallas_flash:mha": "flash",
 }
 
