@@ -933,6 +933,36 @@ def sglang_decode_float16_products_rounded() -> bool:
     return bool(error > 30 * torch_error)
 
 
+def sglang_extend_lse_overflows_past_a_far_sink() -> bool:
+    """SGLang's Triton ``extend_attention_fwd`` with a sink: one query, one key of
+    score -138 (``q = 12.33``, ``k = -11.19``, head dim 1) and a sink logit of 0.25. Its
+    ``lse_extend`` adds the sink as ``exp(sink - max)`` with the max of the scores alone,
+    which overflows float32 once the sink is 88 above them: +inf, where
+    ``logaddexp(-138, 0.25)`` is 0.25. The output, all weight on the sink, is 0 as it
+    should be."""
+    import os
+
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
+    from sglang.kernels.ops.attention.extend_attention import extend_attention_fwd
+
+    q = torch.tensor([[[12.32796859741211]]])
+    k = torch.tensor([[[-11.188763618469238]]])
+    v = torch.tensor([[[0.5]]])
+    sink = torch.tensor([0.2454])
+    out = torch.empty(1, 1, 1)
+    lse = torch.empty(1, 1)
+    qo_indptr = torch.tensor([0, 1], dtype=torch.int32)
+    kv_indptr = torch.tensor([0, 0], dtype=torch.int32)  # no cached prefix
+    kv_indices = torch.zeros(0, dtype=torch.int32)
+    extend_attention_fwd(
+        q, k, v, out, k.clone(), v.clone(), qo_indptr, kv_indptr, kv_indices,
+        None, True, None, 1, 1.0, 1.0, sm_scale=1.0, sinks=sink, lse_extend=lse,
+    )  # fmt: skip
+    want = torch.logaddexp(torch.tensor(12.32796859741211 * -11.188763618469238).double(),
+                           sink.double()[0])  # fmt: skip
+    return bool(torch.isfinite(want) and torch.isinf(lse).all() and out.abs().max() < 1e-6)
+
+
 FINDINGS: list[tuple[str, Callable[[], bool]]] = [
     ("transformers", hf_sdpa_single_query_is_not_causal),
     ("transformers", hf_sdpa_drops_causal_with_a_mask),
@@ -979,6 +1009,7 @@ FINDINGS: list[tuple[str, Callable[[], bool]]] = [
     ("jax", pallas_mha_causal_reads_past_the_keys),
     ("sglang", sglang_decode_float16_products_overflow),
     ("sglang", sglang_decode_float16_products_rounded),
+    ("sglang", sglang_extend_lse_overflows_past_a_far_sink),
 ]
 #: seen once in an audit, not yet rebuilt from a small case: tried, reported, not counted
 SEEN_ONCE: list[tuple[str, Callable[[], bool]]] = []
