@@ -28,10 +28,47 @@ import torch
 from torch import Tensor
 
 from attnref.conformance.families.flash_kvcache import FLASH_ATTN_2_KVCACHE
-from attnref.kvcache import cached_lengths
+from attnref.kvcache import cache_slots, cached_lengths
 
 #: KV splits a row, as SGLang's scheduler picks for short contexts
 SPLITS = 4
+
+
+def slot_pool(
+    k_cache: Tensor,
+    v_cache: Tensor,
+    k: Tensor | None,
+    v: Tensor | None,
+    cache_seqlens: Tensor | int | None,
+    cache_batch_idx: Tensor | None,
+    block_table: Tensor | None,
+    B: int,
+) -> tuple[list[Tensor], Tensor, Tensor]:
+    """The cache as SGLang's pool of token slots: each of the ``B`` rows' keys as slot
+    indices into the cache flattened to ``(slots, g, D)`` (a physical page or a cache
+    row times its length, plus the slot), with the new tokens ``k``, ``v`` written in
+    place first at each row's next slots (SGLang writes them in a kernel of its own
+    before attention). Returns the rows' slots, and the K and V pools."""
+    T_new = 0 if k is None else k.shape[1]
+    page = k_cache.shape[1]
+    capacity = page if block_table is None else block_table.shape[1] * page
+    # the tokens already cached (FlashAttention's rule: none given, the cache is full)
+    before = cached_lengths(cache_seqlens, B, capacity, T_new)
+    slots = []
+    for b, n in enumerate(before):
+        row = b if cache_batch_idx is None else int(cache_batch_idx[b])
+        if k is not None and v is not None:  # in place, in the caller's cache
+            for t, (r, s) in enumerate(cache_slots(b, range(n, n + T_new), block_table, page, row)):
+                k_cache[r, s], v_cache[r, s] = k[b, t], v[b, t]
+        where = cache_slots(b, range(n + T_new), block_table, page, row)
+        slots.append(torch.tensor([r * page + s for r, s in where], dtype=torch.int64))
+    return slots, k_cache.reshape(-1, *k_cache.shape[2:]), v_cache.reshape(-1, *v_cache.shape[2:])
+
+
+def offsets(rows: list[Tensor]) -> Tensor:
+    """CSR offsets of ``rows`` (``kv_indptr``): ``B + 1`` int32 starts."""
+    lengths = torch.tensor([0, *(len(r) for r in rows)])
+    return lengths.cumsum(0).to(torch.int32)
 
 
 def decode(
@@ -52,31 +89,13 @@ def decode(
     from sglang.kernels.ops.attention.decode_attention import decode_attention_fwd
 
     B, Tq, H, D = q.shape
-    G, Dv = k_cache.shape[2], v_cache.shape[3]
+    Dv = v_cache.shape[3]
     if Tq != 1:
         raise ValueError(f"SGLang's decode takes one query a row, got {Tq}")
-    T_new = 0 if k is None else k.shape[1]
-    page = k_cache.shape[1]
-    if block_table is None:
-        rows = range(B) if cache_batch_idx is None else [int(r) for r in cache_batch_idx]
-        table = torch.tensor([[r] for r in rows], dtype=torch.int64)
-    else:
-        table = block_table.long()
-    # the tokens already cached (FlashAttention's rule: none given, the cache is full)
-    before = cached_lengths(cache_seqlens, B, table.shape[1] * page, T_new)
-    slots: list[Tensor] = []
-    for b, n in enumerate(before):
-        t = torch.arange(n + T_new)
-        slots.append(table[b, t // page] * page + t % page)
-    if k is not None and v is not None:  # in place, in the caller's cache
-        for b, n in enumerate(before):
-            new = slots[b][n:]
-            k_cache[new // page, new % page] = k[b].to(k_cache.dtype)
-            v_cache[new // page, new % page] = v[b].to(v_cache.dtype)
-    k_pool, v_pool = k_cache.reshape(-1, G, D), v_cache.reshape(-1, G, Dv)
-    indptr = torch.tensor([0, *torch.tensor([len(s) for s in slots]).cumsum(0).tolist()],
-                          dtype=torch.int32)  # fmt: skip
-    indices = torch.cat(slots).to(torch.int32)
+    slots, k_pool, v_pool = slot_pool(
+        k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, B
+    )
+    indptr, indices = offsets(slots), torch.cat(slots).to(torch.int32)
     out = torch.empty(B, H, Dv, dtype=q.dtype)
     logits = torch.empty(B, H, SPLITS, Dv, dtype=torch.float32)
     lse = torch.empty(B, H, SPLITS, dtype=torch.float32)

@@ -14,7 +14,8 @@ more queries than keys has no such split, and is refused (``queries_at_most_keys
 log) is returned as the LSE; it counts the sink (``lse_with_sink``). On a CPU its tiles
 are 64 x 64 (its table's fallback for head dims up to 128; 32 x 32 above). Its window
 (``sliding_window_size``), ``logit_cap``, custom mask and FP8 scales are not audited
-here. Importing it takes what ``examples.adapters.sglang_decode`` says.
+here. Importing it takes what ``examples.adapters.sglang_decode`` says, whose slot pool
+(``slot_pool``, ``offsets``) it shares.
 """
 
 from dataclasses import replace
@@ -24,7 +25,7 @@ import torch
 from torch import Tensor
 
 from attnref.conformance.families.flash_kvcache import FLASH_ATTN_2_KVCACHE
-from attnref.kvcache import cached_lengths
+from examples.adapters.sglang_decode import offsets, slot_pool
 
 #: the adapter's error for a call SGLang's extend cannot express (declared a refusal)
 REFUSAL = "SGLang's extend needs its queries among the keys"
@@ -50,31 +51,16 @@ def extend(
     from sglang.kernels.ops.attention.extend_attention import extend_attention_fwd
 
     B, Tq, H, D = q.shape
-    G, Dv = k_cache.shape[2], v_cache.shape[3]
-    T_new = 0 if k is None else k.shape[1]
-    page = k_cache.shape[1]
-    if block_table is None:
-        rows = range(B) if cache_batch_idx is None else [int(r) for r in cache_batch_idx]
-        table = torch.tensor([[r] for r in rows], dtype=torch.int64)
-    else:
-        table = block_table.long()
-    before = cached_lengths(cache_seqlens, B, table.shape[1] * page, T_new)
-    slots = []
-    for b, n in enumerate(before):
-        if n + T_new < Tq:
-            raise ValueError(f"{REFUSAL}: {Tq} queries against {n + T_new} keys")
-        t = torch.arange(n + T_new)
-        slots.append(table[b, t // page] * page + t % page)
-        if k is not None and v is not None:  # in place, in the caller's cache
-            new = slots[b][n:]
-            k_cache[new // page, new % page] = k[b].to(k_cache.dtype)
-            v_cache[new // page, new % page] = v[b].to(v_cache.dtype)
-    k_pool, v_pool = k_cache.reshape(-1, G, D), v_cache.reshape(-1, G, Dv)
+    Dv = v_cache.shape[3]
+    slots, k_pool, v_pool = slot_pool(
+        k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, B
+    )
+    short = min(len(s) for s in slots)
+    if short < Tq:
+        raise ValueError(f"{REFUSAL}: {Tq} queries against {short} keys")
     prefixes = [s[: len(s) - Tq] for s in slots]
     chunks = torch.cat([s[len(s) - Tq :] for s in slots])
-    kv_indptr = torch.tensor([0, *torch.tensor([len(p) for p in prefixes]).cumsum(0).tolist()],
-                             dtype=torch.int32)  # fmt: skip
-    kv_indices = torch.cat(prefixes).to(torch.int32)
+    kv_indptr, kv_indices = offsets(prefixes), torch.cat(prefixes).to(torch.int32)
     qo_indptr = torch.arange(B + 1, dtype=torch.int32) * Tq
     out = torch.empty(B * Tq, H, Dv, dtype=q.dtype)
     lse = torch.empty(B * Tq, H, dtype=torch.float32) if return_softmax_lse else None

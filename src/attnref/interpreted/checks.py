@@ -8,7 +8,10 @@ import math
 from typing import Any
 
 import torch
+from jaxtyping import Float, Float64
 from torch import Tensor
+
+from attnref._checking import checked_internal
 
 __all__ = ["BOUNDS", "pallas_self_check", "triton_self_check"]
 
@@ -18,7 +21,13 @@ __all__ = ["BOUNDS", "pallas_self_check", "triton_self_check"]
 BOUNDS = {"float64": 1e-9, "float32": 1e-4, "float16": 2e-2, "bfloat16": 1e-1}
 
 
-def _attention(q: Tensor, k: Tensor, v: Tensor, causal: bool) -> Tensor:
+@checked_internal
+def _attention(
+    q: Float[Tensor, "B Tq h D"],
+    k: Float[Tensor, "B Tk g D"],
+    v: Float[Tensor, "B Tk g Dv"],
+    causal: bool,
+) -> Float64[Tensor, "B Tq h Dv"]:
     """float64 attention of ``(B, T, h, D)`` tensors, GQA, bottom-right causal."""
     q, k, v = (t.double().transpose(1, 2) for t in (q, k, v))
     k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)

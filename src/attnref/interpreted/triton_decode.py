@@ -26,7 +26,7 @@ from jaxtyping import Float, Int, Shaped
 from torch import Tensor
 
 from attnref._checking import checked
-from attnref.kvcache import cached_lengths
+from attnref.kvcache import cache_slots, cached_lengths
 
 __all__ = ["BUGS", "flash_attn_with_kvcache"]
 
@@ -163,19 +163,6 @@ def _block(n: int) -> int:
     return max(16, int(triton.next_power_of_2(n)))
 
 
-def _append(
-    k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, lengths: list[int],
-    table: Tensor, page: int,
-) -> None:  # fmt: skip
-    """The new tokens written at each row's next slots, through its page table."""
-    for b, n in enumerate(lengths):
-        for j in range(k.shape[1]):
-            p = n + j
-            where = int(table[b, p // page]), p % page
-            k_cache[where] = k[b, j].to(k_cache.dtype)
-            v_cache[where] = v[b, j].to(v_cache.dtype)
-
-
 @checked
 def flash_attn_with_kvcache(
     q: Shaped[Tensor, "B Tq h Dh"],
@@ -217,8 +204,11 @@ def flash_attn_with_kvcache(
         table = block_table.to(torch.int32)
     # the tokens already cached (FlashAttention's rule: none given, the cache is full)
     before = cached_lengths(cache_seqlens, B, table.shape[1] * page, T_new)
-    if k is not None and v is not None:
-        _append(k_cache, v_cache, k, v, before, table, page)
+    if k is not None and v is not None:  # the new tokens at each row's next slots
+        for b, n in enumerate(before):
+            row = b if cache_batch_idx is None else int(cache_batch_idx[b])
+            for t, (r, s) in enumerate(cache_slots(b, range(n, n + T_new), block_table, page, row)):
+                k_cache[r, s], v_cache[r, s] = k[b, t], v[b, t]
     lengths = torch.tensor([n + T_new for n in before], dtype=torch.int32)
     fp8 = q.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
