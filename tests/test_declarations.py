@@ -335,12 +335,14 @@ def test_a_law_failure_names_both_calls_and_the_oracle() -> None:
     verdict = check_case(
         "gqa", "mutant.gqa_tiled", Case("x", batch=(1,), h=4, g=2, Tq=3, Tk=5), torch.float32
     )
-    assert "the call on the changed inputs gave" in verdict
-    assert "the call on the original inputs" in verdict
-    assert "the oracle sides with the" in verdict
+    # the two calls named by what tells them apart (not "changed" and "original", which
+    # read the wrong way round for a law whose changed call is the grouped one)
+    assert "the call with grouped KV heads gave" in verdict
+    assert "the call with the KV heads expanded 0." in verdict
+    assert "the oracle sides with the call with the KV heads expanded" in verdict
     # the wrong call first, judged against its oracle; the law after it calls neither
     # call "expected"
-    assert "the call on the changed inputs: max error" in verdict
+    assert "the call with grouped KV heads: max error" in verdict
     assert "expected" not in verdict.split("; the law: ")[1]
 
 

@@ -933,6 +933,25 @@ def sglang_decode_float16_products_rounded() -> bool:
     return bool(error > 30 * torch_error)
 
 
+def sglang_decode_float16_grouped_right_expanded_wrong() -> bool:
+    """The ``gqa`` finding: the same float16 inputs (3 query heads, scores about -12800,
+    the keys a few units apart) on one KV head take SGLang's grouped path (scores by
+    ``tl.dot``, products in float32) and are right; with the KV head expanded to 3,
+    they take the MHA path, whose products are rounded to float16, and are not."""
+    gen = torch.Generator().manual_seed(2)
+    q = (40 + 0.05 * torch.randn(1, 3, 64, generator=gen)).half()
+    k = (-40 + 0.05 * torch.randn(1, 33, 1, 64, generator=gen)).half()
+    v = torch.randn(1, 33, 1, 64, generator=gen).half()
+    want = oracle(q[:, :, None], k.transpose(1, 2), v.transpose(1, 2))[:, :, 0]
+    grouped = _sglang_decode(q, k, v)
+    expanded = _sglang_decode(q, k.expand(-1, -1, 3, -1), v.expand(-1, -1, 3, -1))
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q[:, :, None], k.transpose(1, 2), v.transpose(1, 2), enable_gqa=True
+    )[:, :, 0]
+    errors = [(x.double() - want).abs().max() for x in (grouped, expanded, ref)]
+    return bool(errors[0] < 10 * errors[2] and errors[1] > 30 * errors[2])
+
+
 def sglang_extend_lse_overflows_past_a_far_sink() -> bool:
     """SGLang's Triton ``extend_attention_fwd`` with a sink: one query, one key of
     score -138 (``q = 12.33``, ``k = -11.19``, head dim 1) and a sink logit of 0.25. Its
@@ -1009,6 +1028,7 @@ FINDINGS: list[tuple[str, Callable[[], bool]]] = [
     ("jax", pallas_mha_causal_reads_past_the_keys),
     ("sglang", sglang_decode_float16_products_overflow),
     ("sglang", sglang_decode_float16_products_rounded),
+    ("sglang", sglang_decode_float16_grouped_right_expanded_wrong),
     ("sglang", sglang_extend_lse_overflows_past_a_far_sink),
 ]
 #: seen once in an audit, not yet rebuilt from a small case: tried, reported, not counted

@@ -33,6 +33,7 @@ from attnref.conformance.cases import Case, Inputs, build
 from attnref.conformance.declarations import Backend, Capabilities, EmptyRow
 from attnref.conformance.family import ApiFamily, family_of
 from attnref.conformance.oracle import (
+    LAW_CALLS,
     Expected,
     close,
     empty_row_causes,
@@ -331,6 +332,7 @@ def law(
     sel: Bool[Tensor, "*#shape"] | None = None,
     base_sel: Bool[Tensor, "*#base"] | None = None,
     base_finite: Bool[Tensor, "*#base"] | None = None,
+    names: tuple[str, str] = LAW_CALLS,
 ) -> None:
     """Fail unless ``got ~ transform(base)`` within both calls' bounds on ``sel``.
 
@@ -338,6 +340,7 @@ def law(
     the shape (default: ``sel``). ``base_finite``: the rows of ``base`` that must be
     finite where the oracle is (default: all; a base call whose other rows hold a
     policy the declaration does not give, such as a sink of -inf's empty rows).
+    ``names``: how messages name the two calls, ``got``'s first.
 
     ``factor`` is how much ``transform`` scales an error; ``delta`` covers the change in
     the exact answer that rounding the transformed inputs makes. First, each call must be
@@ -349,7 +352,7 @@ def law(
     if base_finite is not None:
         judged = judged.where(base_finite, math.nan)
     with ctx.naming_the_row(base_inputs):
-        _finite_where_the_oracle_is(base, judged, f"{what}: the call on the original inputs")
+        _finite_where_the_oracle_is(base, judged, f"{what}: {names[1]}")
     # a long case's rows the oracles know (`Context.rows`), as the transform moves them
     sel = eg.sel(sel)
     if eb.known is not None:
@@ -358,7 +361,7 @@ def law(
         sel = moved if sel is None else sel & moved
     oracle = eg.value if sel is None else torch.where(sel, eg.value, torch.nan)  # sel only
     with ctx.naming_the_row(got_inputs):
-        _finite_where_the_oracle_is(got, oracle, f"{what}: the call on the changed inputs")
+        _finite_where_the_oracle_is(got, oracle, f"{what}: {names[0]}")
     want = transform(base.to(torch.float64))
     exact = transform(eb.value)
     diff = (eg.value - exact).abs()
@@ -377,15 +380,16 @@ def law(
                 sel,
                 law=eg.value,
                 semantic=eg.semantic,
+                names=names,
             )
     except Failure as failed:
         # two calls disagree: the one the oracle does not side with is judged against
         # its own oracle first, so that the wrong call is the finding, not the law
         calls = [
-            (base, eb, base_sel, base_finite, base_inputs, "the call on the original inputs"),
-            (got, eg, sel, None, got_inputs, "the call on the changed inputs"),
+            (base, eb, base_sel, base_finite, base_inputs, names[1]),
+            (got, eg, sel, None, got_inputs, names[0]),
         ]
-        if "sides with the original call" in str(failed):
+        if f"sides with {names[1]}" in str(failed):
             calls.reverse()
         for out, exp, rows, finite, inputs, which in calls:
             keep = rows if finite is None else finite if rows is None else rows & finite
@@ -727,7 +731,9 @@ def gqa(ctx: Context, case: Case) -> None:
     expanded = _with(
         inputs, key=F.expand_kv_heads(inputs.key, h), value=F.expand_kv_heads(inputs.value, h)
     )
-    law(ctx, ctx.run(inputs), inputs, ctx.run(expanded), expanded, "GQA against expanded heads")
+    names = ("the call with grouped KV heads", "the call with the KV heads expanded")
+    law(ctx, ctx.run(inputs), inputs, ctx.run(expanded), expanded, "GQA against expanded heads",
+        names=names)  # fmt: skip
 
 
 def batch(ctx: Context, case: Case) -> None:

@@ -651,6 +651,11 @@ def expect_grads(
     return out[0], out[1], out[2]
 
 
+#: a law's two calls as its messages name them: the changed inputs' call, then the
+#: call it is compared with
+LAW_CALLS = ("the call on the changed inputs", "the call on the original inputs")
+
+
 @checked
 def close(
     got: Float64[Tensor, "*shape"],
@@ -662,6 +667,7 @@ def close(
     *,
     law: Float64[Tensor, "*shape"] | None = None,
     semantic: float | None = None,
+    names: tuple[str, str] = LAW_CALLS,
 ) -> None:
     """Raise `Failure` unless ``got`` is within the bounds of ``want`` where ``sel`` holds.
 
@@ -671,7 +677,7 @@ def close(
     ``law``: ``want`` is not the oracle but another call of the backend (a law), and
     ``law`` is the oracle of ``got``'s call. The message then names the two calls, says
     which the oracle sides with, and calls neither "expected"; the failure's
-    ``expected`` is the oracle's value.
+    ``expected`` is the oracle's value. ``names``: the two calls, ``got``'s first.
 
     ``semantic``: for an output, the smallest error that is a wrong function
     (`Expected.semantic`: from the spread of the values its rows average, not the
@@ -715,11 +721,9 @@ def close(
             dg, dw = abs(g - truth), abs(w - truth)
             dg, dw = (math.inf if math.isnan(x) else x for x in (dg, dw))
             if dg != dw:
-                side = " (the oracle sides with the {} call)".format(
-                    "changed" if dg < dw else "original"
-                )
+                side = f" (the oracle sides with {names[0] if dg < dw else names[1]})"
         return (
-            f"the call on the changed inputs gave {g:.6g}, the call on the original inputs "
+            f"{names[0]} gave {g:.6g}, {names[1]} "
             f"{w:.6g} (as the law carries it over), the oracle {truth:.6g}{side}",
             truth,
         )
