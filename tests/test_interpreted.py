@@ -153,3 +153,73 @@ def test_a_flash_kernel_declaring_no_gqa_gets_no_gqa_case() -> None:
         "skip: GQA not declared"
     )
     assert check_case("forward", flash, case, torch.float32, isolate=False) == "pass"
+
+
+_BF16_SCRIPT = r"""
+import json, os
+os.environ["TRITON_INTERPRET"] = "1"
+import torch, triton, triton.language as tl
+from attnref.interpreted.triton_fixes import fix
+
+FOUR = tl.constexpr(4)
+
+@triton.jit
+def kernel(x_ptr, y_ptr, mul_ptr, dot_ptr, cast_ptr):
+    r = tl.arange(0, 16)
+    at = r[:, None] * 16 + r[None, :]
+    x, y = tl.load(x_ptr + at), tl.load(y_ptr + at)
+    tl.store(mul_ptr + at, x * y)
+    tl.store(dot_ptr + at, tl.dot(x, y))
+    tl.store(cast_ptr + at, (x.to(tl.float32) * 1.3).to(tl.bfloat16))
+
+@triton.jit
+def offsets(off_ptr):
+    r = tl.arange(0, 16)
+    tl.store(off_ptr + r, (FOUR + r)[None, :].reshape(16))
+
+def run():
+    g = torch.Generator().manual_seed(0)
+    x, y = (torch.randn(16, 16, generator=g).bfloat16() for _ in range(2))
+    mul, cast = torch.empty_like(x), torch.empty_like(x)
+    dot, off = torch.empty(16, 16), torch.zeros(16, dtype=torch.int32)
+    kernel[(1,)](x, y, mul, dot, cast)
+    try:
+        offsets[(1,)](off)
+        same = off.tolist() == list(range(4, 20))
+    except Exception as e:
+        same = type(e).__name__
+    return {
+        "mul": bool(torch.equal(mul, x * y)),
+        "dot": float((dot - x.float() @ y.float()).abs().max()),
+        "cast": bool(torch.equal(cast, (x.float() * 1.3).bfloat16())),
+        "off": same,
+    }
+
+before = run()
+fix()
+print(json.dumps({"before": before, "after": run()}))
+"""
+
+
+def test_triton_s_interpreter_computes_bfloat16_as_a_device_once_fixed() -> None:
+    """Triton 3.9's interpreter multiplies, dots and casts bfloat16 wrong (and trips on a
+    module-level constexpr added to a tensor); after `triton_fixes.fix`, a product and
+    a cast equal torch's bfloat16 bit for bit, a dot is float32's, and the constexpr
+    sum is the tensor's."""
+    pytest.importorskip("triton")
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _BF16_SCRIPT], capture_output=True,
+                         text=True, timeout=120, check=True)  # fmt: skip
+    said = json.loads(out.stdout.strip().splitlines()[-1])
+    before = said["before"]  # the interpreter's own artefacts, each of them
+    assert not before["mul"], before
+    assert not before["cast"], before
+    assert before["off"] is not True, before
+    assert before["dot"] > 1, before
+    after = said["after"]
+    assert after["mul"], after
+    assert after["cast"], after
+    assert after["off"], after
+    assert after["dot"] < 1e-5, after

@@ -26,6 +26,7 @@ JSON schema (``schema_version`` 12; 3 added ``api``, 4 ``trusted``, 5 ``checked`
       "interpreted": null | {      # the kernel ran through an interpreter on the CPU
         "interpreter": "triton" | "pallas", "version": str,
         "not_judged": str,         # what running interpreted cannot show
+        "patched": str,            # what attnref changed in the interpreter (Triton's bf16)
         "dtypes_out": {dtype: why},  # left out: the interpreter's own check failed there
         "checked": {dtype: float},   # its check's error in each dtype
         "sizes": str               # the tiles and cost bound the cases were fitted to
@@ -603,6 +604,8 @@ def interpreted_lines(interpreted: dict[str, Any]) -> list[str]:
         f"interpreted: {name} {interpreted.get('version', '')}".rstrip()
         + f"; {interpreted.get('not_judged', '')}"
     ]
+    if interpreted.get("patched"):
+        lines.append(f"  interpreter patched: {interpreted['patched']}")
     for dtype, why in (interpreted.get("dtypes_out") or {}).items():
         lines.append(f"  {dtype} left out: {why}")
     if interpreted.get("sizes"):

@@ -15,7 +15,10 @@ module is what the worker does about it, before the backend's module is imported
   (`attnref.interpreted.triton_flash`), in every dtype: a dtype the interpreter computes
   wrong is left out of the audit, with the error measured (Triton 3.9's interpreter
   multiplies bfloat16 tiles into garbage), so that a kernel is never blamed for its
-  interpreter; where the check fails in every dtype, nothing is judged.
+  interpreter; where the check fails in every dtype, nothing is judged;
+- it makes Triton's interpreter compute bfloat16 as a device does, and a module-level
+  ``constexpr`` combined with a tensor as compiling does (`attnref.interpreted.
+  triton_fixes`: Triton 3.9's interpreter gets both wrong), and says so.
 
 What an interpreter runs is the kernel's logic: its indices, masks, alignments, page and
 split boundaries, descales and merges, as on every device. What it cannot show is said in
@@ -176,6 +179,10 @@ def prepare(name: str, scratch: str) -> dict[str, Any]:
     try:
         if name == "triton":
             _pin_autotune()
+            from attnref.interpreted.triton_fixes import PATCHED, fix
+
+            fix()
+            said["patched"] = PATCHED
         if name == "pallas":
             _configure_jax()
         said.update(interpreter.check())
@@ -193,7 +200,7 @@ def record(value: object) -> dict[str, Any]:
     """
     if not isinstance(value, dict):
         raise ValueError(f"a dict, got {type(value).__name__}")
-    texts = ("interpreter", "version", "not_judged", "error")
+    texts = ("interpreter", "version", "not_judged", "patched", "error")
     out: dict[str, Any] = {}
     for key, item in value.items():
         if key in texts and isinstance(item, str):

@@ -1,0 +1,141 @@
+"""Two steps of Triton's interpreter (3.9) done as the compiled kernel does them.
+
+**bfloat16, computed as a GPU computes it.**
+
+Triton 3.9's interpreter keeps a bfloat16 value as its raw 16 bits in a NumPy ``uint16``
+array (NumPy has no bfloat16), and its arithmetic, ``tl.dot`` included, then works on
+those bits as integers: ``x * y`` and a dot of bfloat16 tiles come out as garbage (errors
+of 8e8 in SGLang's decode). A float32 value cast to bfloat16 is truncated, where a GPU's
+cast (``.to(tl.bfloat16)``, whose default rounding is round-to-nearest-even) rounds.
+
+`fix` replaces those four steps of the interpreter, in the worker's process only, by what
+the device does: a binary or unary operation on bfloat16 computes in float32 (exact for a
+product or a sum of two bfloat16 values, then rounded once: the correctly rounded
+result), a dot reads its bfloat16 tiles as float32 and accumulates in its accumulator's
+dtype, and a cast to bfloat16 rounds to nearest even. The interpreter's own check of
+itself (`attnref.interpreted.checks`) then decides, as for every dtype, whether bfloat16
+is judged. Nothing else of the interpreter changes.
+
+Weighed against the alternative, leaving bfloat16 out of every Triton audit: the
+production kernels of DeepSeek's sparse attention (SGLang's ``triton_sparse_mla``) take
+and return bfloat16 only, so without this they could not be audited at all.
+
+**A module-level ``tl.constexpr`` combined with a tensor.** A kernel that writes ``_G =
+tl.constexpr(128)`` at module level and ``(_G + g)[None, :]`` inside (SGLang's sparse MLA
+kernels) is compiled with ``_G`` a constant; the interpreter runs the Python function as
+it is, where ``constexpr.__add__`` wraps the tensor ``128 + g`` in a ``constexpr``, and
+indexing that fails. `fix` makes such arithmetic return the tensor, as compiling does.
+"""
+
+from typing import Any
+
+import numpy as np
+
+__all__ = ["PATCHED", "fix", "to_bfloat16_bits", "to_float32"]
+
+#: what `fix` changes, as the report says it
+PATCHED = (
+    "bfloat16 computed as on a device (Triton's interpreter works on the raw bits): "
+    "operations in float32 rounded once, dots accumulated in float32, casts rounded "
+    "to nearest even; a module-level constexpr combined with a tensor gives the tensor"
+)
+
+#: the arithmetic of ``tl.constexpr`` that `fix` lets return a tensor
+_CONSTEXPR_OPS = ("add", "sub", "mul", "mod", "truediv", "floordiv")
+
+
+def to_float32(bits: Any) -> Any:
+    """bfloat16 values kept as ``uint16`` bits, as float32 (exact)."""
+    return (np.asarray(bits).astype(np.uint32) << 16).view(np.float32)
+
+
+def to_bfloat16_bits(x: Any) -> Any:
+    """float32 values rounded to the nearest bfloat16 (ties to even), as ``uint16`` bits;
+    NaN stays NaN, an overflow is infinity."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    bits = x.view(np.uint32)
+    rounded = (bits + np.uint32(0x7FFF) + ((bits >> 16) & np.uint32(1))) >> 16
+    nan = np.isnan(x)
+    quiet = (bits >> 16) | np.uint32(0x40)
+    return np.where(nan, quiet, rounded).astype(np.uint16).reshape(x.shape)
+
+
+def fix() -> bool:
+    """Patch the interpreter of the ``triton`` package imported here (module docstring).
+    Returns False where it was already patched."""
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    _fix_constexpr(tl)
+
+    builder: Any = interpreter.InterpreterBuilder
+    if getattr(builder, "_attnref_bfloat16", False):
+        return False
+    handle = interpreter.TensorHandle
+    bitwise = {np.bitwise_and, np.bitwise_or, np.bitwise_xor, np.left_shift, np.right_shift}
+
+    def is_bf16(x: Any) -> bool:
+        return bool(getattr(x.dtype, "scalar", x.dtype) == tl.bfloat16)
+
+    binary, unary, dot, cast = (
+        builder.binary_op,
+        builder.unary_op,
+        builder.create_dot,
+        builder.cast_impl,
+    )
+
+    def binary_op(self: Any, lhs: Any, rhs: Any, op: Any) -> Any:
+        if is_bf16(lhs) and is_bf16(rhs) and op not in bitwise:
+            out = op(to_float32(lhs.data), to_float32(rhs.data))
+            if out.dtype != np.bool_:
+                out = to_bfloat16_bits(out)
+            return handle(out, lhs.dtype.scalar)
+        return binary(self, lhs, rhs, op)
+
+    def unary_op(self: Any, arg: Any, op: Any) -> Any:
+        if is_bf16(arg):
+            return handle(to_bfloat16_bits(op(to_float32(arg.data))), arg.dtype.scalar)
+        return unary(self, arg, op)
+
+    def create_dot(self: Any, a: Any, b: Any, d: Any, *rest: Any) -> Any:
+        if is_bf16(a) or is_bf16(b):
+            a = handle(to_float32(a.data), tl.float32) if is_bf16(a) else a
+            b = handle(to_float32(b.data), tl.float32) if is_bf16(b) else b
+        return dot(self, a, b, d, *rest)
+
+    def cast_impl(self: Any, src: Any, dst_type: Any) -> Any:
+        source, target = src.dtype.scalar, dst_type.scalar
+        if source == tl.float32 and target == tl.bfloat16:
+            return handle(to_bfloat16_bits(src.data), target)
+        if source == tl.bfloat16 and target == tl.float32:
+            return handle(to_float32(src.data), target)
+        return cast(self, src, dst_type)
+
+    builder.binary_op = binary_op
+    builder.unary_op = unary_op
+    builder.create_dot = create_dot
+    builder.cast_impl = cast_impl
+    builder._attnref_bfloat16 = True
+    return True
+
+
+def _fix_constexpr(tl: Any) -> None:
+    """``constexpr <op> tensor`` (and the reflected forms) returns the tensor."""
+    cls = tl.constexpr
+    if getattr(cls, "_attnref_tensors", False):
+        return
+    for name in _CONSTEXPR_OPS:
+        for dunder in (f"__{name}__", f"__r{name}__"):
+            original = getattr(cls, dunder, None)
+            if original is None:
+                continue
+
+            def method(self: Any, other: Any, _original: Any = original, _d: str = dunder) -> Any:
+                raw = other.value if isinstance(other, cls) else other
+                if isinstance(raw, tl.tensor):
+                    return getattr(raw, _d.replace("__r", "__", 1) if _d.startswith("__r")
+                                   else _d.replace("__", "__r", 1))(self.value)  # fmt: skip
+                return _original(self, other)
+
+            setattr(cls, dunder, method)
+    cls._attnref_tensors = True
