@@ -135,6 +135,12 @@ FP8_FORMATS: dict[str, torch.dtype] = {
 }
 
 
+#: the invalid top-k index forms a sparse kernel may ignore, and what it may do with an
+#: index listed twice (`Capabilities.invalid_indices`, `Capabilities.duplicates`)
+INVALID_INDICES = ("-1", "past_end")
+DUPLICATES = ("counted", "refused")
+
+
 @dataclass(frozen=True)
 class Capabilities:
     """What a backend declares it supports. The audit draws its cases inside the
@@ -284,6 +290,18 @@ class Capabilities:
     #: profile's production sizes would take minutes a case
     max_call_work: int = 0
 
+    #: sparse attention (the ``sparse-mla`` families, docs/sparse.md): the invalid
+    #: index forms the kernel ignores, ``"-1"`` (any negative index) and ``"past_end"``
+    #: (an index at the rows' count or past it); what it does with an index listed
+    #: twice, ``"counted"`` (twice, as FlashMLA's reference) or ``"refused"`` (never
+    #: drawn); whether it returns ``max_logits``; the top-k lengths it takes (multiples
+    #: of ``topk_multiple``); whether it takes per-query counts (``topk_length``)
+    invalid_indices: tuple[str, ...] = ("-1", "past_end")
+    duplicates: str = "counted"
+    max_logits: bool = False
+    topk_multiple: int = 1
+    topk_length: bool = False
+
     def __post_init__(self) -> None:
         by_dtype: object = self.empty_row_by_dtype
         if isinstance(by_dtype, dict):
@@ -320,6 +338,20 @@ class Capabilities:
             raise ValueError(
                 f"Capabilities.interpreter must be one of {', '.join(INTERPRETERS)} (or '' "
                 f"for a kernel that runs natively), got {self.interpreter!r}"
+            )
+        if not self.invalid_indices or any(f not in INVALID_INDICES for f in self.invalid_indices):
+            raise ValueError(
+                f"Capabilities.invalid_indices must name one or both of "
+                f"{', '.join(INVALID_INDICES)}, got {self.invalid_indices!r}"
+            )
+        if self.duplicates not in DUPLICATES:
+            raise ValueError(
+                f"Capabilities.duplicates must be one of {', '.join(DUPLICATES)}, "
+                f"got {self.duplicates!r}"
+            )
+        if type(self.topk_multiple) is not int or self.topk_multiple < 1:
+            raise ValueError(
+                f"Capabilities.topk_multiple must be an int >= 1, got {self.topk_multiple!r}"
             )
         for name in ("tile_queries", "tile_keys", "kv_splits", "max_call_work"):
             value = getattr(self, name)

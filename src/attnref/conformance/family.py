@@ -86,6 +86,10 @@ class Convention:
     native_causal: Callable[[Capabilities, Inputs], bool]
     #: whether the convention takes ``dropout_p`` (flash_attn_with_kvcache does not)
     dropout: bool = True
+    #: whether a dense case can be one of its calls (`build`); a family whose calls
+    #: cannot hold a dense case's keys as they are (a quantized cache) is audited by its
+    #: own properties alone
+    dense: bool = True
     #: what to declare when a backend raised ``error`` (its one line) on a call of these
     #: keywords that a default declaration makes (a combination some libraries refuse),
     #: or ""

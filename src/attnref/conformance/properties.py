@@ -69,8 +69,14 @@ class Property:
     needs: tuple[str, ...] = ()
 
     def applies_to(self, api: str) -> bool:
-        """Whether a backend of API family ``api`` can be held to this property."""
-        return not self.families or api in self.families
+        """Whether a backend of API family ``api`` can be held to this property: a
+        family's own, or a dense property where the family takes dense cases."""
+        if self.families:
+            return api in self.families
+        from attnref.conformance.family import FAMILIES
+
+        family = FAMILIES.get(api)
+        return family is None or family.dense
 
     def why_not(self, caps: Capabilities) -> str | None:
         """Why a backend that declares ``caps`` cannot be held to this property (a

@@ -16,6 +16,8 @@ from attnref.conformance.families import (
     flash_varlen,
     mla,
     sdpa,
+    sparse_mla,
+    sparse_mla_fp8,
 )
 from attnref.conformance.family import FAMILIES, ApiFamily, family_of, get_family
 from attnref.conformance.mutants import MUTANTS
@@ -55,6 +57,8 @@ install(
     flash_kvcache.FAMILY,
     context_parallel.FAMILY,
     mla.FAMILY,
+    sparse_mla.FAMILY,
+    sparse_mla_fp8.FAMILY,
 )
 
 #: the properties of the kill matrix (docs/kill-matrix.md): those aimed at attention bugs

@@ -1,0 +1,523 @@
+"""The ``sparse-mla-fp8`` family: FlashMLA's sparse decode, ``flash_mla_with_kvcache(...,
+is_fp8_kvcache=True, indices=...)``, over the packed FP8 latent cache (docs/sparse.md).
+
+``fn(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata=None,
+num_splits=None, softmax_scale=None, causal=False, is_fp8_kvcache=False, indices=None,
+attn_sink=None, topk_length=None) -> (out, lse)``: ``q (B, Tq, h, 576)`` in bfloat16
+against ``k_cache (blocks, page, 1, 656)``, each token's latent row packed in 656 bytes
+(`attnref.sparse.pack_fp8_sparse`: 512 e4m3 values, 4 float32 tile scales, 64 bfloat16
+rope dims); ``indices (B, Tq, topk)`` hold ``block * page + offset`` (``-1``: invalid),
+so ``block_table`` and ``cache_seqlens`` are ``None``; ``out (B, Tq, h, 512)`` in
+bfloat16 and ``lse (B, h, Tq)`` in float32, natural log, ``+inf`` for a query with no
+valid index (deepseek-ai/FlashMLA ``flash_mla/flash_mla_interface.py``, ``tests/ref.py``,
+``tests/quant.py``).
+
+A dense case cannot be such a call (its keys would be quantized, its oracle another):
+this family is audited by its own properties. The audit quantizes the cache as
+DeepSeek's code does, byte for byte, and the oracle dequantizes it exactly: each
+property's rows are the dequantized rows in float64. Its cases spread the tiles' sizes
+(so each tile's scale differs), fill every slot no index names with NaN bytes (and the
+page before the cache, which index ``-1`` read as a slot reaches), shuffle the physical
+pages, and half the time lay the pages out with FlashMLA's tests' padded stride.
+"""
+
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+from hypothesis import strategies as st
+from jaxtyping import Float, Int, Shaped
+from torch import Tensor
+
+from attnref._checking import checked_internal
+from attnref.conformance.calls import invoke
+from attnref.conformance.cases import Case, Inputs
+from attnref.conformance.checks import Context
+from attnref.conformance.declarations import Backend, Capabilities
+from attnref.conformance.families.flash import (
+    declared,
+    flash_back,
+    flash_layout,
+    flash_native_causal,
+)
+from attnref.conformance.families.flash_kvcache import fp8_expected, fp8_lse_expected, per_row
+from attnref.conformance.families.mla import _flash_mla, _invoke
+from attnref.conformance.families.sparse_mla import (
+    TOPK_BLOCK,
+    _counts,
+    _sdpa_attend,
+    sparse_form,
+)
+from attnref.conformance.family import ApiFamily, Arguments
+from attnref.conformance.mutants import Mutant
+from attnref.conformance.oracle import close
+from attnref.conformance.profiles import Profile
+from attnref.conformance.properties import Property
+from attnref.conformance.serving_checks import guard, judge
+from attnref.conformance.strategies import case_strategy
+from attnref.conformance.verdicts import Skip
+from attnref.conformance.worker import Job
+from attnref.sparse import (
+    FP8_SPARSE_BYTES,
+    NOPE,
+    ROPE,
+    attend_rows,
+    pack_fp8_sparse,
+    sparse_mla_decode,
+    unpack_fp8_sparse,
+)
+
+__all__ = ["FAMILY", "FLASH_MLA_SPARSE_FP8", "SparseFp8Call", "build_sparse_fp8", "fp8_sparse_form"]
+
+NAME = "sparse-mla-fp8"
+D, DV = NOPE + ROPE, NOPE
+
+#: what FlashMLA documents for its sparse FP8 decode: bfloat16 queries of 576 dims, the
+#: 656-byte cache, V the first 512 dims, pages of 64, top-k lists a multiple of 64, -1
+#: invalid, the LSE (+inf for a query with no valid index)
+FLASH_MLA_SPARSE_FP8 = Capabilities(
+    family=NAME,
+    dtypes=(torch.bfloat16,),
+    bool_mask=False,
+    float_mask=False,
+    causal_alignments=("bottom_right",),
+    causal_with_mask=False,
+    gradients=False,
+    dropout=False,
+    zero_head_dim=False,
+    head_dims=(D, DV),
+    latent_values=True,
+    lse=True,
+    empty_lse="+inf",
+    paged=True,
+    page_multiple=64,
+    invalid_indices=("-1",),
+    topk_multiple=TOPK_BLOCK,
+)
+
+
+@dataclass(frozen=True)
+class SparseFp8Call:
+    """One sparse FP8 decode call: its tensors, and the dense rows each query amounts to
+    (``rows[b * Tq + i]``: query ``i`` of batch row ``b`` against the dequantized rows
+    it selects, float64, V their first 512 dims)."""
+
+    rows: tuple[Inputs, ...]
+    q: Tensor  # (B, Tq, h, 576) bfloat16
+    k_cache: Tensor  # (blocks, page, 1, 656) float8_e4m3fn
+    indices: Tensor  # (B, Tq, topk) int32
+    softmax_scale: float | None
+    topk_length: Tensor | None = None  # (B,) int32
+
+
+def fp8_arguments(caps: Capabilities, call: SparseFp8Call) -> Arguments:
+    """``flash_mla_with_kvcache``'s sparse FP8 call for ``call``."""
+    topk = call.indices.shape[-1]
+    if caps.topk_multiple > 1 and topk % caps.topk_multiple:
+        raise Skip(f"top-k {topk}: the declared lengths are multiples of {caps.topk_multiple}")
+    page = call.k_cache.shape[1]
+    if caps.page_multiple > 1 and page % caps.page_multiple:
+        raise Skip(f"page size {page}: the declared sizes are multiples of {caps.page_multiple}")
+    kwargs: dict[str, Any] = {
+        "softmax_scale": call.softmax_scale,
+        "is_fp8_kvcache": True,
+        "indices": call.indices,
+    }
+    if call.topk_length is not None:
+        if not caps.topk_length:
+            raise Skip("per-row counts (topk_length) not declared")
+        kwargs["topk_length"] = call.topk_length
+    return (call.q, call.k_cache, None, None, DV), kwargs
+
+
+def _no_dense(
+    caps: Capabilities, inputs: Inputs, lse: bool, overrides: dict[str, Any]
+) -> Arguments:
+    raise Skip("a sparse FP8 decode call quantizes its cache: audited by its own properties")
+
+
+def _no_read(out: object, inputs: Inputs, lse: bool) -> tuple[object, object | None]:
+    raise AssertionError("no dense case is built for the sparse-mla-fp8 family")
+
+
+# ------------------------------------------------ the adapter from a prefill callable
+
+
+def _dequantize(k_cache: Tensor, bugs: frozenset[str]) -> Tensor:
+    """The packed cache as float32 rows (exact); ``bugs`` read it wrong: ``tile_shifted``
+    (tile ``t`` scaled by tile ``t + 1``'s scale), ``rope_as_fp8`` (the rope dims read
+    as e4m3 bytes), ``scale_bytes_swapped`` (each scale's bytes read in reverse)."""
+    rows = unpack_fp8_sparse(k_cache)
+    if not bugs & {"tile_shifted", "rope_as_fp8", "scale_bytes_swapped"}:
+        return rows.float()
+    raw = k_cache.contiguous().view(torch.uint8)
+    nope = raw[..., :NOPE].contiguous().view(torch.float8_e4m3fn).double()
+    scale_bytes = raw[..., NOPE : NOPE + 16].contiguous()
+    if "scale_bytes_swapped" in bugs:
+        scale_bytes = scale_bytes.reshape(*scale_bytes.shape[:-1], 4, 4).flip(-1).flatten(-2)
+    scales = scale_bytes.contiguous().view(torch.float32).double()
+    if "tile_shifted" in bugs:
+        scales = scales.roll(-1, dims=-1)
+    tiles = nope.reshape(*nope.shape[:-1], 4, NOPE // 4) * scales[..., None]
+    rope = rows[..., NOPE:]
+    if "rope_as_fp8" in bugs:
+        rope = (
+            raw[..., NOPE + 16 : NOPE + 16 + ROPE].contiguous().view(torch.float8_e4m3fn).double()
+        )
+    return torch.cat([tiles.flatten(-2), rope], dim=-1).float()
+
+
+def fp8_sparse_form(
+    prefill: Callable[..., Any], name: str, *, to: torch.dtype = torch.float32,
+    bugs: frozenset[str] = frozenset(),
+) -> Callable[..., Any]:  # fmt: skip
+    """``prefill`` (``flash_mla_sparse_fwd``'s signature) with ``flash_mla_with_kvcache``'s
+    sparse FP8 one: the cache dequantized to ``to`` (`_dequantize`, with ``bugs``), the
+    batch's queries one after another, each batch row's count given to its queries."""
+
+    @checked_internal
+    def decode(
+        q: Float[Tensor, "B Tq h D"],
+        k_cache: Shaped[Tensor, "blocks page 1 656"],
+        block_table: Int[Tensor, "B pages"] | None,
+        cache_seqlens: Int[Tensor, " B"] | None,
+        head_dim_v: int,
+        tile_scheduler_metadata: object = None,
+        num_splits: object = None,
+        softmax_scale: float | None = None,
+        causal: bool = False,
+        is_fp8_kvcache: bool = False,
+        indices: Int[Tensor, "B Tq topk"] | None = None,
+        attn_sink: Float[Tensor, " h"] | None = None,
+        topk_length: Int[Tensor, " B"] | None = None,
+    ) -> tuple[Float[Tensor, "B Tq h {head_dim_v}"], Float[Tensor, "B h Tq"]]:
+        if indices is None or not is_fp8_kvcache:
+            raise ValueError("this kernel takes sparse FP8 calls only: indices and is_fp8_kvcache")
+        if causal:
+            raise ValueError("causal must be False with indices (FlashMLA's rule)")
+        B, Tq, h, Dq = q.shape
+        if "invalid_as_zero" in bugs:
+            indices = indices.clamp_min(0)
+        rows = _dequantize(k_cache, bugs).to(to).reshape(-1, 1, Dq)
+        counts = None if topk_length is None else topk_length.repeat_interleave(Tq)
+        scale = Dq**-0.5 if softmax_scale is None else softmax_scale
+        out, _, lse = prefill(q.reshape(B * Tq, h, Dq).to(to), rows,
+                              indices.reshape(B * Tq, 1, -1), scale, head_dim_v,
+                              attn_sink, counts)  # fmt: skip
+        return (
+            out.reshape(B, Tq, h, head_dim_v).to(q.dtype),
+            lse.float().reshape(B, Tq, h).transpose(1, 2),
+        )
+
+    decode.__name__ = decode.__qualname__ = name
+    decode.__doc__ = (
+        f"{prefill.__doc__ or ''}\n\nIn flash_mla_with_kvcache's sparse FP8 convention."
+    )
+    return decode
+
+
+@checked_internal
+def _reference(
+    q: Float[Tensor, "B Tq h D"],
+    k_cache: Shaped[Tensor, "blocks page 1 656"],
+    block_table: Int[Tensor, "B pages"] | None,
+    cache_seqlens: Int[Tensor, " B"] | None,
+    head_dim_v: int,
+    tile_scheduler_metadata: object = None,
+    num_splits: object = None,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+    is_fp8_kvcache: bool = False,
+    indices: Int[Tensor, "B Tq topk"] | None = None,
+    attn_sink: Float[Tensor, " h"] | None = None,
+    topk_length: Int[Tensor, " B"] | None = None,
+) -> tuple[Float[Tensor, "B Tq h {head_dim_v}"], Float[Tensor, "B h Tq"]]:
+    """attnref's `attnref.sparse.sparse_mla_decode` on the cache dequantized exactly, in
+    float32."""
+    if indices is None or not is_fp8_kvcache:
+        raise ValueError("this kernel takes sparse FP8 calls only: indices and is_fp8_kvcache")
+    rows = unpack_fp8_sparse(k_cache).float()
+    out, lse = sparse_mla_decode(q.float(), rows, indices, head_dim_v, softmax_scale,
+                                 attn_sink, topk_length)  # fmt: skip
+    return out.to(q.dtype), lse.float()
+
+
+_OURS = replace(FLASH_MLA_SPARSE_FP8, topk_multiple=1, page_multiple=1, topk_length=True)
+fp8_reference = declared(_reference, _OURS)
+fp8_sdpa = declared(
+    fp8_sparse_form(sparse_form(_sdpa_attend, "sdpa"), "fp8_sdpa", to=torch.bfloat16), _OURS
+)
+
+
+def _builtins() -> list[Backend]:
+    return [
+        Backend("sparse-mla-fp8-reference", fp8_reference,
+                "attnref's sparse_mla_decode on the cache dequantized exactly", _OURS, api=NAME),
+        Backend("sparse-mla-fp8-sdpa", fp8_sdpa,
+                "torch SDPA on each query's gathered rows, dequantized to bfloat16", _OURS,
+                api=NAME),
+        Backend("flash-mla-sparse-fp8", _flash_mla,
+                "FlashMLA's flash_mla_with_kvcache with indices (skipped where flash_mla is "
+                "absent)", replace(FLASH_MLA_SPARSE_FP8, devices=("cuda",)), api=NAME,
+                needs="flash_mla"),
+    ]  # fmt: skip
+
+
+# ---------------------------------------------------------------- the cases
+
+#: each tile's size (a factor on its values), for ``case.option("tiles")``
+_SPREAD = (2.0**-6, 2.0**-1, 2.0**2, 2.0**6)
+
+
+def build_sparse_fp8(case: Case, device: str | torch.device, caps: Capabilities) -> SparseFp8Call:
+    """The call ``case`` describes: ``len(case.cached)`` batch rows of ``case.cached[b]``
+    tokens in shuffled pages of ``case.page`` slots (``page + 1`` apart with
+    ``option("padded")``, FlashMLA's tests' layout), ``case.Tq`` queries a row of
+    ``case.h`` heads, each selecting its count (`sparse_mla._counts`) of its row's
+    tokens, ``-1`` after them (shuffled with ``option("order")``). Each tile's values
+    times a factor (``option("tiles")``: ``equal``, ``spread``, ``random``) so that the
+    scales differ; every slot no token holds, and the page before the cache, is NaN
+    bytes."""
+    gen = torch.Generator().manual_seed(case.seed)
+    B, Tq, h, page = len(case.cached), case.Tq, case.h, case.page or 64
+    q = (case.amp * torch.randn((B, Tq, h, D), generator=gen)).to(torch.bfloat16)
+    tiles = case.option("tiles", "equal")
+    factor = torch.ones(D, dtype=torch.float64)
+    spread: tuple[float, ...] = _SPREAD if tiles == "spread" else (1.0,) * 4
+    if tiles == "random":
+        spread = tuple(2.0 ** int(torch.randint(-6, 7, (), generator=gen)) for _ in range(4))
+    factor[:NOPE] = torch.tensor(spread, dtype=torch.float64).repeat_interleave(NOPE // 4)
+    factor[NOPE:] = 2.0 ** int(torch.randint(-2, 3, (), generator=gen))
+    pages = [max(1, -(-n // page)) for n in case.cached]
+    blocks = sum(pages) + 1  # one page no row uses
+    order = (torch.randperm(blocks, generator=gen) + 1).tolist()  # page 0 is NaN, never used
+    padded = bool(case.option("padded"))
+    buffer = torch.full((blocks + 2, page + padded, 1, FP8_SPARSE_BYTES), 255, dtype=torch.uint8)
+    cache_bytes = buffer[1:, :page]  # (blocks + 1, page, 1, 656): a NaN page before it
+    latent = {}
+    slots: list[Tensor] = []
+    cursor = 0
+    for b, n in enumerate(case.cached):
+        own = order[cursor : cursor + pages[b]]
+        cursor += pages[b]
+        rows = (case.amp * torch.randn((n, D), generator=gen, dtype=torch.float64)) * factor
+        where = torch.tensor([own[t // page] * page + t % page for t in range(n)], dtype=torch.long)
+        for t in range(n):
+            latent[int(where[t])] = rows[t]
+        slots.append(where)
+    if latent:
+        keys = sorted(latent)
+        packed = pack_fp8_sparse(torch.stack([latent[s] for s in keys])).view(torch.uint8)
+        flat = cache_bytes.reshape(-1, FP8_SPARSE_BYTES) if not padded else None
+        for j, s in enumerate(keys):
+            if flat is not None:
+                flat[s] = packed[j]
+            else:
+                cache_bytes[s // page, s % page, 0] = packed[j]
+    k_cache = cache_bytes.view(torch.float8_e4m3fn)
+    deq = unpack_fp8_sparse(k_cache).reshape(-1, D)  # exact, float64
+    topk = int(case.option("topk", max([*case.cached, 1])))
+    indices = torch.full((B, Tq, topk), -1, dtype=torch.long)
+    counted = bool(case.option("topk_length"))
+    rows_out = []
+    count_of_row = []
+    for b in range(B):
+        counts = _counts(
+            replace(case, Tq=Tq), topk, len(slots[b]), gen, caps.tile_keys or TOPK_BLOCK
+        )
+        if counted:  # one count a batch row (FlashMLA's topk_length is (B,))
+            counts = [counts[0]] * Tq
+            count_of_row.append(counts[0])
+        for i, n in enumerate(counts):
+            if case.option("duplicates") and n and len(slots[b]):
+                sel = slots[b][torch.randint(len(slots[b]), (n,), generator=gen)]
+                if n > 1:
+                    sel[-1] = sel[0]
+            else:
+                sel = slots[b][torch.randperm(len(slots[b]), generator=gen)[:n]]
+            entries = torch.cat([sel, torch.full((topk - n,), -1, dtype=torch.long)])
+            if counted and topk > n and len(slots[b]):  # past the count: real tokens
+                entries[n:] = slots[b][torch.randint(len(slots[b]), (topk - n,), generator=gen)]
+            elif case.option("order") == "shuffled":
+                entries = entries[torch.randperm(topk, generator=gen)]
+            indices[b, i] = entries
+            rows_out.append((b, i, sel))
+    out_rows = tuple(
+        Inputs(q[b, i].double()[:, None], deq[sel][None], deq[sel][None, :, :DV], None, None,
+               case.scale)
+        for b, i, sel in rows_out
+    )  # fmt: skip
+    lengths = torch.tensor(count_of_row, dtype=torch.int32, device=device) if counted else None
+    return SparseFp8Call(
+        out_rows,
+        q.to(device),
+        k_cache.to(device),
+        indices.to(torch.int32).to(device),
+        case.scale,
+        lengths,
+    )
+
+
+def _call(ctx: Context, call: SparseFp8Call) -> tuple[list[Tensor], list[Tensor] | None]:
+    """The backend's output and LSE for each query of ``call``, its oracle's bounds
+    those of the dequantized rows (`flash_kvcache.fp8_expected`)."""
+    args, kwargs = fp8_arguments(ctx.caps, call)
+    like = tuple(x.to(torch.bfloat16) for x in call.rows)
+    guard(ctx, like[0], kwargs)
+    raw = invoke(ctx.backend, Job(args, kwargs), ctx.timeout, ctx.executor)
+    B, Tq, h = call.q.shape[:3]
+    if not isinstance(raw, tuple | list) or len(raw) != 2:
+        from attnref.conformance.verdicts import Failure
+
+        raise Failure(f"flash_mla_with_kvcache returns (out, lse), returned {type(raw).__name__}")
+    first, lse_out = raw
+    outs, lses = per_row(first, lse_out, (B, Tq, h, DV), ctx.caps.lse)
+    # each batch row's (h, Tq, Dv) cut into its queries' (h, 1, Dv)
+    outs = [o[:, i : i + 1] if isinstance(o, Tensor) else o for o in outs for i in range(Tq)]
+    if lses is not None:
+        lses = [x[:, i : i + 1] if isinstance(x, Tensor) else x for x in lses for i in range(Tq)]
+    return judge(outs, lses, like)
+
+
+def _sparse_fp8(ctx: Context, case: Case) -> None:
+    """Each query of a sparse FP8 decode call agrees with the oracle of the rows it
+    selects, dequantized exactly: output and LSE."""
+    if ctx.dtype != torch.bfloat16:
+        raise Skip("a sparse FP8 call takes bfloat16 queries: audited in the bfloat16 run")
+    call = build_sparse_fp8(case, ctx.device, ctx.caps)
+    outs, lses = _call(ctx, call)
+    for n, (out, x) in enumerate(zip(outs, call.rows, strict=True)):
+        b, i = divmod(n, case.Tq)
+        label = f"batch row {b}, query {i} (of {x.key.shape[-2]} rows)"
+        exp = fp8_expected(ctx, x, "e4m3fn")
+        with ctx.naming_the_row(x):
+            close(out.to(torch.float64), exp.value, *exp.bounds(), f"{label}: output",
+                  semantic=exp.semantic)  # fmt: skip
+        if lses is not None:
+            el = fp8_lse_expected(x, ctx.caps.empty_lse)
+            close(lses[n].to(torch.float64), el.value, *el.bounds(), f"{label}: log-sum-exp")
+
+
+def _fp8_cases(
+    name: str, **pins: Any
+) -> Callable[[Profile, Capabilities], st.SearchStrategy[Case]]:
+    """Sparse FP8 decode calls: 1 or 2 batch rows of 1 to 200 tokens, 1 or 2 queries a
+    row of 1, 3 or 16 heads, pages of the declared multiple (or 16, 64), top-k lists
+    around the block of 64; the options: ``topk``, ``valid``, ``tiles``, ``padded``,
+    ``duplicates`` (where counted), ``order``, ``topk_length`` (where taken)."""
+
+    def cases(p: Profile, c: Capabilities) -> st.SearchStrategy[Case]:
+        m = c.page_multiple
+        fields: dict[str, Any] = {
+            "batch": (),
+            "mask": "none",
+            "layout": "contiguous",
+            "causal": None,
+            "g": 1,
+            "group": st.sampled_from((3, 1, 16)),
+            "Tq": st.integers(1, 2),
+            "Tk": 1,
+            "scale": st.sampled_from((None, 0.37, 192**-0.5)),
+        }
+        base = case_strategy(name, p, c, sizes=("small",), **fields)
+        t = max(c.topk_multiple, 1)
+        tile = c.tile_keys or TOPK_BLOCK
+
+        @st.composite
+        def draw(draw: st.DrawFn) -> Case:
+            case = draw(base)
+            cached = tuple(draw(st.lists(st.integers(1, 200), min_size=1, max_size=2)))
+            page = draw(st.sampled_from((m, 2 * m) if m > 1 else (16, 64, 5)))
+            near = [x for b in (tile, 2 * tile) for x in (b - 1, b, b + 1)]
+            topk = draw(st.one_of(st.integers(1, 2 * max(cached) + 2), st.sampled_from(near)))
+            valid = pins.get("valid", st.sampled_from(("random", "all", "tile", "empty")))
+            opts = {
+                "topk": max(-(-topk // t) * t, t),
+                "valid": draw(valid),
+                "tiles": draw(pins.get("tiles", st.sampled_from(("spread", "random", "equal")))),
+                "padded": draw(st.booleans()),
+                "duplicates": c.duplicates == "counted" and draw(st.booleans()),
+                "order": draw(st.sampled_from(("sorted", "shuffled"))),
+                "topk_length": c.topk_length and draw(st.booleans()),
+            }  # fmt: skip
+            return replace(case, cached=cached, page=page, Dh=D, Dv=DV, latent=True,
+                           options=tuple(opts.items()))  # fmt: skip
+
+        return draw()
+
+    return cases
+
+
+PROPERTIES: tuple[Property, ...] = (
+    Property(
+        "sparse_fp8",
+        "each query of a sparse FP8 decode call (the 656-byte cache, packed as DeepSeek's "
+        "code does) agrees with the oracle of the rows it selects, dequantized exactly: "
+        "output and LSE; unused slots and the page before the cache are NaN",
+        (34, 36, 27),
+        _fp8_cases("sparse_fp8"),
+        _sparse_fp8,
+        families=(NAME,),
+    ),
+    Property(
+        "sparse_fp8_tiles",
+        "the four tiles of a row far apart in size (scales from 2**-13 to 2**-2) and the "
+        "rope dims in bfloat16: each tile's scale reaches only its 128 values",
+        (34, 36),
+        _fp8_cases("sparse_fp8_tiles", tiles=st.just("spread"), valid=st.just("all")),
+        _sparse_fp8,
+        families=(NAME,),
+    ),
+)
+
+
+def _mutant_fn(self: Mutant) -> Callable[..., Any]:
+    """A bug in how the packed cache or the indices are read: the reference's attention
+    over gathered rows behind a buggy `fp8_sparse_form`."""
+    bugs = frozenset(self.switches)
+    fn = fp8_sparse_form(sparse_form(attend_rows, "rows"), self.name, bugs=bugs)
+    fn.__doc__ = f"Class {self.bug_class}: {self.summary}"
+    fn.capabilities = self.capabilities  # type: ignore[attr-defined]
+    return fn
+
+
+_LIKE: dict[str, Any] = {"api": NAME, "capabilities": _OURS}
+
+MUTANTS: tuple[Mutant, ...] = (
+    Mutant("sparse_fp8_tile_shifted", 34, "a packed row's tile t dequantized with tile "
+           "t + 1's scale", {"tile_shifted": True}, **_LIKE),
+    Mutant("sparse_fp8_rope_as_fp8", 36, "the packed row's bfloat16 rope dims read as "
+           "e4m3 bytes", {"rope_as_fp8": True}, **_LIKE),
+    Mutant("sparse_fp8_scale_bytes_swapped", 34, "each float32 tile scale read with its "
+           "bytes reversed", {"scale_bytes_swapped": True}, **_LIKE),
+    Mutant("sparse_fp8_invalid_as_zero", 36, "index -1 read as slot 0 of the cache",
+           {"invalid_as_zero": True}, **_LIKE),
+)  # fmt: skip
+
+
+FAMILY = ApiFamily(
+    name=NAME,
+    alignments=("bottom_right",),
+    summary="FlashMLA's flash_mla_with_kvcache with indices: DeepSeek's sparse decode over "
+    "the 656-byte FP8 latent cache (512 e4m3 values, 4 float32 tile scales, 64 bfloat16 "
+    "rope dims), each query the slots its top-k indices name",
+    signature="fn(q, k_cache, block_table, cache_seqlens, head_dim_v, "
+    "tile_scheduler_metadata=None, num_splits=None, softmax_scale=None, causal=False, "
+    "is_fp8_kvcache=False, indices=None, attn_sink=None, topk_length=None) -> (out, lse)",
+    positional=5,
+    keywords=("softmax_scale", "is_fp8_kvcache", "indices"),
+    defaults=FLASH_MLA_SPARSE_FP8,
+    build=_no_dense,
+    read=_no_read,
+    to_layout=flash_layout,
+    from_layout=flash_back,
+    native_causal=flash_native_causal,
+    dropout=False,
+    dense=False,
+    invoke=_invoke,
+    builtins=_builtins,
+    properties=PROPERTIES,
+    mutants=MUTANTS,
+    mutant_fn=_mutant_fn,
+)

@@ -1,0 +1,255 @@
+"""DeepSeek Sparse Attention (DSA) as FlashMLA's kernels take it (docs/sparse.md).
+
+DeepSeek-V3.2's indexer picks, for each query token, ``topk`` cached tokens (2048 in
+the model); attention is dense multi-head latent attention over exactly those tokens.
+
+**Prefill** (``flash_mla_sparse_fwd``; deepseek-ai/FlashMLA
+``flash_mla/flash_mla_interface.py``, whose docstring points to ``tests/ref.py``
+``ref_sparse_attn_fwd`` for the precise definition): queries ``q (Tq, h, D)`` against
+latent rows ``kv (Tk, 1, D)``, one key/value head; V is each row's first ``d_v`` dims.
+``indices (Tq, 1, topk)`` (int32) name the rows query ``i`` attends:
+
+- an index below 0 (``-1``) or at ``Tk`` or past it is invalid: ignored, never read;
+- with ``topk_length (Tq,)``, only the first ``topk_length[i]`` entries count;
+- an index listed twice counts twice (the reference gathers the rows it names);
+- the scores are ``sm_scale * q k^T``; ``max_logits (Tq, h)`` is their maximum and
+  ``lse (Tq, h)`` their log-sum-exp, **natural log** (FlashMLA's README writes both in
+  base 2, scores times ``log2 e``; its ``tests/ref.py``, which the interface names as the
+  definition, and its kernels since, in base e);
+- a query with no valid index: output 0, ``lse = +inf``, ``max_logits = -inf``;
+- ``attn_sink (h,)``: the output times ``exp(lse) / (exp(lse) + exp(sink))``; the LSE
+  and ``max_logits`` are not changed.
+
+**Decode** (``flash_mla_with_kvcache(..., is_fp8_kvcache=True, indices=...)``, reference
+``tests/ref.py`` ``ref_sparse_attn_decode``): ``q (B, Tq, h, D)`` against a paged cache
+``k_cache (blocks, page, 1, D)``; ``indices (B, Tq, topk)`` hold ``block * page +
+offset`` (the block table already applied, so none is passed), ``-1`` invalid; with
+``topk_length (B,)``, only a row's first ``topk_length[b]`` entries count. Returns
+``out (B, Tq, h, d_v)`` and ``lse (B, h, Tq)``.
+
+**The FP8 sparse cache** (FlashMLA's ``V32_FP8Sparse`` layout, ``tests/quant.py``): each
+576-dim row in 656 bytes: the first 512 dims as float8 e4m3 (4 tiles of 128 values, each
+divided by its tile's scale), then the 4 tile scales as float32, then the 64 rope dims
+as bfloat16. A tile's scale is ``2 ** ceil(log2(max(amax / 448, 1e-4)))``: a power of
+two (UE8M0), ``amax`` the tile's largest magnitude. `pack_fp8_sparse` writes it as
+DeepSeek's code does; `unpack_fp8_sparse` reads it back exactly.
+"""
+
+import math
+
+import torch
+from jaxtyping import Bool, Float, Float64, Int, Shaped
+from torch import Tensor
+
+from attnref._checking import checked
+
+__all__ = [
+    "FP8_SPARSE_BYTES",
+    "FP8_SPARSE_TILE",
+    "FP8_SPARSE_TILES",
+    "attend_rows",
+    "pack_fp8_sparse",
+    "score_stats",
+    "sparse_mla_attention",
+    "sparse_mla_decode",
+    "unpack_fp8_sparse",
+]
+
+#: the latent dims the FP8 layout quantizes (``c_kv``), and the rope dims it keeps
+NOPE, ROPE = 512, 64
+#: values a tile scale covers, tiles a row, and bytes a packed row
+FP8_SPARSE_TILE = 128
+FP8_SPARSE_TILES = NOPE // FP8_SPARSE_TILE
+FP8_SPARSE_BYTES = NOPE + 4 * FP8_SPARSE_TILES + 2 * ROPE  # 656
+#: e4m3's largest finite value, and the smallest tile scale (an all-zero tile's)
+E4M3_MAX = 448.0
+MIN_SCALE = 1e-4
+#: queries attended at once (the gathered rows of a chunk are ``chunk * topk * D``)
+CHUNK = 64
+
+
+def _wide(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+@checked
+def score_stats(
+    q: Float[Tensor, "n h D"],
+    rows: Float[Tensor, "n k D"],
+    valid: Bool[Tensor, "n k"],
+    scale: float,
+) -> tuple[Float[Tensor, "n h k"], Float[Tensor, "n h"], Float[Tensor, "n h"]]:
+    """Each of ``n`` queries' scaled scores against its own ``k`` gathered rows (``-inf``
+    where not ``valid``; an invalid row is never read), their maximum (``max_logits``:
+    ``-inf`` for a query with none) and log-sum-exp (``+inf`` for a query with none), in
+    float32 (float64 for float64 inputs)."""
+    wide = _wide(q.dtype)
+    rows = torch.where(valid[..., None], rows.to(wide), 0.0)
+    scores = scale * (q.to(wide) @ rows.transpose(-1, -2))  # (n, h, k)
+    scores = scores.masked_fill(~valid[:, None, :], -math.inf)
+    lse = scores.logsumexp(-1)  # (n, h)
+    peak = scores.amax(-1) if scores.shape[-1] else torch.full_like(lse, -math.inf)
+    return scores, peak, torch.where(torch.isneginf(lse), math.inf, lse)
+
+
+@checked
+def attend_rows(
+    q: Float[Tensor, "n h D"],
+    rows: Float[Tensor, "n k D"],
+    valid: Bool[Tensor, "n k"],
+    scale: float,
+    d_v: int,
+) -> tuple[Float[Tensor, "n h {d_v}"], Float[Tensor, "n h"], Float[Tensor, "n h"]]:
+    """Each of ``n`` queries against its own ``k`` gathered rows, where ``valid``: the
+    output (0 for a query with none; V each row's first ``d_v`` dims), ``max_logits``
+    and LSE (`score_stats`), in float32 (float64 for float64 inputs)."""
+    scores, peak, lse = score_stats(q, rows, valid, scale)
+    values = torch.where(valid[..., None], rows[..., :d_v].to(scores.dtype), 0.0)
+    out = torch.exp(scores - lse[..., None]) @ values  # +inf lse: weights 0
+    return out, peak, lse
+
+
+@checked
+def sparse_mla_attention(
+    q: Float[Tensor, "Tq h D"],
+    kv: Float[Tensor, "Tk 1 D"],
+    indices: Int[Tensor, "Tq 1 topk"],
+    sm_scale: float,
+    d_v: int = 512,
+    attn_sink: Float[Tensor, " h"] | None = None,
+    topk_length: Int[Tensor, " Tq"] | None = None,
+) -> tuple[Float[Tensor, "Tq h {d_v}"], Float[Tensor, "Tq h"], Float[Tensor, "Tq h"]]:
+    """FlashMLA's sparse prefill (module docstring): ``(out, max_logits, lse)``, the
+    output in ``q``'s dtype, ``max_logits`` and the LSE in float32 (float64 for float64
+    inputs).
+
+    Raises:
+        ValueError: ``d_v`` not in ``1 .. D``, or ``sm_scale`` not finite.
+    """
+    Tq, h, D = q.shape
+    if not isinstance(d_v, int) or not 1 <= d_v <= D:
+        raise ValueError(f"d_v must be an int in 1 .. {D} (q's head dim), got {d_v!r}")
+    if not math.isfinite(sm_scale):
+        raise ValueError(f"sm_scale must be finite, got {sm_scale}")
+    idx = indices[:, 0].long()  # (Tq, topk)
+    valid = (idx >= 0) & (idx < kv.shape[0])
+    if topk_length is not None:
+        valid &= torch.arange(idx.shape[-1], device=idx.device) < topk_length[:, None].long()
+    rows = kv[:, 0]  # (Tk, D)
+    wide = _wide(q.dtype)
+    out = torch.zeros((Tq, h, d_v), dtype=wide, device=q.device)
+    peak = torch.full((Tq, h), -math.inf, dtype=wide, device=q.device)
+    lse = torch.full((Tq, h), math.inf, dtype=wide, device=q.device)
+    for s in range(0, Tq, CHUNK):
+        part = slice(s, s + CHUNK)
+        gathered = rows[idx[part].clamp(0, max(kv.shape[0] - 1, 0))] if kv.shape[0] else None
+        if gathered is None:
+            continue  # no rows at all: every query empty
+        out[part], peak[part], lse[part] = attend_rows(
+            q[part], gathered, valid[part], sm_scale, d_v
+        )
+    if attn_sink is not None:  # sigmoid(lse - sink); an empty row's output stays 0
+        out = out * torch.sigmoid(lse - attn_sink.to(wide))[..., None].nan_to_num(0.0)
+    return out.to(q.dtype), peak, lse
+
+
+@checked
+def sparse_mla_decode(
+    q: Float[Tensor, "B Tq h D"],
+    k_cache: Float[Tensor, "blocks page 1 D"],
+    indices: Int[Tensor, "B Tq topk"],
+    head_dim_v: int,
+    softmax_scale: float | None = None,
+    attn_sink: Float[Tensor, " h"] | None = None,
+    topk_length: Int[Tensor, " B"] | None = None,
+) -> tuple[Float[Tensor, "B Tq h {head_dim_v}"], Float[Tensor, "B h Tq"]]:
+    """FlashMLA's sparse decode over an already dequantized cache (module docstring):
+    ``(out, lse)``.
+
+    Raises:
+        ValueError: an index past the cache's ``blocks * page`` slots (FlashMLA's decode
+            treats only ``-1`` as invalid, and reads any other index).
+    """
+    B, Tq, h, D = q.shape
+    slots = k_cache.shape[0] * k_cache.shape[1]
+    if bool((indices >= slots).any()):
+        bad = int(indices.max())
+        raise ValueError(
+            f"indices must be -1 or a slot of the cache (below {slots}: blocks * page), got {bad}"
+        )
+    scale = D**-0.5 if softmax_scale is None else softmax_scale
+    flat = k_cache.reshape(slots, 1, D)
+    per_query = None
+    if topk_length is not None:  # one count a batch row, for each of its queries
+        per_query = topk_length.repeat_interleave(Tq)
+    out, _, lse = sparse_mla_attention(
+        q.reshape(B * Tq, h, D),
+        flat,
+        indices.reshape(B * Tq, 1, -1),
+        scale,
+        head_dim_v,
+        attn_sink,
+        per_query,
+    )
+    return out.reshape(B, Tq, h, head_dim_v), lse.reshape(B, Tq, h).transpose(1, 2)
+
+
+# ------------------------------------------------------------ the FP8 sparse cache
+
+
+def _tiles(x: Tensor) -> Tensor:
+    """``(..., 512)`` as ``(..., 4, 128)``: a row's quantized dims, tile by tile."""
+    return x.reshape(*x.shape[:-1], FP8_SPARSE_TILES, FP8_SPARSE_TILE)
+
+
+@checked
+def tile_scales(latent: Float[Tensor, "*rows D"]) -> Float[Tensor, "*rows 4"]:
+    """Each row's 4 tile scales, as DeepSeek's quantizer makes them: the tile's amax over
+    448 (in float32), raised to a power of two, at least ``1e-4``'s."""
+    tiles = _tiles(latent[..., :NOPE].float())
+    inverse = tiles.abs().amax(-1) / E4M3_MAX
+    return torch.pow(2.0, inverse.clamp_min(MIN_SCALE).log2().ceil())
+
+
+@checked
+def pack_fp8_sparse(
+    latent: Float[Tensor, "*rows D"], scales: Float[Tensor, "*rows 4"] | None = None
+) -> Shaped[Tensor, "*rows 656"]:
+    """Latent rows of 576 dims in FlashMLA's FP8 sparse layout: ``(*rows, 656)`` bytes as
+    ``torch.float8_e4m3fn`` (FlashMLA's cache dtype). The row is rounded to bfloat16
+    first (the cache's dtype before quantization); each tile is divided by its scale
+    (`tile_scales`, or ``scales``) in float32 and rounded to e4m3; the scales are
+    little-endian float32, the rope dims bfloat16.
+
+    Raises:
+        ValueError: rows of another width than 576, or a tile that its scale would
+            saturate (``|x| / scale > 448``).
+    """
+    if latent.shape[-1] != NOPE + ROPE:
+        raise ValueError(
+            f"latent rows must have {NOPE + ROPE} dims ({NOPE} quantized, {ROPE} rope), "
+            f"got {latent.shape[-1]}"
+        )
+    rows = latent.to(torch.bfloat16)
+    scale = tile_scales(rows) if scales is None else scales.float()
+    tiles = _tiles(rows[..., :NOPE].float())
+    stored = tiles / scale[..., None]
+    if bool((stored.abs() > E4M3_MAX).any()):
+        raise ValueError(f"a tile scale saturates its tile: |x| / scale above {E4M3_MAX}")
+    nope = stored.to(torch.float8_e4m3fn).flatten(-2).view(torch.uint8)
+    scale_bytes = scale.contiguous().view(torch.uint8)  # 4 float32 -> 16 bytes
+    rope = rows[..., NOPE:].contiguous().view(torch.uint8)  # 64 bf16 -> 128 bytes
+    packed = torch.cat([nope, scale_bytes, rope], dim=-1)
+    return packed.view(torch.float8_e4m3fn)
+
+
+@checked
+def unpack_fp8_sparse(packed: Shaped[Tensor, "*rows 656"]) -> Float64[Tensor, "*rows 576"]:
+    """Rows of FlashMLA's FP8 sparse layout back as 576 dims, exactly, in float64: each
+    e4m3 value times its tile's scale, then the rope dims."""
+    raw = packed.contiguous().view(torch.uint8)
+    nope = raw[..., :NOPE].contiguous().view(torch.float8_e4m3fn).double()
+    scales = raw[..., NOPE : NOPE + 4 * FP8_SPARSE_TILES].contiguous().view(torch.float32)
+    rope = raw[..., NOPE + 4 * FP8_SPARSE_TILES :].contiguous().view(torch.bfloat16)
+    tiles = _tiles(nope) * scales.double()[..., None]
+    return torch.cat([tiles.flatten(-2), rope.double()], dim=-1)

@@ -1,0 +1,158 @@
+"""Sparse MLA kernels (FlashMLA's conventions) with bugs of classes 34, 35 and 36, written
+here on their own (plain torch, none of attnref's references, adapters or mutant
+switches), importable as ``tests.planted_sparse:NAME`` with ``--api sparse-mla`` (the
+prefill kernels) or ``--api sparse-mla-fp8`` (the ``*_fp8`` ones).
+
+Each walks a query's top-k list in blocks of 64 entries with an online softmax, as
+FlashMLA's kernels do, and plants one bug: ``invalid_read_as_zero`` (an invalid entry
+reads row 0), ``partial_block_dropped`` (a list's last, partial block of 64 skipped),
+``duplicates_merged`` (a row listed twice attended once), ``lse_in_base_2``,
+``max_logits_before_scale``, ``tile_scale_off_by_one_fp8`` (tile ``t`` of a packed row
+dequantized with tile ``t - 1``'s scale; tile 0 with its own). ``right`` and
+``right_fp8`` are the same kernels without a bug, which must pass.
+"""
+
+import math
+from dataclasses import replace
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from attnref.conformance.families.sparse_mla import sparse_sdpa
+from attnref.conformance.families.sparse_mla_fp8 import fp8_reference
+
+BLOCK = 64
+CLAIMS = replace(
+    sparse_sdpa.capabilities,  # type: ignore[attr-defined]
+    dtypes=(torch.float32, torch.bfloat16),
+    topk_length=False,
+)
+CLAIMS_FP8 = replace(fp8_reference.capabilities, topk_length=False)  # type: ignore[attr-defined]
+
+
+def _attend(
+    q: Tensor, rows: Tensor, idx: Tensor, scale: float, d_v: int, bug: str
+) -> tuple[Tensor, Tensor, Tensor]:
+    """One query ``q (h, D)`` against ``rows (n, D)`` through its list ``idx (topk,)``,
+    block by block: ``(out (h, d_v), max_logits (h,), lse (h,))`` in float32."""
+    h = q.shape[0]
+    n, topk = rows.shape[0], idx.shape[0]
+    qf = q.float()
+    m = torch.full((h,), -math.inf)
+    s = torch.zeros(h)
+    acc = torch.zeros(h, d_v)
+    seen: set[int] = set()
+    stop = topk // BLOCK * BLOCK if bug == "partial_block_dropped" else topk
+    for start in range(0, stop, BLOCK):
+        block = idx[start : min(start + BLOCK, stop)].long()
+        ok = (block >= 0) & (block < n)
+        if bug == "invalid_read_as_zero":
+            block, ok = torch.where(ok, block, 0), torch.ones_like(ok)
+        if bug == "duplicates_merged":
+            for j, i in enumerate(block.tolist()):
+                if ok[j] and i in seen:
+                    ok[j] = False
+                seen.add(i)
+        k = torch.where(ok[:, None], rows[block.clamp(0, max(n - 1, 0))].float(), 0.0)
+        logits = (qf @ k.T) * scale
+        logits = logits.masked_fill(~ok[None], -math.inf)
+        m_new = torch.maximum(m, logits.amax(-1))
+        safe = torch.where(torch.isneginf(m_new), 0.0, m_new)
+        alpha = torch.exp(m - safe)
+        p = torch.exp(logits - safe[:, None])
+        s = s * alpha + p.sum(-1)
+        acc = acc * alpha[:, None] + p @ k[:, :d_v]
+        m = m_new
+    empty = s == 0
+    out = torch.where(empty[:, None], 0.0, acc / torch.where(empty, 1.0, s)[:, None])
+    lse = torch.where(empty, math.inf, m + torch.log(s))
+    if bug == "lse_in_base_2":
+        lse = lse / math.log(2)
+    peak = m / scale if bug == "max_logits_before_scale" else m
+    return out, peak, lse
+
+
+def _prefill(bug: str = "") -> Any:
+    def sparse(
+        q: Tensor,
+        kv: Tensor,
+        indices: Tensor,
+        sm_scale: float,
+        d_v: int = 512,
+        attn_sink: Tensor | None = None,
+        topk_length: Tensor | None = None,
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        parts = [
+            _attend(q[i], kv[:, 0], indices[i, 0], sm_scale, d_v, bug) for i in range(q.shape[0])
+        ]
+        out, peak, lse = (torch.stack(x) for x in zip(*parts, strict=True))
+        wide = torch.float64 if q.dtype == torch.float64 else torch.float32
+        return out.to(q.dtype), peak.to(wide), lse.to(wide)
+
+    sparse.capabilities = CLAIMS  # type: ignore[attr-defined]
+    return sparse
+
+
+def _dequantize(k_cache: Tensor, bug: str) -> Tensor:
+    """The 656-byte rows as float32 rows of 576 dims."""
+    raw = k_cache.contiguous().view(torch.uint8)
+    nope = raw[..., :512].contiguous().view(torch.float8_e4m3fn).float()
+    scales = raw[..., 512:528].contiguous().view(torch.float32)
+    if bug == "tile_scale_off_by_one_fp8":
+        scales = torch.cat([scales[..., :1], scales[..., :-1]], dim=-1)
+    tiles = nope.reshape(*nope.shape[:-1], 4, 128) * scales[..., None]
+    rope = raw[..., 528:].contiguous().view(torch.bfloat16).float()
+    return torch.cat([tiles.reshape(*nope.shape), rope], dim=-1)
+
+
+def _decode(bug: str = "") -> Any:
+    def sparse(
+        q: Tensor,
+        k_cache: Tensor,
+        block_table: Tensor | None,
+        cache_seqlens: Tensor | None,
+        head_dim_v: int,
+        tile_scheduler_metadata: object = None,
+        num_splits: object = None,
+        softmax_scale: float | None = None,
+        causal: bool = False,
+        is_fp8_kvcache: bool = False,
+        indices: Tensor | None = None,
+        attn_sink: Tensor | None = None,
+        topk_length: Tensor | None = None,
+    ) -> tuple[Tensor, Tensor]:
+        assert indices is not None
+        B, Tq, h, D = q.shape
+        rows = _dequantize(k_cache, bug).reshape(-1, D)
+        scale = D**-0.5 if softmax_scale is None else softmax_scale
+        out = torch.empty(B, Tq, h, head_dim_v)
+        lse = torch.empty(B, h, Tq)
+        for b in range(B):
+            for i in range(Tq):
+                o, _, e = _attend(q[b, i], rows, indices[b, i], scale, head_dim_v, bug)
+                out[b, i], lse[b, :, i] = o, e
+        return out.to(q.dtype), lse
+
+    sparse.capabilities = CLAIMS_FP8  # type: ignore[attr-defined]
+    return sparse
+
+
+right = _prefill()
+invalid_read_as_zero = _prefill("invalid_read_as_zero")
+partial_block_dropped = _prefill("partial_block_dropped")
+duplicates_merged = _prefill("duplicates_merged")
+lse_in_base_2 = _prefill("lse_in_base_2")
+max_logits_before_scale = _prefill("max_logits_before_scale")
+right_fp8 = _decode()
+tile_scale_off_by_one_fp8 = _decode("tile_scale_off_by_one_fp8")
+
+#: the planted bugs, by the family their kernel speaks
+UNSEEN = {
+    "invalid_read_as_zero": "sparse-mla",
+    "partial_block_dropped": "sparse-mla",
+    "duplicates_merged": "sparse-mla",
+    "lse_in_base_2": "sparse-mla",
+    "max_logits_before_scale": "sparse-mla",
+    "tile_scale_off_by_one_fp8": "sparse-mla-fp8",
+}
