@@ -45,7 +45,7 @@ def test_audit_fails_a_mutant_and_writes_json(
     assert code == 1
     out = capsys.readouterr().out
     assert "findings (failures grouped by cause, each shrunk to a minimal case):" in out
-    assert "gqa [float32]: GQA against expanded heads: the call on the changed inputs" in out
+    assert "gqa [float32]: GQA against expanded heads: the call with grouped KV heads" in out
     assert "check_case('gqa', 'mutant.gqa_tiled', case" in out  # the reproducer
     assert "reproducers written to" in out
     data = json.loads(path.read_text())
@@ -53,7 +53,7 @@ def test_audit_fails_a_mutant_and_writes_json(
     assert data["seed"] == 7
     assert (tmp_path / "r.reproducers" / "gqa-float32.py").exists()
     # a law names both of the backend's calls and the oracle; neither is "expected"
-    assert "the call on the changed inputs gave" in out
+    assert "the call with grouped KV heads gave" in out
     assert "the oracle" in out
     (finding,) = data["findings"]
     assert finding["count"] == 1

@@ -33,7 +33,7 @@ def test_one_test_per_property_and_dtype_with_junit(pytester: pytest.Pytester) -
     result.stdout.fnmatch_lines(
         [
             "collected 4 items",  # the audit's items are counted
-            "*GQA against expanded heads: the call on the changed inputs: max error*",
+            "*GQA against expanded heads: the call with grouped KV heads: max error*",
             "case = Case(name='gqa'*",
             # node ids like pytest's own; the short summary shows the failure itself
             "FAILED attnref/mutant.gqa_tiled::gqa[[]float32[]] - GQA against expanded heads*",

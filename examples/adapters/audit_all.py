@@ -38,6 +38,10 @@ ADAPTERS = [
     # GPU kernels, run through their interpreters on the CPU (docs/interpreted.md)
     ("examples.adapters.sglang_decode:decode", "sglang"),
     ("examples.adapters.sglang_extend:extend", "sglang"),
+    ("examples.adapters.sglang_sparse:prefill", "sglang"),
+    ("examples.adapters.sglang_sparse:packed", "sglang"),
+    ("examples.adapters.sglang_sparse:decode", "sglang"),
+    ("examples.adapters.sglang_sparse:single", "sglang"),
     ("examples.adapters.pallas_flash:mha", "jax"),
 ]
 #: the API family of an adapter that is not torch SDPA's (``--api``)
@@ -46,6 +50,10 @@ FAMILIES = {
     "examples.adapters.ring_attention:ring_buckets": "context-parallel",
     "examples.adapters.sglang_decode:decode": "flash-kvcache",
     "examples.adapters.sglang_extend:extend": "flash-kvcache",
+    "examples.adapters.sglang_sparse:prefill": "sparse-mla",
+    "examples.adapters.sglang_sparse:packed": "sparse-mla",
+    "examples.adapters.sglang_sparse:decode": "sparse-mla",
+    "examples.adapters.sglang_sparse:single": "sparse-mla",
     "examples.adapters.pallas_flash:mha": "flash",
 }
 

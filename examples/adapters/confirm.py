@@ -952,6 +952,54 @@ def sglang_decode_float16_grouped_right_expanded_wrong() -> bool:
     return bool(errors[0] < 10 * errors[2] and errors[1] > 30 * errors[2])
 
 
+def _sglang_sparse() -> Any:
+    """SGLang's Triton sparse MLA module, run by Triton's interpreter as attnref's worker
+    sets it up (`attnref.interpreted.prepare`: autotuning pinned to its first
+    configuration, and two fixes of the interpreter, bfloat16 arithmetic and a
+    module-level constexpr added to a tensor, each tested against torch on its own),
+    without which the kernel cannot run interpreted in bfloat16 at all; its device
+    queries answered as an H100's (132 SMs, 227 KiB of shared memory), as the adapter
+    does. No part of the audit (cases, oracle, judge) is used."""
+    import tempfile
+
+    from attnref.interpreted import prepare
+
+    prepare("triton", tempfile.mkdtemp())
+    from sglang.kernels.ops.attention.dsa import triton_sparse_mla as module
+
+    def block_k(kv: Tensor) -> int:
+        return int(module._block_k_for_shared_memory(kv.shape[-1], kv.element_size(), 232448))
+
+    module._sparse_mla_block_k = block_k
+    module._cu_count = lambda device=None: 132
+    return module
+
+
+def sglang_sparse_mla_reads_a_strided_kv_as_contiguous() -> bool:
+    """SGLang's Triton sparse MLA (its single-pass prefill kernel) addresses row ``i`` of
+    ``kv`` at ``i * 576`` elements, whatever ``kv.stride(0)``: a ``kv`` cut from wider
+    rows (each row 640 wide, the last 64 NaN) reads the NaN of the neighbouring columns,
+    where the same values made contiguous give the oracle."""
+    module = _sglang_sparse()
+    gen = torch.Generator().manual_seed(0)
+    wide = torch.randn(4, 1, 640, generator=gen).bfloat16()
+    wide[..., 576:] = math.nan
+    kv = wide[..., :576]  # a view: rows 640 apart
+    q = torch.randn(1, 16, 576, generator=gen).bfloat16()
+    indices = torch.arange(4, dtype=torch.int32).reshape(1, 1, 4)
+    scale = 576**-0.5
+
+    def run(rows: Tensor) -> Tensor:
+        out: Tensor = module._triton_sparse_mla_fwd_single(q[..., :512], q[..., 512:], rows,
+                                                           indices, scale, 512)  # fmt: skip
+        return out[0]
+
+    strided, packed = run(kv), run(kv.contiguous())
+    keys = kv[:, 0].double()
+    want = torch.softmax(scale * q[0].double() @ keys.T, dim=-1) @ keys[:, :512]
+    return bool(torch.isnan(strided).any() and close(packed[0], want, 0.05))
+
+
 def sglang_extend_lse_overflows_past_a_far_sink() -> bool:
     """SGLang's Triton ``extend_attention_fwd`` with a sink: one query, one key of
     score -138 (``q = 12.33``, ``k = -11.19``, head dim 1) and a sink logit of 0.25. Its
@@ -1030,6 +1078,7 @@ FINDINGS: list[tuple[str, Callable[[], bool]]] = [
     ("sglang", sglang_decode_float16_products_rounded),
     ("sglang", sglang_decode_float16_grouped_right_expanded_wrong),
     ("sglang", sglang_extend_lse_overflows_past_a_far_sink),
+    ("sglang", sglang_sparse_mla_reads_a_strided_kv_as_contiguous),
 ]
 #: seen once in an audit, not yet rebuilt from a small case: tried, reported, not counted
 SEEN_ONCE: list[tuple[str, Callable[[], bool]]] = []
