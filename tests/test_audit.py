@@ -587,7 +587,7 @@ def test_json_report_and_reproducer_files(tmp_path: Path) -> None:
     path = tmp_path / "report.json"
     written = report.write_json(path)
     data = json.loads(path.read_text())
-    assert data["schema_version"] == 12
+    assert data["schema_version"] == 13
     assert data["api"] == "sdpa"
     assert data["backend"] == "mutant.gqa_tiled"
     assert data["profile"] == "quick"

@@ -66,6 +66,18 @@ def _parser() -> argparse.ArgumentParser:
         help="also write the JSON report, and its reproducers to PATH.reproducers/ (where "
         "an earlier run's are removed first)",
     )
+    a.add_argument(
+        "--junit",
+        metavar="PATH",
+        help="also write the report as JUnit XML (one testcase per property and dtype), "
+        "for a CI's test view",
+    )
+    a.add_argument(
+        "--shard",
+        metavar="K/N",
+        help="run shard K of N: every N-th (property, dtype) search from the K-th; the "
+        "shards' --json reports merge into the whole audit's (attnref merge)",
+    )
     a.add_argument("--fail-fast", action="store_true", help="stop at the first failing property")
     a.add_argument(
         "--list-backends", action="store_true", help="list built-in backends and mutants"
@@ -104,6 +116,28 @@ def _parser() -> argparse.ArgumentParser:
     from attnref.bench import add_arguments
 
     add_arguments(b)
+    m = sub.add_parser(
+        "merge",
+        help="merge the --json reports of an audit's shards (--shard K/N) into one",
+        description=(
+            "Put the shards of one audit back together: the merged report is the one a "
+            "single process would have written (each search is seeded alone). Reports of "
+            "different backends, declarations, versions, profiles, seeds, dtypes or "
+            "devices, and a missing or repeated shard, are refused with the reason. Exit "
+            "code 0 only if the merged audit is OK."
+        ),
+    )
+    m.add_argument("reports", nargs="+", metavar="REPORT.json", help="every shard's report")
+    m.add_argument("--json", required=True, metavar="PATH", help="the merged report")
+    m.add_argument("--junit", metavar="PATH", help="also the merged report as JUnit XML")
+    r = sub.add_parser(
+        "report",
+        help="print a saved --json report, or write it as JUnit XML",
+        description="Read a report written by --json and print its table (and findings).",
+    )
+    r.add_argument("report", metavar="REPORT.json")
+    r.add_argument("--junit", metavar="PATH", help="write it as JUnit XML")
+    r.add_argument("--verbose", "-v", action="store_true", help="skip reasons, all reproducers")
     d = sub.add_parser(
         "demo",
         help="train a small model on the CPU and show what it learned",
@@ -269,6 +303,15 @@ def _audit(args: argparse.Namespace) -> int:
         settings = audit_settings(lambda dest: getattr(args, dest))
         jobs = _jobs(args.jobs)
         json_path = _writable(args.json)
+        junit_path = _writable(args.junit)
+        shard = None
+        if args.shard is not None:
+            from attnref.conformance.exports import shard_of
+
+            try:
+                shard = shard_of(args.shard)
+            except ValueError as e:
+                raise OptionError(f"--shard: {e}") from None
         serve = get_family(settings.api or DEFAULT_API).serve
         if serve is not None:  # a process a launcher started, which may not be the judge
             code = serve(
@@ -341,6 +384,7 @@ def _audit(args: argparse.Namespace) -> int:
             on_result=save,
             report=report,
             jobs=jobs,
+            shard=shard,
         )
     except KeyboardInterrupt as e:
         executor.close()
@@ -356,6 +400,39 @@ def _audit(args: argparse.Namespace) -> int:
         print(f"report written to {json_path}")
         if len(written) > 1:
             print(f"reproducers written to {written[1].parent}/")
+    if junit_path is not None:
+        from attnref.conformance.exports import write_junit
+
+        write_junit(report, junit_path)
+        print(f"JUnit XML written to {junit_path}")
+    return 0 if report.ok else 1
+
+
+def _saved(args: argparse.Namespace) -> int:
+    """``attnref merge`` and ``attnref report``: saved reports read back and written
+    again (docs/reports.md)."""
+    from attnref.conformance.exports import MergeError, load_report, merge_reports, write_junit
+
+    paths = args.reports if args.command == "merge" else [args.report]
+    try:
+        reports = [load_report(p) for p in paths]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        print(f"attnref {args.command}: cannot read a report: {e}", file=sys.stderr)
+        return 2
+    if args.command == "merge":
+        try:
+            report = merge_reports(reports, [str(p) for p in paths])
+        except MergeError as e:
+            print(f"attnref merge: {e}", file=sys.stderr)
+            return 2
+        report.write_json(args.json)
+        print(f"merged {len(paths)} shards into {args.json}")
+    else:
+        (report,) = reports
+    print(report.format_table(verbose=getattr(args, "verbose", False)))
+    if args.junit:
+        write_junit(report, args.junit)
+        print(f"JUnit XML written to {args.junit}")
     return 0 if report.ok else 1
 
 
@@ -505,6 +582,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 return _audit(args)
             if args.command == "demo":
                 return _demo(args)
+            if args.command in ("merge", "report"):
+                return _saved(args)
             if args.command == "bench":
                 from attnref.bench import run_cli
 

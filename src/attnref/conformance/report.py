@@ -1,13 +1,14 @@
 """Audit reports: a verdict per (property, dtype), a terminal table, a versioned JSON document.
 
-JSON schema (``schema_version`` 12; 3 added ``api``, 4 ``trusted``, 5 ``checked``,
+JSON schema (``schema_version`` 13; 3 added ``api``, 4 ``trusted``, 5 ``checked``,
 ``cause`` and ``findings``, 6 ``world_size``, 7 the coverage: ``judged``, ``thin``,
 ``floor``, ``min_judged``, ``startup_seconds`` and ``not_tested``, 8 ``also``, 9
 ``sandbox``, 10 ``judges`` and ``judge_notes``, 11 a result's ``cut`` and a finding's
-``output``, 12 ``interpreted`` and a result's ``case_seconds``)::
+``output``, 12 ``interpreted`` and a result's ``case_seconds``, 13 ``shard``,
+``planned`` and ``examples``)::
 
     {
-      "schema_version": 12,
+      "schema_version": 13,
       "attnref_version": str, "torch_version": str,
       "backend": str, "api": an API family ("sdpa", "flash", ...), "device": str,
       "dtypes": [str], "world_size": int | null (the processes each call ran on),
@@ -31,6 +32,9 @@ JSON schema (``schema_version`` 12; 3 added ``api``, 4 ``trusted``, 5 ``checked`
         "checked": {dtype: float},   # its check's error in each dtype
         "sizes": str               # the tiles and cost bound the cases were fitted to
       },
+      "shard": null | [K, N],      # shard K of N of one audit (--shard; attnref merge)
+      "planned": int,              # the (property, dtype) searches it set out to run
+      "examples": int,             # cases drawn per search (the profile's)
       "incomplete": null | str,    # why the audit did not finish (then "ok" is false)
       "summary": {"passed": int, "failed": int, "skipped": int,  # (property, dtype) verdicts
                   "thin": int,     # passes judged on fewer cases than the floor
@@ -101,7 +105,7 @@ __all__ = [
     "reproducer",
 ]
 
-SCHEMA_VERSION = 12
+SCHEMA_VERSION = 13
 
 #: a pass judged on fewer than this share of the profile's examples (per property and
 #: dtype) is thin, unless ``--min-judged`` sets the floor
@@ -256,6 +260,12 @@ def reproducer(
     )
 
 
+def _versions() -> tuple[str, str]:
+    from attnref import __version__
+
+    return __version__, torch.__version__
+
+
 @dataclass
 class AuditReport:
     """Everything an audit found."""
@@ -297,6 +307,11 @@ class AuditReport:
     #: the kernel ran through an interpreter (`attnref.interpreted.prepare`'s record,
     #: with the sizes the cases were fitted to): {} when it ran natively
     interpreted: dict[str, Any] = field(default_factory=dict)
+    #: ``(K, N)``: this report is shard K of N of one audit (``--shard K/N``), whose
+    #: shards `attnref.conformance.exports.merge_reports` puts together
+    shard: tuple[int, int] | None = None
+    #: the attnref and torch versions it was written with (a loaded report keeps its own)
+    versions: tuple[str, str] = field(default_factory=_versions)
     _t0: float = 0.0
 
     @classmethod
@@ -413,16 +428,14 @@ class AuditReport:
         return {r.property for r in self.results if r.status == "fail"}
 
     def to_dict(self) -> dict[str, Any]:
-        from attnref import __version__
-
         caps = {
             k: [dtype_name(x) for x in v] if k == "dtypes" else v
             for k, v in asdict(self.capabilities).items()
         }
         return {
             "schema_version": SCHEMA_VERSION,
-            "attnref_version": __version__,
-            "torch_version": torch.__version__,
+            "attnref_version": self.versions[0],
+            "torch_version": self.versions[1],
             "backend": self.backend,
             "api": self.api,
             "device": self.device,
@@ -440,6 +453,9 @@ class AuditReport:
             "judges": self.judges,
             "judge_notes": self.judge_notes,
             "interpreted": self.interpreted or None,
+            "shard": None if self.shard is None else list(self.shard),
+            "planned": self.planned,
+            "examples": self.examples,
             "incomplete": self.incomplete or None,
             "summary": {
                 "passed": self.count("pass"),

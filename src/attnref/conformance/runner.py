@@ -341,6 +341,7 @@ def audit(
     property_budget: float | None = None,
     require_sandbox: bool = False,
     jobs: int = 1,
+    shard: tuple[int, int] | None = None,
 ) -> AuditReport:
     """Audit ``backend`` against the float64 oracle: every property in every dtype.
 
@@ -387,6 +388,8 @@ def audit(
     """
     if jobs < 1:
         raise ValueError(f"jobs must be >= 1, got {jobs}")
+    # ``shard=(K, N)``: only the searches K - 1, K - 1 + N, ... of the audit's list; the
+    # shards' reports merge into this audit's (`attnref.conformance.exports`)
     if min_judged is not None and min_judged < 1:
         raise ValueError(f"min_judged must be >= 1, got {min_judged}")
     if isinstance(backend, Backend):  # a spec's declaration is checked where it resolves
@@ -452,6 +455,12 @@ def audit(
     work += [(p, d) for p in chosen for d in fp8_kept if "fp8" in p.id]
     if fp8_kept and any(d in fp8_kept for _, d in work):
         report.dtypes.append(dtype_name(torch.bfloat16))
+    if shard is not None:  # searches k - 1, k - 1 + n, ... (each seeded alone)
+        k, n = shard
+        if not 1 <= k <= n:
+            raise ValueError(f"shard must be (K, N) with 1 <= K <= N, got {shard!r}")
+        work = work[k - 1 :: n]
+        report.shard = (k, n)
     report.planned = len(work)
     stop_at = None if deadline is None else time.perf_counter() + deadline
     threads_before = torch.get_num_threads()

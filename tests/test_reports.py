@@ -1,0 +1,139 @@
+"""Reports people read where they already look (docs/reports.md): a saved report read
+back, JUnit XML checked against the schema Jenkins reads, and an audit split into
+shards (``--shard K/N``) merged back into the report one process writes."""
+
+import json
+import xml.etree.ElementTree as ET
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from attnref.cli import main
+from attnref.conformance import audit
+from attnref.conformance.exports import (
+    MergeError,
+    junit_xml,
+    load_report,
+    merge_reports,
+    shard_of,
+)
+from attnref.conformance.report import AuditReport
+
+SCHEMA = Path(__file__).parent / "data" / "junit-10.xsd"
+#: a small audit of a mutant that fails some properties and skips none, or one
+PROPS = ["forward", "gqa", "lse", "masked_keys", "causality"]
+
+
+def _run(**kwargs: object) -> AuditReport:
+    return audit("mutant.gqa_tiled", dtypes=(torch.float32, torch.float16), properties=PROPS,
+                 progress=False, **kwargs)  # type: ignore[arg-type]  # fmt: skip
+
+
+def _validate(text: str) -> None:
+    xmlschema = pytest.importorskip("xmlschema")
+    xmlschema.XMLSchema(str(SCHEMA)).validate(text)
+
+
+def _key(data: dict[str, object]) -> list[tuple[object, ...]]:
+    results = data["results"]
+    assert isinstance(results, list)
+    return [
+        (r["property"], r["dtype"], r["status"], r["checks"], r["skipped"], r["message"],
+         json.dumps(r["failure"], sort_keys=True))
+        for r in results
+    ]  # fmt: skip
+
+
+def test_the_junit_report_is_valid_and_names_each_property_and_dtype(tmp_path: Path) -> None:
+    report = audit("mutant.gqa_tiled", dtypes=(torch.float32,),
+                   properties=["forward", "gqa", "sinks"], progress=False)  # fmt: skip
+    text = junit_xml(report)
+    _validate(text)
+    root = ET.fromstring(text)
+    (suite,) = root.findall("testsuite")
+    cases = suite.findall("testcase")
+    assert [c.get("name") for c in cases] == ["forward[float32]", "gqa[float32]", "sinks[float32]"]
+    assert suite.get("tests") == "3"
+    assert suite.get("failures") == str(report.count("fail")) != "0"
+    failed = [c for c in cases if c.find("failure") is not None]
+    assert failed
+    body = failed[0].find("failure")
+    assert body is not None
+    assert "check_case(" in (body.text or "")  # the reproducer rides along
+    skipped = [c for c in cases if c.find("skipped") is not None]
+    assert skipped
+    assert skipped[0].find("skipped").get("message")  # type: ignore[union-attr]
+    props = {p.get("name"): p.get("value") for p in suite.iter("property")}
+    assert props["verdict"] == "FAILED"
+    assert props["seed"] == "0"
+    # a message with bytes XML cannot hold is still valid XML
+    report.results[0].message = "bad \x00 byte \x1b[31m"
+    _validate(junit_xml(report))
+
+
+def test_a_saved_report_reads_back_as_it_was_written(tmp_path: Path) -> None:
+    report = audit("mutant.gqa_tiled", dtypes=(torch.float32,), properties=["forward", "gqa"],
+                   progress=False)  # fmt: skip
+    report.write_json(tmp_path / "r.json")
+    again = load_report(tmp_path / "r.json")
+    written = json.loads((tmp_path / "r.json").read_text())
+    assert json.loads(json.dumps(again.to_dict())) == written
+
+
+@pytest.mark.slow  # four small audits: 3 shards and the whole
+def test_three_shards_merged_are_the_audit_one_process_runs(tmp_path: Path) -> None:
+    whole = _run()
+    shards = [_run(shard=(k, 3)) for k in (1, 2, 3)]
+    assert sorted(len(s.results) for s in shards) == [3, 3, 4]
+    paths = []
+    for k, s in enumerate(shards, 1):
+        s.write_json(tmp_path / f"s{k}.json")
+        paths.append(tmp_path / f"s{k}.json")
+    # in any order, through the command
+    code = main(["merge", str(paths[2]), str(paths[0]), str(paths[1]), "--json",
+                 str(tmp_path / "m.json"), "--junit", str(tmp_path / "m.xml")])  # fmt: skip
+    assert code == (0 if whole.ok else 1)
+    merged = json.loads((tmp_path / "m.json").read_text())
+    one = whole.to_dict()
+    assert _key(merged) == _key(one)
+    assert merged["findings"] == one["findings"]
+    assert merged["summary"] == one["summary"]
+    assert merged["shard"] is None
+    _validate((tmp_path / "m.xml").read_text())
+
+
+def test_merging_anything_but_every_shard_of_one_audit_is_refused(tmp_path: Path) -> None:
+    one = audit("reference", dtypes=(torch.float32,), properties=["forward", "gqa"],
+                progress=False, shard=(1, 2))  # fmt: skip
+    two = audit("reference", dtypes=(torch.float32,), properties=["forward", "gqa"],
+                progress=False, shard=(2, 2))  # fmt: skip
+    assert [r.property for r in one.results] == ["forward"]
+    assert [r.property for r in two.results] == ["gqa"]
+    assert merge_reports([two, one]).ok
+    bad = {
+        "its seed differs": [one, replace(two, seed=7)],
+        "its backend differs": [one, replace(two, backend="torch-sdpa")],
+        "its profile differs": [one, replace(two, profile="ci")],
+        "its attnref and torch versions differs": [one, replace(two, versions=("0.0", "2.0"))],
+        "its declaration differs": [one, replace(two, capabilities=replace(
+            two.capabilities, gqa=False))],
+        "shard 2/2 missing": [one],
+        "shard 1/2 given twice": [one, one, two],
+        "not a shard": [one, replace(two, shard=None)],
+        "shards of different N": [one, replace(two, shard=(2, 3))],
+    }  # fmt: skip
+    for reason, reports in bad.items():
+        with pytest.raises(MergeError, match=reason):
+            merge_reports(reports)
+    # through the command: exit 2 and the reason
+    one.write_json(tmp_path / "a.json")
+    assert main(["merge", str(tmp_path / "a.json"), "--json", str(tmp_path / "m.json")]) == 2
+
+
+@pytest.mark.parametrize("text", ["3", "0/2", "3/2", "a/b", "1/"])
+def test_a_bad_shard_is_named(text: str) -> None:
+    with pytest.raises(ValueError, match="K/N"):
+        shard_of(text)
+    assert shard_of("2/5") == (2, 5)
