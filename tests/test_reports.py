@@ -137,3 +137,85 @@ def test_a_bad_shard_is_named(text: str) -> None:
     with pytest.raises(ValueError, match="K/N"):
         shard_of(text)
     assert shard_of("2/5") == (2, 5)
+
+
+# -------------------------------------------------------------------------- HTML
+
+
+def test_the_html_page_holds_the_grid_each_finding_s_heatmap_and_coverage() -> None:
+    import re
+
+    from attnref.conformance.html import html_report
+
+    report = audit("mutant.gqa_tiled", dtypes=(torch.float32,),
+                   properties=["forward", "gqa", "sinks"], progress=False)  # fmt: skip
+    page = html_report(report)
+    assert '<table id="grid">' in page
+    assert "http://" not in page.replace("http://www.w3.org", "")  # nothing fetched
+    assert "<script" not in page
+    anchors = set(re.findall(r'id="([^"]+)"', page))
+    links = re.findall(r'href="#([^"]+)"', page)
+    assert links
+    assert set(links) <= anchors  # every grid cell leads to its result
+    failed = [r for r in report.results if r.finding is not None]
+    assert failed
+    assert all(r.finding.errors for r in failed)  # type: ignore[union-attr]
+    assert page.count("data:image/png;base64,") >= len(failed) + 1  # heatmaps, coverage
+    assert "check_case(" in page  # the reproducer
+
+
+def _chromium() -> str:
+    """Debian's chromium, installed here if missing and possible (else the test skips
+    with the reason)."""
+    import os
+    import shutil
+    import subprocess
+
+    found = shutil.which("chromium")
+    if found is None and shutil.which("apt-get") and os.geteuid() == 0:
+        subprocess.run(["apt-get", "install", "-y", "--no-install-recommends", "chromium"],
+                       capture_output=True, timeout=900, check=False)  # fmt: skip
+        found = shutil.which("chromium")
+    if found is None:
+        pytest.skip("no chromium, and it cannot be installed here (apt-get as root)")
+    return found
+
+
+@pytest.mark.slow  # a browser, and its install where missing
+def test_the_html_report_of_a_size_gated_kernel_renders_where_the_error_starts(
+    tmp_path: Path,
+) -> None:
+    """The quick audit of a kernel whose causal rows past query 1024 see one key too
+    many: its heatmap's first wrong column is query 1024; the page loads in headless
+    Chromium with no console error, and its screenshot is not blank."""
+    import subprocess
+
+    browser = _chromium()
+    paths = ["--json", str(tmp_path / "r.json"), "--html", str(tmp_path / "r.html")]
+    code = main(["audit", "--backend", "tests.planted_sizes:causal_rows_past_1024",
+                 "--dtype", "float64", "--property", "forward", "--fail-fast", "--no-progress",
+                 *paths])  # fmt: skip
+    assert code == 1
+    data = json.loads((tmp_path / "r.json").read_text())
+    (failed,) = [r for r in data["results"] if r["failure"]]
+    errors = failed["failure"]["errors"]
+    row = errors["map"][0]
+    first = next(i for i, x in enumerate(row) if x is None or x > errors["bound"])
+    assert errors["column_labels"][first] == 1024
+    assert all(errors["column_labels"][i] < 1024 for i in range(first))
+    url = (tmp_path / "r.html").resolve().as_uri()
+    flags = ["--headless", "--no-sandbox", "--disable-gpu", "--window-size=1200,1600"]
+    out = subprocess.run([browser, *flags, "--enable-logging=stderr", "--v=0",
+                          f"--screenshot={tmp_path / 'shot.png'}", url],
+                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    console = [x for x in out.stderr.splitlines() if "CONSOLE" in x]
+    assert not [x for x in console if "error" in x.lower()], console
+    dom = subprocess.run([browser, *flags, "--dump-dom", url], capture_output=True, text=True,
+                         timeout=120).stdout  # fmt: skip
+    assert 'id="grid"' in dom
+    assert "data:image/png;base64," in dom
+    import matplotlib.image
+
+    pixels = matplotlib.image.imread(tmp_path / "shot.png")
+    assert pixels.shape[0] > 500
+    assert float(pixels[..., :3].std()) > 0.05  # not blank

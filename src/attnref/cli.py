@@ -73,6 +73,12 @@ def _parser() -> argparse.ArgumentParser:
         "for a CI's test view",
     )
     a.add_argument(
+        "--html",
+        metavar="PATH",
+        help="also write the report as one self-contained HTML page: the property x "
+        "dtype grid, each finding's heatmap and reproducer, coverage plots",
+    )
+    a.add_argument(
         "--shard",
         metavar="K/N",
         help="run shard K of N: every N-th (property, dtype) search from the K-th; the "
@@ -130,6 +136,7 @@ def _parser() -> argparse.ArgumentParser:
     m.add_argument("reports", nargs="+", metavar="REPORT.json", help="every shard's report")
     m.add_argument("--json", required=True, metavar="PATH", help="the merged report")
     m.add_argument("--junit", metavar="PATH", help="also the merged report as JUnit XML")
+    m.add_argument("--html", metavar="PATH", help="also the merged report as an HTML page")
     r = sub.add_parser(
         "report",
         help="print a saved --json report, or write it as JUnit XML",
@@ -137,6 +144,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     r.add_argument("report", metavar="REPORT.json")
     r.add_argument("--junit", metavar="PATH", help="write it as JUnit XML")
+    r.add_argument("--html", metavar="PATH", help="write it as an HTML page")
     r.add_argument("--verbose", "-v", action="store_true", help="skip reasons, all reproducers")
     d = sub.add_parser(
         "demo",
@@ -304,6 +312,7 @@ def _audit(args: argparse.Namespace) -> int:
         jobs = _jobs(args.jobs)
         json_path = _writable(args.json)
         junit_path = _writable(args.junit)
+        html_path = _writable(args.html)
         shard = None
         if args.shard is not None:
             from attnref.conformance.exports import shard_of
@@ -405,6 +414,11 @@ def _audit(args: argparse.Namespace) -> int:
 
         write_junit(report, junit_path)
         print(f"JUnit XML written to {junit_path}")
+    if html_path is not None:
+        from attnref.conformance.html import write_html
+
+        write_html(report, html_path)
+        print(f"HTML report written to {html_path}")
     return 0 if report.ok else 1
 
 
@@ -433,6 +447,11 @@ def _saved(args: argparse.Namespace) -> int:
     if args.junit:
         write_junit(report, args.junit)
         print(f"JUnit XML written to {args.junit}")
+    if args.html:
+        from attnref.conformance.html import write_html
+
+        write_html(report, args.html)
+        print(f"HTML report written to {args.html}")
     return 0 if report.ok else 1
 
 

@@ -60,6 +60,7 @@ def _finding(data: dict[str, Any] | None) -> Finding | None:
         cause=data.get("cause", ""),
         output=data.get("output", ""),
         needs=tuple(data.get("needs", ())),
+        errors=data.get("errors"),
     )
 
 
@@ -129,6 +130,7 @@ def load_report(source: str | Path | dict[str, Any]) -> AuditReport:
                 also=_finding(r.get("also")),
                 cut=r.get("cut", False),
                 case_seconds=list(r.get("case_seconds", [])),
+                coverage=dict(r.get("coverage") or {}),
             )
         )
     return report

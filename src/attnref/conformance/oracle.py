@@ -651,6 +651,66 @@ def expect_grads(
     return out[0], out[1], out[2]
 
 
+#: the most rows and columns a finding's error map keeps (larger maps are max-pooled)
+MAP_ROWS, MAP_COLUMNS = 64, 256
+
+
+@checked_internal
+def error_map(
+    err: Float[Tensor, "*shape"],
+    bound: float,
+    where: tuple[int, ...] | None = None,
+    narrow: tuple[int, Int[Tensor, " n"]] | None = None,
+) -> dict[str, Any]:
+    """What the report's heatmap shows of a failed comparison: ``err`` (the absolute
+    error where judged, ``inf`` where a value is NaN or infinite and should not be) as
+    rows against columns, an output's ``(..., Tq, Dv)`` reduced over ``Dv`` (its worst
+    channel) to ``(batch * heads, Tq)``, an LSE's ``(..., Tq)`` to ``(batch * heads,
+    Tq)``; max-pooled down to `MAP_ROWS` x `MAP_COLUMNS`; with the bound, and the worst
+    value's row and column. ``narrow``: the compared tensors were a long case's sampled
+    rows (``(axis, indices)``): the columns are labelled with the queries they are."""
+    e = err.detach().to(torch.float64).cpu()
+    labels = None
+    if narrow is not None and narrow[0] % err.dim() == (err.dim() - 2 if err.dim() >= 3 else 0):
+        labels = [int(i) for i in narrow[1].tolist()]
+    e = torch.nan_to_num(e, nan=math.inf)
+    columns = "queries"
+    if e.dim() >= 3:
+        e = e.amax(-1)  # the worst channel of each query
+        point = None if where is None or len(where) != err.dim() else where[:-1]
+    else:
+        point = where
+        if e.dim() == 1:
+            columns = "positions"
+    grid = e.reshape(-1, e.shape[-1]) if e.dim() >= 1 and e.numel() else e.reshape(1, 1)
+    rows, cols = grid.shape
+    rp, cp = -(-rows // MAP_ROWS), -(-cols // MAP_COLUMNS)
+    if rp > 1 or cp > 1:
+        pad = torch.full((rp * -(-rows // rp), cp * -(-cols // cp)), 0.0, dtype=grid.dtype)
+        pad[:rows, :cols] = grid
+        grid = pad.reshape(pad.shape[0] // rp, rp, pad.shape[1] // cp, cp).amax(dim=(1, 3))
+    at = None
+    if point is not None and e.dim() >= 1 and len(point) == e.dim():
+        flat_row = 0
+        for i, n in zip(point[:-1], e.shape[:-1], strict=True):
+            flat_row = flat_row * n + i
+        at = [flat_row // rp, point[-1] // cp]
+    if labels is not None and e.dim() >= 1 and len(labels) == e.shape[-1]:
+        labels = labels[::cp]
+    else:
+        labels = None
+    return {
+        "map": [[x if math.isfinite(x) else None for x in row] for row in grid.tolist()],
+        "bound": bound,
+        "rows": "batch x heads" if e.dim() >= 2 else "",
+        "columns": columns,
+        "shape": list(err.shape),
+        "pooled": [rp, cp],
+        "worst": at,
+        "column_labels": labels,
+    }
+
+
 #: a law's two calls as its messages name them: the changed inputs' call, then the
 #: call it is compared with
 LAW_CALLS = ("the call on the changed inputs", "the call on the original inputs")
@@ -732,7 +792,8 @@ def close(
     if wrong.any():
         where = at(wrong)
         text, expected = values(where)
-        raise Failure(
+        shown = torch.where(wrong, math.inf, torch.where(sel & ~want_nan, (got - want).abs(), 0.0))
+        failure = Failure(
             f"{what}: {int(wrong.sum())} NaN/inf values where a finite value is expected; "
             f"first at {whole(where)}: {text}",
             got=float(got[where]),
@@ -740,6 +801,8 @@ def close(
             where=whole(where),
             kind="nan",
         )
+        failure.errors = error_map(shown, max_bound, where, narrow)
+        raise failure
     missing = want_nan & ~got_bad
     if missing.any():
         where = at(missing)
@@ -765,7 +828,7 @@ def close(
     if semantic is None:
         size = float(torch.where(judged, (want if law is None else law).abs(), 0.0).max())
         semantic = 0.05 * max(1.0, size)
-    raise Failure(
+    failure = Failure(
         f"{what}: max {kind} {max_err:.3g} (bound {max_bound:.3g}), mean {kind} "
         f"{mean_err:.3g} (bound {mean_bound:.3g}); worst at {whole(where)}: {text}",
         got=float(got[where]),
@@ -774,3 +837,5 @@ def close(
         kind="error",
         small=max_err < semantic,
     )
+    failure.errors = error_map(err, max_bound, where, narrow)
+    raise failure

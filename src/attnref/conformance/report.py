@@ -5,7 +5,7 @@ JSON schema (``schema_version`` 13; 3 added ``api``, 4 ``trusted``, 5 ``checked`
 ``floor``, ``min_judged``, ``startup_seconds`` and ``not_tested``, 8 ``also``, 9
 ``sandbox``, 10 ``judges`` and ``judge_notes``, 11 a result's ``cut`` and a finding's
 ``output``, 12 ``interpreted`` and a result's ``case_seconds``, 13 ``shard``,
-``planned`` and ``examples``)::
+``planned``, ``examples``, a result's ``coverage`` and a finding's ``errors``)::
 
     {
       "schema_version": 13,
@@ -58,6 +58,7 @@ JSON schema (``schema_version`` 13; 3 added ``api``, 4 ``trusted``, 5 ``checked`
          "cut": bool,              # its search ended when its budget ran out
          "seconds": float,
          "case_seconds": [float],  # each drawn case's time, in order, shrinking included
+         "coverage": {feature: {value: int}},  # the judged cases' features (the HTML plots)
          "message": str,           # the failure's one-line summary, or why it was skipped
          "failure": null | {
             "case": {Case fields},  # the shrunk, minimal failing case
@@ -68,7 +69,12 @@ JSON schema (``schema_version`` 13; 3 added ``api``, 4 ``trusted``, 5 ``checked`
             "where": [int] | null,
             "reproducer": str,      # a runnable Python snippet
             "output": str,          # the last 4 KiB the backend wrote to stdout/stderr
-            "needs": [str]          # the shrunk case's features it fails only with
+            "needs": [str],         # the shrunk case's features it fails only with
+            "errors": null | {      # where its values were wrong (the HTML heatmap)
+              "map": [[float | null]], "bound": float, "rows": str, "columns": str,
+              "shape": [int], "pooled": [int, int], "worst": [int, int] | null,
+              "column_labels": [int] | null   # a long case's sampled query rows
+            }
          },
          "also": null | {...}       # a second finding, as "failure": a precision miss
                                     # met while the search went on to a semantic failure
@@ -137,6 +143,9 @@ class Finding:
     #: the features of the shrunk case it fails only with (`attnref.conformance.needs`):
     #: findings that need different ones are different findings
     needs: tuple[str, ...] = ()
+    #: where the values were wrong (`attnref.conformance.oracle.error_map`): the
+    #: heatmap of the HTML report; None where the check had no tensor to show
+    errors: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -149,6 +158,7 @@ class Finding:
             "reproducer": self.reproducer,
             "output": self.output,
             "needs": list(self.needs),
+            "errors": self.errors,
         }
 
 
@@ -176,6 +186,9 @@ class PropertyResult:
     cut: bool = False
     #: each drawn case's seconds, in the order drawn (shrinking included)
     case_seconds: list[float] = field(default_factory=list)
+    #: what the judged cases covered (`attnref.conformance.coverage`): each feature's
+    #: values and how many cases had each
+    coverage: dict[str, dict[str, int]] = field(default_factory=dict)
 
     @builtins.property  # (``property`` is a field's name here)
     def judged(self) -> int:
@@ -196,6 +209,7 @@ class PropertyResult:
             "cut": self.cut,
             "seconds": round(self.seconds, 4),
             "case_seconds": [round(t, 4) for t in self.case_seconds],
+            "coverage": self.coverage,
             "message": self.message,
             "failure": None if self.finding is None else self.finding.to_dict(),
             "also": None if self.also is None else self.also.to_dict(),
@@ -506,14 +520,19 @@ class AuditReport:
                 written.append(out)
         return written
 
-    def format_table(self, *, verbose: bool = False) -> str:
-        """One row per property, one column per dtype, then each failure and its reproducer."""
+    def grid(self) -> tuple[list[str], dict[tuple[str, str], PropertyResult]]:
+        """The properties in audit order, and each (property, dtype name)'s result."""
         names: list[str] = []
         cells: dict[tuple[str, str], PropertyResult] = {}
         for r in self.results:
             if r.property not in names:
                 names.append(r.property)
             cells[(r.property, dtype_name(r.dtype))] = r
+        return names, cells
+
+    def format_table(self, *, verbose: bool = False) -> str:
+        """One row per property, one column per dtype, then each failure and its reproducer."""
+        names, cells = self.grid()
         width = max([len("property"), *map(len, names)])
         cw = max([10, *(len(_cell(r)) for r in cells.values())])
         header = f"{'property':<{width}}  " + "  ".join(f"{d:>{cw}}" for d in self.dtypes)

@@ -25,6 +25,7 @@ from tqdm import tqdm
 from attnref._checking import audit_checking, checking_enabled, set_checking
 from attnref.conformance.calls import TIMED_OUT, availability
 from attnref.conformance.cases import Case
+from attnref.conformance.coverage import add as add_coverage
 from attnref.conformance.declarations import Backend, BackendError, Capabilities
 from attnref.conformance.family import get_family
 from attnref.conformance.judges import Judges, Setup, wait_after_timeout
@@ -69,6 +70,8 @@ class _Search:
     imprecise: tuple[Case, Failure] | None = None
     #: each drawn case's seconds
     case_seconds: list[float] = field(default_factory=list)
+    #: what the judged cases covered (`attnref.conformance.coverage`)
+    coverage: dict[str, dict[str, int]] = field(default_factory=dict)
 
 
 def _precision_miss(f: Failure) -> bool:
@@ -119,6 +122,7 @@ def run_property(
             finding=finding,
             cut=search.over_budget,
             case_seconds=search.case_seconds,
+            coverage=search.coverage,
         )
 
     search = _Search()
@@ -156,6 +160,7 @@ def run_property(
         t0 = time.perf_counter()
         try:
             prop.check(ctx if wait == timeout else replace(ctx, timeout=wait), case)
+            add_coverage(search.coverage, case)
         except Skip as s:
             if s.refused:
                 search.refused += 1
@@ -179,6 +184,7 @@ def run_property(
                     search.imprecise = (case, f)
                 return
             search.failure = (case, f)
+            add_coverage(search.coverage, case)
             now = time.perf_counter()
             if search.shrink_until is None:
                 search.shrink_until = now + profile.shrink_seconds
@@ -245,6 +251,7 @@ def run_property(
             # a supervised worker's (an executor of another kind keeps none)
             getattr(executor, "output_tail", str)(),
             needed,
+            failure.errors,
         )
 
     searched()

@@ -7,6 +7,7 @@ escapes as anything else (`attnref.conformance.calls`).
 import os
 import re
 import traceback
+from typing import Any
 
 __all__ = ["Failure", "Skip", "cause_key", "cause_of", "one_line"]
 
@@ -41,10 +42,13 @@ class Failure(Exception):  # noqa: N818 (a verdict on the backend, not an error 
         #: an "error" under 5% of the values' spread (`attnref.conformance.oracle.close`): what a
         #: precision loss looks like
         self.small = small
+        #: where the values were wrong (`attnref.conformance.oracle.error_map`), for the
+        #: report's heatmap; None where a check has no tensor to show
+        self.errors: dict[str, Any] | None = None
 
     def reworded(self, message: str) -> "Failure":
         """The same failure with another message."""
-        return Failure(
+        failure = Failure(
             message,
             got=self.got,
             expected=self.expected,
@@ -53,6 +57,8 @@ class Failure(Exception):  # noqa: N818 (a verdict on the backend, not an error 
             kind=self.kind,
             small=self.small,
         )
+        failure.errors = self.errors
+        return failure
 
 
 def cause_of(failure: Failure, dtype: str) -> str:
