@@ -201,6 +201,7 @@ print(json.dumps({"before": before, "after": run()}))
 """
 
 
+@pytest.mark.slow  # triton imported in a process of its own: 4 s
 def test_triton_s_interpreter_computes_bfloat16_as_a_device_once_fixed() -> None:
     """Triton 3.9's interpreter multiplies, dots and casts bfloat16 wrong (and trips on a
     module-level constexpr added to a tensor); after `triton_fixes.fix`, a product and

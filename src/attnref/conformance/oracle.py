@@ -801,7 +801,7 @@ def close(
             where=whole(where),
             kind="nan",
         )
-        failure.errors = error_map(shown, max_bound, where, narrow)
+        failure.errors_from = lambda: error_map(shown, max_bound, where, narrow)
         raise failure
     missing = want_nan & ~got_bad
     if missing.any():
@@ -837,5 +837,5 @@ def close(
         kind="error",
         small=max_err < semantic,
     )
-    failure.errors = error_map(err, max_bound, where, narrow)
+    failure.errors_from = lambda: error_map(err, max_bound, where, narrow)
     raise failure

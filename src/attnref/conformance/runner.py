@@ -251,7 +251,7 @@ def run_property(
             # a supervised worker's (an executor of another kind keeps none)
             getattr(executor, "output_tail", str)(),
             needed,
-            failure.errors,
+            None if failure.errors_from is None else failure.errors_from(),
         )
 
     searched()

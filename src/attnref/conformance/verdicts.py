@@ -7,6 +7,7 @@ escapes as anything else (`attnref.conformance.calls`).
 import os
 import re
 import traceback
+from collections.abc import Callable
 from typing import Any
 
 __all__ = ["Failure", "Skip", "cause_key", "cause_of", "one_line"]
@@ -42,9 +43,10 @@ class Failure(Exception):  # noqa: N818 (a verdict on the backend, not an error 
         #: an "error" under 5% of the values' spread (`attnref.conformance.oracle.close`): what a
         #: precision loss looks like
         self.small = small
-        #: where the values were wrong (`attnref.conformance.oracle.error_map`), for the
-        #: report's heatmap; None where a check has no tensor to show
-        self.errors: dict[str, Any] | None = None
+        #: where the values were wrong, for the report's heatmap: made on demand
+        #: (`attnref.conformance.oracle.error_map`, only for the failure a search keeps);
+        #: None where a check has no tensor to show
+        self.errors_from: Callable[[], dict[str, Any]] | None = None
 
     def reworded(self, message: str) -> "Failure":
         """The same failure with another message."""
@@ -57,7 +59,7 @@ class Failure(Exception):  # noqa: N818 (a verdict on the backend, not an error 
             kind=self.kind,
             small=self.small,
         )
-        failure.errors = self.errors
+        failure.errors_from = self.errors_from
         return failure
 
 
