@@ -56,6 +56,12 @@ BACKENDS = (
     # SDPA on the gathered latent rows
     "flash-mla",
     "mla-sdpa",
+    # DeepSeek's sparse attention (FlashMLA's sparse prefill and FP8 decode) where
+    # flash_mla is installed, and torch's SDPA on the gathered rows
+    "flash-mla-sparse",
+    "sparse-mla-sdpa",
+    "flash-mla-sparse-fp8",
+    "sparse-mla-fp8-sdpa",
 )
 
 #: options of this tool that a child audit gets from its parent, not from the command
