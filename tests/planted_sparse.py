@@ -8,7 +8,8 @@ FlashMLA's kernels do, and plants one bug: ``invalid_read_as_zero`` (an invalid 
 reads row 0), ``partial_block_dropped`` (a list's last, partial block of 64 skipped),
 ``duplicates_merged`` (a row listed twice attended once), ``lse_in_base_2``,
 ``max_logits_before_scale``, ``tile_scale_off_by_one_fp8`` (tile ``t`` of a packed row
-dequantized with tile ``t - 1``'s scale; tile 0 with its own). ``right`` and
+dequantized with tile ``t - 1``'s scale; tile 0 with its own), ``past_1024_dropped_fp8``
+(a list's entries past 1024 never read: size-gated, below DeepSeek's top-k of 2048). ``right`` and
 ``right_fp8`` are the same kernels without a bug, which must pass.
 """
 
@@ -44,6 +45,8 @@ def _attend(
     acc = torch.zeros(h, d_v)
     seen: set[int] = set()
     stop = topk // BLOCK * BLOCK if bug == "partial_block_dropped" else topk
+    if bug == "past_1024_dropped_fp8":  # a long list's later blocks never loaded
+        stop = min(topk, 1024)
     for start in range(0, stop, BLOCK):
         block = idx[start : min(start + BLOCK, stop)].long()
         ok = (block >= 0) & (block < n)
@@ -146,6 +149,7 @@ lse_in_base_2 = _prefill("lse_in_base_2")
 max_logits_before_scale = _prefill("max_logits_before_scale")
 right_fp8 = _decode()
 tile_scale_off_by_one_fp8 = _decode("tile_scale_off_by_one_fp8")
+past_1024_dropped_fp8 = _decode("past_1024_dropped_fp8")
 
 #: the planted bugs, by the family their kernel speaks
 UNSEEN = {
@@ -155,4 +159,5 @@ UNSEEN = {
     "lse_in_base_2": "sparse-mla",
     "max_logits_before_scale": "sparse-mla",
     "tile_scale_off_by_one_fp8": "sparse-mla-fp8",
+    "past_1024_dropped_fp8": "sparse-mla-fp8",
 }
