@@ -154,7 +154,8 @@ def sparse_arguments(caps: Capabilities, call: SparseCall, overrides: dict[str, 
 
 def _dense_call(caps: Capabilities, inputs: Inputs) -> SparseCall:
     """A dense latent case as one sparse call: the batch's queries and keys one sample
-    after another, each query's indices the keys it sees, then ``-1``."""
+    after another, each query's indices the keys it sees (in order), then ``-1``. Its
+    ``rows`` are empty: the dense case's own oracle judges it."""
     if inputs.attn_mask is not None and inputs.attn_mask.is_floating_point():
         raise Skip("a float mask: a sparse call selects keys, it does not add to scores")
     variant_kwargs(caps, inputs)  # Skip: softcap, ALiBi and sinks are not indices
@@ -169,23 +170,20 @@ def _dense_call(caps: Capabilities, inputs: Inputs) -> SparseCall:
     k = flash_layout(inputs.key, inputs)  # (B, Tk, 1, D)
     B, Tq, h, D = q.shape
     Tk = k.shape[1]
-    seen = visible.reshape(B, -1, Tq, Tk)[:, 0]  # (B, Tq, Tk)
+    seen = visible.reshape(B, -1, Tq, Tk)[:, 0].cpu()  # (B, Tq, Tk)
     m = max(caps.topk_multiple, 1)
     topk = max(-(-Tk // m) * m, m)
-    indices = torch.full((B * Tq, 1, topk), -1, dtype=torch.int32)
-    rows = []
-    for b in range(B):
-        for i in range(Tq):
-            sel = seen[b, i].nonzero().flatten().cpu()
-            indices[b * Tq + i, 0, : len(sel)] = (b * Tk + sel).to(torch.int32)
-            keys = k[b, sel.to(k.device)].transpose(0, 1)  # (1, n, D)
-            rows.append(Inputs(q[b, i][:, None], keys, keys[..., : inputs.value.shape[-1]],
-                               None, None, inputs.scale))  # fmt: skip
+    # each query's visible keys first, in ascending order (a stable sort of "hidden")
+    order = torch.sort((~seen).to(torch.uint8), dim=-1, stable=True).indices  # (B, Tq, Tk)
+    listed = torch.arange(Tk) < seen.sum(-1, keepdim=True)  # (B, Tq, Tk)
+    offset = (torch.arange(B) * Tk)[:, None, None]
+    indices = torch.full((B, Tq, topk), -1, dtype=torch.int32)
+    indices[..., :Tk] = torch.where(listed, order + offset, -1).to(torch.int32)
     return SparseCall(
-        tuple(rows),
+        (),
         q.reshape(B * Tq, h, D),
         k.reshape(B * Tk, 1, D),
-        indices.to(q.device),
+        indices.reshape(B * Tq, 1, topk).to(q.device),
         inputs.value.shape[-1],
         _scale(inputs),
     )
@@ -319,12 +317,13 @@ def _sdpa_attend(
 ) -> tuple[Float[Tensor, "n h {d_v}"], Float[Tensor, "n h"], Float[Tensor, "n h"]]:
     """torch's SDPA on each query's gathered rows (one key/value head shared by every
     query head, invalid rows masked); ``max_logits`` and the LSE from the scores in
-    float32."""
+    float32. The heads of a query are SDPA's queries against its one KV head: no copy
+    of the rows per head."""
     rows = torch.where(valid[..., None], rows, 0.0)
     out = torch.nn.functional.scaled_dot_product_attention(
-        q[:, :, None], rows[:, None], rows[:, None, :, :d_v], attn_mask=valid[:, None, None],
-        scale=scale, enable_gqa=True,
-    )[:, :, 0]  # fmt: skip
+        q[:, None], rows[:, None], rows[:, None, :, :d_v], attn_mask=valid[:, None, None],
+        scale=scale,
+    )[:, 0]  # fmt: skip
     _, peak, lse = score_stats(q, rows, valid, scale)
     return torch.where(torch.isposinf(lse)[..., None], 0.0, out.nan_to_num()), peak, lse
 
@@ -371,7 +370,7 @@ def _builtins() -> list[Backend]:
                 "attnref's sparse_mla_attention (dense attention over the selected rows)",
                 _OURS, api=NAME),
         Backend("sparse-mla-sdpa", sparse_sdpa,
-                "torch SDPA on each query's gathered rows (one KV head, GQA, invalid masked)",
+                "torch SDPA on each query's gathered rows (its heads the queries, invalid masked)",
                 _OURS, api=NAME),
         Backend("flash-mla-sparse", _flash_mla_sparse,
                 "FlashMLA's flash_mla_sparse_fwd (skipped where flash_mla is absent)",
