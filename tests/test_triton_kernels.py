@@ -7,13 +7,21 @@ the one aimed at its class (the whole quick audits are measured in
 docs/interpreted.md). Needs the ``interpret`` extra (triton,
 numpy), which `.ci/run` installs."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
 from attnref.conformance import audit
+from attnref.conformance.profiles import PROFILES
 
 pytest.importorskip("triton")
 pytestmark = pytest.mark.slow
+
+#: the quick profile with 10 drawn cases a search, not 25 (each property's fixed cases
+#: all run): the correct kernels' tests ask that no property fails them, and the whole
+#: quick audits, every dtype, are measured in docs/interpreted.md
+SMOKE = replace(PROFILES["quick"], name="smoke", examples=10)
 
 
 @pytest.mark.parametrize(
@@ -39,11 +47,11 @@ def test_a_bug_planted_in_triton_code_fails_the_quick_audit(
 
 
 def test_the_right_flash_kernel_passes_interpreted() -> None:
-    """In float32 here (the whole quick audit, every dtype, is measured in
-    docs/interpreted.md); bfloat16 passes the interpreter's own check once attnref has
-    fixed its bfloat16 arithmetic (`attnref.interpreted.triton_fixes`)."""
+    """Every property in float32 here, with fewer drawn cases (`SMOKE`); bfloat16 passes
+    the interpreter's own check once attnref has fixed its bfloat16 arithmetic
+    (`attnref.interpreted.triton_fixes`)."""
     report = audit("tests.planted_triton:right", api="flash", dtypes=(torch.float32,),
-                   progress=False)  # fmt: skip
+                   profile=SMOKE, progress=False)  # fmt: skip
     assert report.ok, report.format_table()
     assert report.interpreted["dtypes_out"] == {}
     assert report.interpreted["checked"]["bfloat16"] < 0.1
@@ -53,10 +61,11 @@ def test_the_right_flash_kernel_passes_interpreted() -> None:
 
 def test_the_right_decode_kernel_passes_the_cache_properties_fp8_included() -> None:
     """FP8 calls return bfloat16 and are audited in the bfloat16 search (float32 and
-    bfloat16 here, for time)."""
+    bfloat16 here, with fewer drawn cases (`SMOKE`), for time)."""
     report = audit("tests.planted_triton:decode_right", api="flash-kvcache",
                    properties=["kvcache_pages", "kvcache_splits", "kvcache_fp8"],
-                   dtypes=(torch.float32, torch.bfloat16), progress=False)  # fmt: skip
+                   dtypes=(torch.float32, torch.bfloat16), profile=SMOKE,
+                   progress=False)  # fmt: skip
     assert report.ok, report.format_table()
     fp8 = [r for r in report.results if "fp8" in r.property and r.status == "pass"]
     assert fp8, report.format_table()
