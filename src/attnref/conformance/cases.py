@@ -27,6 +27,7 @@ __all__ = [
     "build",
     "fixed_grid",
     "long_grid",
+    "shape_values",
     "variant_grid",
 ]
 
@@ -276,7 +277,7 @@ def build(case: Case, dtype: torch.dtype, device: str | torch.device = "cpu") ->
         k = _randn(k_shape, gen, case.amp)
         v = _randn(v_shape, gen)
     if case.logits != "randn" or case.v_offset:
-        q, k, v = _shape_values(case, dtype, q, k, v)
+        q, k, v = shape_values(case, dtype, q, k, v)
     mask = _make_mask(case, gen)
     if case.poison != "none":
         if case.layout.startswith("broadcast"):
@@ -346,7 +347,7 @@ def _past_float32(x: Float[Tensor, "*shape"], gen: torch.Generator) -> Float64[T
 
 
 @checked_internal
-def _shape_values(
+def shape_values(
     case: Case,
     dtype: torch.dtype,
     q: Float32[Tensor, "*batch h Tq Dh"],
@@ -399,7 +400,7 @@ def _shape_values(
     return q, k, v
 
 
-#: the largest input `_shape_values` plants in a dtype whose range is narrow
+#: the largest input `shape_values` plants in a dtype whose range is narrow
 _LARGEST = {torch.float16: 3.0e4}
 
 

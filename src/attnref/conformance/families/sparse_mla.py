@@ -35,7 +35,7 @@ from torch import Tensor
 
 from attnref._checking import checked_internal
 from attnref.conformance.calls import invoke
-from attnref.conformance.cases import Case, Inputs
+from attnref.conformance.cases import Case, Inputs, shape_values
 from attnref.conformance.checks import Context, law, rng
 from attnref.conformance.declarations import Backend, Capabilities
 from attnref.conformance.families.flash import declared, flash_back, flash_layout
@@ -419,9 +419,15 @@ def build_sparse(
     Tq, Tk, h, D, Dv = case.Tq, case.Tk, case.h, case.Dh, case.Dv
     topk = int(case.option("topk", max(Tk, 1)))
     proto = torch.empty((), dtype=dtype, device=device)
-    q = (case.amp * torch.randn((Tq, h, D), generator=gen)).to(proto)
+    q32 = case.amp * torch.randn((Tq, h, D), generator=gen)
+    k32 = case.amp * torch.randn((Tk, 1, D), generator=gen)
+    # class 33's values (``case.logits``: far, peaked, moving scores, outlier channels),
+    # as the dense families plant them; V is K's leading dims, so no ``v_offset``
+    q32, k32, _ = shape_values(case, dtype, q32.transpose(0, 1), k32.transpose(0, 1),
+                                k32.transpose(0, 1)[..., :Dv])  # fmt: skip
+    q = q32.transpose(0, 1).to(proto)
     buffer = torch.full((Tk + 2, 1, D), math.nan, dtype=dtype, device=device)
-    buffer[1 : Tk + 1] = (case.amp * torch.randn((Tk, 1, D), generator=gen)).to(proto)
+    buffer[1 : Tk + 1] = k32.transpose(0, 1).to(proto)
     block = caps.tile_keys or TOPK_BLOCK
     counts = _counts(case, topk, Tk, gen, block)
     sentinels = case.option("sentinels", ("-1",))
@@ -542,7 +548,8 @@ def _sparse_cases(
     """Sparse calls: 1 to 8 queries of 1, 3 or 16 heads, 1 to 160 rows, top-k lists up
     to twice the rows (a multiple of the declared one), explicit scales often; the
     options: ``topk``, ``valid`` counts, invalid ``sentinels`` (among those declared),
-    ``duplicates`` (where counted), ``order`` and ``topk_length`` (where taken)."""
+    ``duplicates`` (where counted), ``order`` and ``topk_length`` (where taken); the
+    values of class 33 (``logits``) as the dense cases draw them."""
 
     def cases(p: Profile, c: Capabilities) -> st.SearchStrategy[Case]:
         fields: dict[str, Any] = {
@@ -555,6 +562,7 @@ def _sparse_cases(
             "Tq": st.integers(1, 8),
             "Tk": st.integers(1, 160),
             "scale": st.sampled_from((None, 0.37, 192**-0.5, 1.0)),
+            "v_offset": 0.0,
         }
         fields.update({k: v for k, v in pins.items() if k in Case.__dataclass_fields__})
         base = case_strategy(name, p, c, sizes=("small",), **fields)
