@@ -1,4 +1,4 @@
-"""Sparse MLA kernels (FlashMLA's conventions) with bugs of classes 34, 35 and 36, written
+"""Sparse MLA kernels (FlashMLA's conventions) with bugs of classes 33 to 36, written
 here on their own (plain torch, none of attnref's references, adapters or mutant
 switches), importable as ``tests.planted_sparse:NAME`` with ``--api sparse-mla`` (the
 prefill kernels) or ``--api sparse-mla-fp8`` (the ``*_fp8`` ones).
@@ -7,10 +7,14 @@ Each walks a query's top-k list in blocks of 64 entries with an online softmax, 
 FlashMLA's kernels do, and plants one bug: ``invalid_read_as_zero`` (an invalid entry
 reads row 0), ``partial_block_dropped`` (a list's last, partial block of 64 skipped),
 ``duplicates_merged`` (a row listed twice attended once), ``lse_in_base_2``,
-``max_logits_before_scale``, ``tile_scale_off_by_one_fp8`` (tile ``t`` of a packed row
+``max_logits_before_scale``, ``max_started_at_zero`` (the online softmax's running
+max started at 0, not -inf: rows whose scores all lie far below 0 underflow; class 33),
+``tile_scale_off_by_one_fp8`` (tile ``t`` of a packed row
 dequantized with tile ``t - 1``'s scale; tile 0 with its own), ``past_1024_dropped_fp8``
-(a list's entries past 1024 never read: size-gated, below DeepSeek's top-k of 2048). ``right`` and
-``right_fp8`` are the same kernels without a bug, which must pass.
+(a list's entries past 1024 never read: size-gated, below DeepSeek's top-k of 2048),
+``model1_per_token_fp8`` (DeepSeek-V4's MODEL1 pages read as if each 584-byte row of the
+view were one token's bytes). ``right``, ``right_fp8`` and ``right_model1_fp8`` are the
+same kernels without a bug, which must pass.
 """
 
 import math
@@ -29,7 +33,9 @@ CLAIMS = replace(
     dtypes=(torch.float32, torch.bfloat16),
     topk_length=False,
 )
-CLAIMS_FP8 = replace(fp8_reference.capabilities, topk_length=False)  # type: ignore[attr-defined]
+#: the decode kernels read the 656-byte V32 cache; the MODEL1 ones the 584-byte pages
+CLAIMS_FP8 = replace(fp8_reference.capabilities, topk_length=False, sparse_caches=("V32",))  # type: ignore[attr-defined]
+CLAIMS_MODEL1 = replace(CLAIMS_FP8, sparse_caches=("MODEL1",))
 
 
 def _attend(
@@ -40,7 +46,10 @@ def _attend(
     h = q.shape[0]
     n, topk = rows.shape[0], idx.shape[0]
     qf = q.float()
-    m = torch.full((h,), -math.inf)
+    # the softmax's running max; a kernel that starts it at 0 (where -inf belongs) loses
+    # every row whose scores all lie far below 0: exp underflows to 0
+    m = torch.zeros(h) if bug == "max_started_at_zero" else torch.full((h,), -math.inf)
+    top = torch.full((h,), -math.inf)  # max_logits
     s = torch.zeros(h)
     acc = torch.zeros(h, d_v)
     seen: set[int] = set()
@@ -60,6 +69,7 @@ def _attend(
         k = torch.where(ok[:, None], rows[block.clamp(0, max(n - 1, 0))].float(), 0.0)
         logits = (qf @ k.T) * scale
         logits = logits.masked_fill(~ok[None], -math.inf)
+        top = torch.maximum(top, logits.amax(-1))
         m_new = torch.maximum(m, logits.amax(-1))
         safe = torch.where(torch.isneginf(m_new), 0.0, m_new)
         alpha = torch.exp(m - safe)
@@ -72,7 +82,7 @@ def _attend(
     lse = torch.where(empty, math.inf, m + torch.log(s))
     if bug == "lse_in_base_2":
         lse = lse / math.log(2)
-    peak = m / scale if bug == "max_logits_before_scale" else m
+    peak = top / scale if bug == "max_logits_before_scale" else top
     return out, peak, lse
 
 
@@ -109,6 +119,26 @@ def _dequantize(k_cache: Tensor, bug: str) -> Tensor:
     return torch.cat([tiles.reshape(*nope.shape), rope], dim=-1)
 
 
+def _dequantize_model1(k_cache: Tensor, bug: str) -> Tensor:
+    """MODEL1 pages (FlashMLA's ``tests/quant.py``) as float32 rows of 512 dims: a page's
+    tokens' 576 value bytes each, then their 8 scale bytes each. ``model1_per_token_fp8``
+    reads each 584-byte row of the view as one token's bytes instead (448 e4m3, 128
+    rope, 7 scales, a pad), a layout the page-wise one is easily taken for."""
+    blocks, page = k_cache.shape[:2]
+    raw = k_cache.view(torch.uint8).reshape(blocks, page * 584)
+    if bug == "model1_per_token_fp8":
+        tokens = raw.reshape(blocks, page, 584)
+        values, exps = tokens[..., :576], tokens[..., 576:583]
+    else:
+        values = raw[:, : page * 576].reshape(blocks, page, 576)
+        exps = raw[:, page * 576 :].reshape(blocks, page, 8)[..., :7]
+    nope = values[..., :448].contiguous().view(torch.float8_e4m3fn).float()
+    rope = values[..., 448:].contiguous().view(torch.bfloat16).float()
+    scales = torch.pow(2.0, exps.float() - 127)
+    tiles = nope.reshape(blocks, page, 7, 64) * scales[..., None]
+    return torch.cat([tiles.reshape(blocks, page, 448), rope], dim=-1)
+
+
 def _decode(bug: str = "") -> Any:
     def sparse(
         q: Tensor,
@@ -127,7 +157,10 @@ def _decode(bug: str = "") -> Any:
     ) -> tuple[Tensor, Tensor]:
         assert indices is not None
         B, Tq, h, D = q.shape
-        rows = _dequantize(k_cache, bug).reshape(-1, D)
+        if k_cache.shape[-1] == 584:
+            rows = _dequantize_model1(k_cache, bug).reshape(-1, D)
+        else:
+            rows = _dequantize(k_cache, bug).reshape(-1, D)
         scale = D**-0.5 if softmax_scale is None else softmax_scale
         out = torch.empty(B, Tq, h, head_dim_v)
         lse = torch.empty(B, h, Tq)
@@ -137,7 +170,9 @@ def _decode(bug: str = "") -> Any:
                 out[b, i], lse[b, :, i] = o, e
         return out.to(q.dtype), lse
 
-    sparse.capabilities = CLAIMS_FP8  # type: ignore[attr-defined]
+    sparse.capabilities = (  # type: ignore[attr-defined]
+        CLAIMS_MODEL1 if bug.startswith("model1") else CLAIMS_FP8
+    )
     return sparse
 
 
@@ -147,9 +182,12 @@ partial_block_dropped = _prefill("partial_block_dropped")
 duplicates_merged = _prefill("duplicates_merged")
 lse_in_base_2 = _prefill("lse_in_base_2")
 max_logits_before_scale = _prefill("max_logits_before_scale")
+max_started_at_zero = _prefill("max_started_at_zero")
 right_fp8 = _decode()
 tile_scale_off_by_one_fp8 = _decode("tile_scale_off_by_one_fp8")
 past_1024_dropped_fp8 = _decode("past_1024_dropped_fp8")
+right_model1_fp8 = _decode("model1")
+model1_per_token_fp8 = _decode("model1_per_token_fp8")
 
 #: the planted bugs, by the family their kernel speaks
 UNSEEN = {
@@ -158,6 +196,8 @@ UNSEEN = {
     "duplicates_merged": "sparse-mla",
     "lse_in_base_2": "sparse-mla",
     "max_logits_before_scale": "sparse-mla",
+    "max_started_at_zero": "sparse-mla",
     "tile_scale_off_by_one_fp8": "sparse-mla-fp8",
     "past_1024_dropped_fp8": "sparse-mla-fp8",
+    "model1_per_token_fp8": "sparse-mla-fp8",
 }

@@ -16,10 +16,13 @@ from attnref.conformance.families.sparse_mla_fp8 import build_sparse_fp8
 from attnref.mla import mla_kvcache_attention
 from attnref.sparse import (
     FP8_SPARSE_BYTES,
+    pack_fp8_model1,
     pack_fp8_sparse,
     sparse_mla_attention,
     sparse_mla_decode,
     tile_scales,
+    unpack_fp8_cache,
+    unpack_fp8_model1,
     unpack_fp8_sparse,
 )
 from tests.planted_sparse import UNSEEN
@@ -171,6 +174,53 @@ def test_a_scale_that_saturates_its_tile_is_refused() -> None:
         pack_fp8_sparse(torch.zeros(512))
 
 
+def test_a_model1_page_is_flash_mla_s_layout() -> None:
+    """DeepSeek-V4's MODEL1 pages (FlashMLA's ``tests/quant.py``), by hand: a page of 3
+    tokens holds their 576 value bytes each (448 e4m3, then 64 bfloat16 rope dims), then
+    their 8 scale bytes each (7 UE8M0 exponents, ``127 + log2(scale)``, and a pad); pages
+    start 576 * 4 bytes apart (3 * 584 = 1752, rounded up to a multiple of 576). Token
+    ``t`` has tile 0 of 448s (scale 1: 0x7E, exponent 127) and its other tiles of ``t +
+    1`` (scale 2**-8 for 1, 2**-7 for 2 and 3: 256 is 0x78, 384 is 0x7C)."""
+    rows = torch.zeros(2, 3, 512)
+    for t in range(3):
+        rows[:, t, :64], rows[:, t, 64:448], rows[:, t, 448:] = 448.0, t + 1.0, -2.0
+    k = pack_fp8_model1(rows)
+    assert k.shape == (2, 3, 1, 584)
+    assert k.stride()[:2] == (2304, 584)
+    page = k.view(torch.uint8).reshape(2, 3 * 584)[1]
+    for t, (value, exponent) in enumerate(((0x78, 119), (0x78, 120), (0x7C, 120))):
+        token = page[t * 576 : (t + 1) * 576].tolist()
+        assert token[:64] == [0x7E] * 64
+        assert token[64:448] == [value] * 384
+        assert token[448:] == [0x00, 0xC0] * 64  # bfloat16 -2.0, little-endian
+        assert page[1728 + 8 * t : 1736 + 8 * t].tolist() == [127] + [exponent] * 6 + [0]
+    assert torch.equal(unpack_fp8_model1(k), rows.double())
+    assert torch.equal(unpack_fp8_cache(k)[:, :, 0], rows.double())
+
+
+@settings(max_examples=20, deadline=None)
+@given(seed=st.integers(0, 999), amp=st.sampled_from((1e-6, 0.01, 1.0, 300.0, 1e5)))
+def test_model1_packing_is_deepseek_s_quantizer_and_unpacking_is_exact(
+    seed: int, amp: float
+) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    rows = (amp * torch.randn(2, 5, 512, generator=gen)).to(torch.bfloat16)
+    tiles = rows[..., :448].float().reshape(2, 5, 7, 64)
+    bound = torch.clamp_min(tiles.abs().amax(-1) / 448, 1e-4)
+    scales = torch.pow(2.0, bound.log2().ceil())
+    assert bool((scales >= bound).all())
+    assert bool((scales / 2 < bound).all())
+    want = (tiles / scales[..., None]).to(torch.float8_e4m3fn).double() * scales.double()[..., None]
+    back = unpack_fp8_model1(pack_fp8_model1(rows))
+    assert torch.equal(back[..., :448], want.reshape(2, 5, 448))
+    assert torch.equal(back[..., 448:], rows[..., 448:].double())
+
+
+def test_a_cache_of_another_width_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"656 \(V32_FP8Sparse\) or 584"):
+        unpack_fp8_cache(torch.zeros(2, 4, 1, 600, dtype=torch.uint8))
+
+
 # -------------------------------------------------------------------- the cases
 
 
@@ -216,6 +266,33 @@ def test_an_fp8_case_spreads_its_tiles_and_pads_its_pages_as_flash_mla_s_tests()
     assert all(x.key.shape[-2] in (64, 9) for x in call.rows)
 
 
+def test_a_model1_case_poisons_every_slot_no_token_holds() -> None:
+    """A MODEL1 case: 512-dim queries, V the whole row; the unused page, the page
+    before the cache and the tail of a batch row's last page hold NaN values and NaN
+    scale bytes where the page keeps them."""
+    caps = resolve_backend("sparse-mla-fp8-reference").capabilities
+    assert "MODEL1" in caps.sparse_caches
+    case = Case("sparse_fp8", h=3, g=1, Tq=2, Dh=512, Dv=512, cached=(20, 9), page=16,
+                latent=True, seed=3, options=(("topk", 64), ("valid", "all"),
+                ("tiles", "spread"), ("cache", "MODEL1")))  # fmt: skip
+    call = build_sparse_fp8(case, "cpu", caps)
+    assert call.cache == "MODEL1"
+    assert call.q.shape[-1] == 512
+    assert call.k_cache.shape[1:] == (16, 1, 584)
+    rows = unpack_fp8_model1(call.k_cache)  # (blocks, 16, 512)
+    held = torch.zeros(rows.shape[:2], dtype=torch.bool)
+    for x in call.indices.reshape(-1).tolist():
+        if x >= 0:
+            held[x // 16, x % 16] = True
+    assert int(held.sum()) == 29
+    assert bool(torch.isnan(rows[~held]).all())
+    assert not bool(torch.isnan(rows[held]).any())
+    assert all(x.value.shape[-1] == 512 for x in call.rows)
+    raw = call.k_cache.view(torch.uint8)
+    before = torch.as_strided(raw, (16 * 584,), (1,), raw.storage_offset() - raw.stride(0))
+    assert bool((before[: 16 * 576] == 255).all())  # the page before: NaN bytes
+
+
 # ----------------------------------------------------------------- the audits
 
 
@@ -247,7 +324,12 @@ def test_planted_sparse_kernels_fail_the_quick_audit(name: str) -> None:
 
 @SLOW
 @pytest.mark.parametrize(
-    ("name", "api"), [("right", "sparse-mla"), ("right_fp8", "sparse-mla-fp8")]
+    ("name", "api"),
+    [
+        ("right", "sparse-mla"),
+        ("right_fp8", "sparse-mla-fp8"),
+        ("right_model1_fp8", "sparse-mla-fp8"),
+    ],
 )
 def test_the_planted_kernels_without_a_bug_pass(name: str, api: str) -> None:
     own = [p.id for p in PROPERTIES.values() if api in p.families]

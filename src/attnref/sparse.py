@@ -33,6 +33,16 @@ divided by its tile's scale), then the 4 tile scales as float32, then the 64 rop
 as bfloat16. A tile's scale is ``2 ** ceil(log2(max(amax / 448, 1e-4)))``: a power of
 two (UE8M0), ``amax`` the tile's largest magnitude. `pack_fp8_sparse` writes it as
 DeepSeek's code does; `unpack_fp8_sparse` reads it back exactly.
+
+**The MODEL1 FP8 cache** (FlashMLA's ``MODEL1_FP8Sparse`` layout, ``tests/quant.py``,
+taken when the rows have 512 dims: DeepSeek-V4's, whose V is the whole row): 448 dims as
+e4m3 in 7 tiles of 64, 64 rope dims as bfloat16, and the 7 scales as UE8M0 bytes (``2 **
+(byte - 127)``). Its bytes are laid out by page, not by token: a page of ``P`` tokens
+holds their ``P * 576`` bytes of values (each token's 448 e4m3 bytes, then its 128 rope
+bytes), then their ``P * 8`` scale bytes (7 and a pad byte each), and pages lie a
+multiple of 576 bytes apart. The cache passed is a ``(blocks, P, 1, 584)`` view of that
+buffer (584 bytes a token on average, not a token's bytes), as FlashMLA's quantizer
+returns it. `pack_fp8_model1` and `unpack_fp8_model1`.
 """
 
 import math
@@ -47,11 +57,15 @@ __all__ = [
     "FP8_SPARSE_BYTES",
     "FP8_SPARSE_TILE",
     "FP8_SPARSE_TILES",
+    "MODEL1_BYTES",
     "attend_rows",
+    "pack_fp8_model1",
     "pack_fp8_sparse",
     "score_stats",
     "sparse_mla_attention",
     "sparse_mla_decode",
+    "unpack_fp8_cache",
+    "unpack_fp8_model1",
     "unpack_fp8_sparse",
 ]
 
@@ -253,3 +267,92 @@ def unpack_fp8_sparse(packed: Shaped[Tensor, "*rows 656"]) -> Float64[Tensor, "*
     rope = raw[..., NOPE + 4 * FP8_SPARSE_TILES :].contiguous().view(torch.bfloat16)
     tiles = _tiles(nope) * scales.double()[..., None]
     return torch.cat([tiles.flatten(-2), rope.double()], dim=-1)
+
+
+# ------------------------------------------------------------ the MODEL1 FP8 cache
+
+#: MODEL1's quantized dims, tile and tiles, a token's value bytes, its bytes on average,
+#: and the multiple of bytes its pages start on
+MODEL1_NOPE, MODEL1_TILE = 448, 64
+MODEL1_TILES = MODEL1_NOPE // MODEL1_TILE  # 7
+MODEL1_VALUE_BYTES = MODEL1_NOPE + 2 * ROPE  # 576
+MODEL1_BYTES = MODEL1_VALUE_BYTES + MODEL1_TILES + 1  # 584
+MODEL1_PAGE_ALIGN = 576
+
+
+@checked
+def pack_fp8_model1(
+    latent: Float[Tensor, "blocks page 512"],
+) -> Shaped[Tensor, "blocks page 1 584"]:
+    """Pages of 512-dim rows in FlashMLA's ``MODEL1_FP8Sparse`` layout (module
+    docstring): the ``(blocks, page, 1, 584)`` ``float8_e4m3fn`` view FlashMLA's quantizer
+    returns, over a buffer whose pages start a multiple of 576 bytes apart. Rows are
+    rounded to bfloat16 first; each tile of 64 is divided by its power-of-two scale (the
+    tile's amax over 448, at least 1e-4's) and rounded to e4m3.
+
+    Raises:
+        ValueError: a tile that its scale would saturate (``|x| / scale > 448``).
+    """
+    blocks, page, _ = latent.shape
+    rows = latent.to(torch.bfloat16)
+    tiles = rows[..., :MODEL1_NOPE].float().reshape(blocks, page, MODEL1_TILES, MODEL1_TILE)
+    scale = torch.pow(2.0, (tiles.abs().amax(-1) / E4M3_MAX).clamp_min(MIN_SCALE).log2().ceil())
+    stored = tiles / scale[..., None]
+    if bool((stored.abs() > E4M3_MAX).any()):
+        raise ValueError(f"a tile scale saturates its tile: |x| / scale above {E4M3_MAX}")
+    nope = stored.to(torch.float8_e4m3fn).flatten(-2).view(torch.uint8)  # (blocks, page, 448)
+    rope = rows[..., MODEL1_NOPE:].contiguous().view(torch.uint8)  # (blocks, page, 128)
+    exponent = (scale.log2().round() + 127).to(torch.uint8)  # UE8M0: 2 ** (byte - 127)
+    pad = torch.zeros((blocks, page, 1), dtype=torch.uint8)
+    size = page * MODEL1_BYTES
+    stride = -(-size // MODEL1_PAGE_ALIGN) * MODEL1_PAGE_ALIGN
+    buffer = torch.zeros((blocks, stride), dtype=torch.uint8)
+    buffer[:, : page * MODEL1_VALUE_BYTES] = torch.cat([nope, rope], -1).reshape(blocks, -1)
+    buffer[:, page * MODEL1_VALUE_BYTES : size] = torch.cat([exponent, pad], -1).reshape(blocks, -1)
+    return buffer[:, :size].view(torch.float8_e4m3fn).view(blocks, page, 1, MODEL1_BYTES)
+
+
+def _page_bytes(k_cache: Tensor) -> Tensor:
+    """Each page's bytes of a ``(blocks, page, 1, bytes)`` cache view, ``(blocks, page *
+    bytes)`` (the view's rows, in order, are its page's bytes)."""
+    blocks, page = k_cache.shape[:2]
+    return k_cache.view(torch.uint8).reshape(blocks, page * k_cache.shape[-1])
+
+
+@checked
+def unpack_fp8_model1(
+    k_cache: Shaped[Tensor, "blocks page 1 584"],
+) -> Float64[Tensor, "blocks page 512"]:
+    """A ``MODEL1_FP8Sparse`` cache back as 512-dim rows, exactly, in float64: each e4m3
+    value times its tile's power of two (a scale byte of 255 is NaN), then the rope dims."""
+    blocks, page = k_cache.shape[:2]
+    raw = _page_bytes(k_cache)
+    values = raw[:, : page * MODEL1_VALUE_BYTES].reshape(blocks, page, MODEL1_VALUE_BYTES)
+    nope = values[..., :MODEL1_NOPE].contiguous().view(torch.float8_e4m3fn).double()
+    rope = values[..., MODEL1_NOPE:].contiguous().view(torch.bfloat16).double()
+    exponent = raw[:, page * MODEL1_VALUE_BYTES :].reshape(blocks, page, 8)[..., :MODEL1_TILES]
+    scale = torch.pow(2.0, exponent.double() - 127).masked_fill(exponent == 255, math.nan)
+    tiles = nope.reshape(blocks, page, MODEL1_TILES, MODEL1_TILE) * scale[..., None]
+    return torch.cat([tiles.flatten(-2), rope], dim=-1)
+
+
+@checked
+def unpack_fp8_cache(
+    k_cache: Shaped[Tensor, "blocks page 1 bytes"],
+) -> Float64[Tensor, "blocks page 1 D"]:
+    """A packed sparse cache ``(blocks, page, 1, bytes)`` as float64 rows ``(blocks, page,
+    1, D)``, by its layout: 656 bytes a token (`unpack_fp8_sparse`, 576 dims) or 584
+    (`unpack_fp8_model1`, 512 dims).
+
+    Raises:
+        ValueError: another width.
+    """
+    width = k_cache.shape[-1]
+    if width == FP8_SPARSE_BYTES:
+        return unpack_fp8_sparse(k_cache)
+    if width == MODEL1_BYTES:
+        return unpack_fp8_model1(k_cache)[:, :, None]
+    raise ValueError(
+        f"k_cache's last dim must be {FP8_SPARSE_BYTES} (V32_FP8Sparse) or {MODEL1_BYTES} "
+        f"(MODEL1_FP8Sparse, a (blocks, page, 1, {MODEL1_BYTES}) view), got {width}"
+    )

@@ -139,6 +139,9 @@ FP8_FORMATS: dict[str, torch.dtype] = {
 #: index listed twice (`Capabilities.invalid_indices`, `Capabilities.duplicates`)
 INVALID_INDICES = ("-1", "past_end")
 DUPLICATES = ("counted", "refused")
+#: FlashMLA's packed FP8 sparse caches (`Capabilities.sparse_caches`, attnref.sparse):
+#: 656 bytes a 576-dim row (DeepSeek-V3.2), and 584 a 512-dim row laid out by page (V4)
+SPARSE_CACHES = ("V32", "MODEL1")
 
 
 @dataclass(frozen=True)
@@ -295,12 +298,15 @@ class Capabilities:
     #: (an index at the rows' count or past it); what it does with an index listed
     #: twice, ``"counted"`` (twice, as FlashMLA's reference) or ``"refused"`` (never
     #: drawn); whether it returns ``max_logits``; the top-k lengths it takes (multiples
-    #: of ``topk_multiple``); whether it takes per-query counts (``topk_length``)
+    #: of ``topk_multiple``); whether it takes per-query counts (``topk_length``); the
+    #: packed FP8 caches its sparse decode reads (``sparse-mla-fp8``): ``"V32"`` (656
+    #: bytes a 576-dim row), ``"MODEL1"`` (584 bytes a 512-dim row, by page)
     invalid_indices: tuple[str, ...] = ("-1", "past_end")
     duplicates: str = "counted"
     max_logits: bool = False
     topk_multiple: int = 1
     topk_length: bool = False
+    sparse_caches: tuple[str, ...] = ("V32",)
 
     def __post_init__(self) -> None:
         by_dtype: object = self.empty_row_by_dtype
@@ -343,6 +349,11 @@ class Capabilities:
             raise ValueError(
                 f"Capabilities.invalid_indices must name one or both of "
                 f"{', '.join(INVALID_INDICES)}, got {self.invalid_indices!r}"
+            )
+        if not self.sparse_caches or any(c not in SPARSE_CACHES for c in self.sparse_caches):
+            raise ValueError(
+                f"Capabilities.sparse_caches must name one or both of "
+                f"{', '.join(SPARSE_CACHES)}, got {self.sparse_caches!r}"
             )
         if self.duplicates not in DUPLICATES:
             raise ValueError(

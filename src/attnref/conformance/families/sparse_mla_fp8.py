@@ -6,11 +6,13 @@ num_splits=None, softmax_scale=None, causal=False, is_fp8_kvcache=False, indices
 attn_sink=None, topk_length=None) -> (out, lse)``: ``q (B, Tq, h, 576)`` in bfloat16
 against ``k_cache (blocks, page, 1, 656)``, each token's latent row packed in 656 bytes
 (`attnref.sparse.pack_fp8_sparse`: 512 e4m3 values, 4 float32 tile scales, 64 bfloat16
-rope dims); ``indices (B, Tq, topk)`` hold ``block * page + offset`` (``-1``: invalid),
-so ``block_table`` and ``cache_seqlens`` are ``None``; ``out (B, Tq, h, 512)`` in
-bfloat16 and ``lse (B, h, Tq)`` in float32, natural log, ``+inf`` for a query with no
-valid index (deepseek-ai/FlashMLA ``flash_mla/flash_mla_interface.py``, ``tests/ref.py``,
-``tests/quant.py``).
+rope dims; or, declared ``sparse_caches=(..., "MODEL1")``, ``q (B, Tq, h, 512)`` against
+FlashMLA's ``MODEL1_FP8Sparse`` pages, ``(blocks, page, 1, 584)``,
+`attnref.sparse.pack_fp8_model1`, V the whole row); ``indices (B, Tq, topk)`` hold
+``block * page + offset`` (``-1``: invalid), so ``block_table`` and ``cache_seqlens``
+are ``None``; ``out (B, Tq, h, 512)`` in bfloat16 and ``lse (B, h, Tq)`` in float32,
+natural log, ``+inf`` for a query with no valid index (deepseek-ai/FlashMLA
+``flash_mla/flash_mla_interface.py``, ``tests/ref.py``, ``tests/quant.py``).
 
 A dense case cannot be such a call (its keys would be quantized, its oracle another):
 this family is audited by its own properties. The audit quantizes the cache as
@@ -61,22 +63,33 @@ from attnref.conformance.verdicts import Skip
 from attnref.conformance.worker import Job
 from attnref.sparse import (
     FP8_SPARSE_BYTES,
+    MODEL1_BYTES,
+    MODEL1_NOPE,
+    MODEL1_TILES,
+    MODEL1_VALUE_BYTES,
     NOPE,
     ROPE,
     attend_rows,
+    pack_fp8_model1,
     pack_fp8_sparse,
     sparse_mla_decode,
-    unpack_fp8_sparse,
+    unpack_fp8_cache,
 )
 
 __all__ = ["FAMILY", "FLASH_MLA_SPARSE_FP8", "SparseFp8Call", "build_sparse_fp8", "fp8_sparse_form"]
 
 NAME = "sparse-mla-fp8"
 D, DV = NOPE + ROPE, NOPE
+#: each packed cache: a row's dims, its quantized dims and tiles, and V's dims (V32: the
+#: first 512 of 576; MODEL1: the whole 512-dim row, as DeepSeek-V4 uses it)
+_CACHES = {
+    "V32": (D, NOPE, 4, DV),
+    "MODEL1": (MODEL1_NOPE + ROPE, MODEL1_NOPE, MODEL1_TILES, MODEL1_NOPE + ROPE),
+}
 
 #: what FlashMLA documents for its sparse FP8 decode: bfloat16 queries of 576 dims, the
-#: 656-byte cache, V the first 512 dims, pages of 64, top-k lists a multiple of 64, -1
-#: invalid, the LSE (+inf for a query with no valid index)
+#: 656-byte cache, V the first 512 dims (or 512 dims, the MODEL1 cache), pages of 64,
+#: top-k lists a multiple of 64, -1 invalid, the LSE (+inf for a query with no valid index)
 FLASH_MLA_SPARSE_FP8 = Capabilities(
     family=NAME,
     dtypes=(torch.bfloat16,),
@@ -95,6 +108,7 @@ FLASH_MLA_SPARSE_FP8 = Capabilities(
     page_multiple=64,
     invalid_indices=("-1",),
     topk_multiple=TOPK_BLOCK,
+    sparse_caches=("V32", "MODEL1"),
 )
 
 
@@ -105,11 +119,12 @@ class SparseFp8Call:
     it selects, float64, V their first 512 dims)."""
 
     rows: tuple[Inputs, ...]
-    q: Tensor  # (B, Tq, h, 576) bfloat16
-    k_cache: Tensor  # (blocks, page, 1, 656) float8_e4m3fn
+    q: Tensor  # (B, Tq, h, 576) bfloat16 (512 for MODEL1)
+    k_cache: Tensor  # (blocks, page, 1, 656) float8_e4m3fn (584 for MODEL1)
     indices: Tensor  # (B, Tq, topk) int32
     softmax_scale: float | None
     topk_length: Tensor | None = None  # (B,) int32
+    cache: str = "V32"  # the packed layout (`Capabilities.sparse_caches`)
 
 
 def fp8_arguments(caps: Capabilities, call: SparseFp8Call) -> Arguments:
@@ -129,7 +144,7 @@ def fp8_arguments(caps: Capabilities, call: SparseFp8Call) -> Arguments:
         if not caps.topk_length:
             raise Skip("per-row counts (topk_length) not declared")
         kwargs["topk_length"] = call.topk_length
-    return (call.q, call.k_cache, None, None, DV), kwargs
+    return (call.q, call.k_cache, None, None, _CACHES[call.cache][3]), kwargs
 
 
 def _no_dense(
@@ -146,12 +161,15 @@ def _no_read(out: object, inputs: Inputs, lse: bool) -> tuple[object, object | N
 
 
 def _dequantize(k_cache: Tensor, bugs: frozenset[str]) -> Tensor:
-    """The packed cache as float32 rows (exact); ``bugs`` read it wrong: ``tile_shifted``
-    (tile ``t`` scaled by tile ``t + 1``'s scale), ``rope_as_fp8`` (the rope dims read
-    as e4m3 bytes), ``scale_bytes_swapped`` (each scale's bytes read in reverse)."""
-    rows = unpack_fp8_sparse(k_cache)
+    """The packed cache (either layout) as float32 rows (exact); ``bugs`` read a V32 one
+    wrong: ``tile_shifted`` (tile ``t`` scaled by tile ``t + 1``'s scale),
+    ``rope_as_fp8`` (the rope dims read as e4m3 bytes), ``scale_bytes_swapped`` (each
+    scale's bytes read in reverse)."""
+    rows = unpack_fp8_cache(k_cache)
     if not bugs & {"tile_shifted", "rope_as_fp8", "scale_bytes_swapped"}:
         return rows.float()
+    if k_cache.shape[-1] != FP8_SPARSE_BYTES:
+        raise ValueError("this kernel reads the 656-byte V32 cache only")
     raw = k_cache.contiguous().view(torch.uint8)
     nope = raw[..., :NOPE].contiguous().view(torch.float8_e4m3fn).double()
     scale_bytes = raw[..., NOPE : NOPE + 16].contiguous()
@@ -180,7 +198,7 @@ def fp8_sparse_form(
     @checked_internal
     def decode(
         q: Float[Tensor, "B Tq h D"],
-        k_cache: Shaped[Tensor, "blocks page 1 656"],
+        k_cache: Shaped[Tensor, "blocks page 1 bytes"],
         block_table: Int[Tensor, "B pages"] | None,
         cache_seqlens: Int[Tensor, " B"] | None,
         head_dim_v: int,
@@ -221,7 +239,7 @@ def fp8_sparse_form(
 @checked_internal
 def _reference(
     q: Float[Tensor, "B Tq h D"],
-    k_cache: Shaped[Tensor, "blocks page 1 656"],
+    k_cache: Shaped[Tensor, "blocks page 1 bytes"],
     block_table: Int[Tensor, "B pages"] | None,
     cache_seqlens: Int[Tensor, " B"] | None,
     head_dim_v: int,
@@ -238,7 +256,7 @@ def _reference(
     float32."""
     if indices is None or not is_fp8_kvcache:
         raise ValueError("this kernel takes sparse FP8 calls only: indices and is_fp8_kvcache")
-    rows = unpack_fp8_sparse(k_cache).float()
+    rows = unpack_fp8_cache(k_cache).float()
     out, lse = sparse_mla_decode(q.float(), rows, indices, head_dim_v, softmax_scale,
                                  attn_sink, topk_length)  # fmt: skip
     return out.to(q.dtype), lse.float()
@@ -279,21 +297,26 @@ def build_sparse_fp8(case: Case, device: str | torch.device, caps: Capabilities)
     tokens, ``-1`` after them (shuffled with ``option("order")``). Each tile's values
     times a factor (``option("tiles")``: ``equal``, ``spread``, ``random``) so that the
     scales differ; every slot no token holds, and the page before the cache, is NaN
-    bytes."""
+    bytes. ``option("cache")`` names the layout (``V32``, or ``MODEL1``: 512-dim rows,
+    `attnref.sparse.pack_fp8_model1`, whose pages have their own padded stride)."""
     gen = torch.Generator().manual_seed(case.seed)
     B, Tq, h, page = len(case.cached), case.Tq, case.h, case.page or 64
-    q = (case.amp * torch.randn((B, Tq, h, D), generator=gen)).to(torch.bfloat16)
+    layout = str(case.option("cache", "V32"))
+    width, nope, n_tiles, dv = _CACHES[layout]
+    q = (case.amp * torch.randn((B, Tq, h, width), generator=gen)).to(torch.bfloat16)
     tiles = case.option("tiles", "equal")
-    factor = torch.ones(D, dtype=torch.float64)
-    spread: tuple[float, ...] = _SPREAD if tiles == "spread" else (1.0,) * 4
+    factor = torch.ones(width, dtype=torch.float64)
+    spread: tuple[float, ...] = (1.0,) * n_tiles
+    if tiles == "spread":  # each size once, then again
+        spread = tuple(_SPREAD[t % len(_SPREAD)] for t in range(n_tiles))
     if tiles == "random":
-        spread = tuple(2.0 ** int(torch.randint(-6, 7, (), generator=gen)) for _ in range(4))
-    factor[:NOPE] = torch.tensor(spread, dtype=torch.float64).repeat_interleave(NOPE // 4)
-    factor[NOPE:] = 2.0 ** int(torch.randint(-2, 3, (), generator=gen))
+        spread = tuple(2.0 ** int(torch.randint(-6, 7, (), generator=gen)) for _ in spread)
+    factor[:nope] = torch.tensor(spread, dtype=torch.float64).repeat_interleave(nope // n_tiles)
+    factor[nope:] = 2.0 ** int(torch.randint(-2, 3, (), generator=gen))
     pages = [max(1, -(-n // page)) for n in case.cached]
     blocks = sum(pages) + 1  # one page no row uses
     order = (torch.randperm(blocks, generator=gen) + 1).tolist()  # page 0 is NaN, never used
-    padded = bool(case.option("padded"))
+    padded = bool(case.option("padded")) and layout == "V32"
     buffer = torch.full((blocks + 2, page + padded, 1, FP8_SPARSE_BYTES), 255, dtype=torch.uint8)
     cache_bytes = buffer[1:, :page]  # (blocks + 1, page, 1, 656): a NaN page before it
     latent = {}
@@ -302,12 +325,14 @@ def build_sparse_fp8(case: Case, device: str | torch.device, caps: Capabilities)
     for b, n in enumerate(case.cached):
         own = order[cursor : cursor + pages[b]]
         cursor += pages[b]
-        rows = (case.amp * torch.randn((n, D), generator=gen, dtype=torch.float64)) * factor
+        rows = (case.amp * torch.randn((n, width), generator=gen, dtype=torch.float64)) * factor
         where = torch.tensor([own[t // page] * page + t % page for t in range(n)], dtype=torch.long)
         for t in range(n):
             latent[int(where[t])] = rows[t]
         slots.append(where)
-    if latent:
+    if layout == "MODEL1":
+        k_cache = _model1_cache(latent, blocks + 1, page, width)
+    elif latent:
         keys = sorted(latent)
         packed = pack_fp8_sparse(torch.stack([latent[s] for s in keys])).view(torch.uint8)
         flat = cache_bytes.reshape(-1, FP8_SPARSE_BYTES) if not padded else None
@@ -316,8 +341,9 @@ def build_sparse_fp8(case: Case, device: str | torch.device, caps: Capabilities)
                 flat[s] = packed[j]
             else:
                 cache_bytes[s // page, s % page, 0] = packed[j]
-    k_cache = cache_bytes.view(torch.float8_e4m3fn)
-    deq = unpack_fp8_sparse(k_cache).reshape(-1, D)  # exact, float64
+    if layout == "V32":
+        k_cache = cache_bytes.view(torch.float8_e4m3fn)
+    deq = unpack_fp8_cache(k_cache).reshape(-1, width)  # exact, float64
     topk = int(case.option("topk", max([*case.cached, 1])))
     indices = torch.full((B, Tq, topk), -1, dtype=torch.long)
     counted = bool(case.option("topk_length"))
@@ -345,7 +371,7 @@ def build_sparse_fp8(case: Case, device: str | torch.device, caps: Capabilities)
             indices[b, i] = entries
             rows_out.append((b, i, sel))
     out_rows = tuple(
-        Inputs(q[b, i].double()[:, None], deq[sel][None], deq[sel][None, :, :DV], None, None,
+        Inputs(q[b, i].double()[:, None], deq[sel][None], deq[sel][None, :, :dv], None, None,
                case.scale)
         for b, i, sel in rows_out
     )  # fmt: skip
@@ -357,7 +383,28 @@ def build_sparse_fp8(case: Case, device: str | torch.device, caps: Capabilities)
         indices.to(torch.int32).to(device),
         case.scale,
         lengths,
+        layout,
     )
+
+
+def _model1_cache(latent: dict[int, Tensor], blocks: int, page: int, width: int) -> Tensor:
+    """``latent`` (slot: row) packed as `attnref.sparse.pack_fp8_model1` does, ``blocks``
+    pages after a page of NaN bytes; every slot no row fills (its 576 value bytes and 8
+    scale bytes, where the page keeps them) is NaN bytes too."""
+    rows = torch.zeros((blocks + 1, page, width), dtype=torch.float64)
+    for slot, row in latent.items():
+        rows[1 + slot // page, slot % page] = row
+    packed = pack_fp8_model1(rows)  # (blocks + 1, page, 1, 584) over pages of their own
+    size = page * MODEL1_BYTES
+    raw = packed.view(torch.uint8)
+    pages = torch.as_strided(raw, (blocks + 1, size), (raw.stride(0), 1), raw.storage_offset())
+    for slot in range(-page, blocks * page):  # the NaN page first
+        if slot not in latent:
+            p, t = 1 + slot // page, slot % page
+            pages[p, t * MODEL1_VALUE_BYTES : (t + 1) * MODEL1_VALUE_BYTES] = 255
+            at = page * MODEL1_VALUE_BYTES + 8 * t
+            pages[p, at : at + 8] = 255
+    return packed[1:]
 
 
 def _call(ctx: Context, call: SparseFp8Call) -> tuple[list[Tensor], list[Tensor] | None]:
@@ -373,7 +420,7 @@ def _call(ctx: Context, call: SparseFp8Call) -> tuple[list[Tensor], list[Tensor]
 
         raise Failure(f"flash_mla_with_kvcache returns (out, lse), returned {type(raw).__name__}")
     first, lse_out = raw
-    outs, lses = per_row(first, lse_out, (B, Tq, h, DV), ctx.caps.lse)
+    outs, lses = per_row(first, lse_out, (B, Tq, h, _CACHES[call.cache][3]), ctx.caps.lse)
     # each batch row's (h, Tq, Dv) cut into its queries' (h, 1, Dv)
     outs = [o[:, i : i + 1] if isinstance(o, Tensor) else o for o in outs for i in range(Tq)]
     if lses is not None:
@@ -406,7 +453,8 @@ def _fp8_cases(
     """Sparse FP8 decode calls: 1 or 2 batch rows of 1 to 200 tokens, 1 or 2 queries a
     row of 1, 3 or 16 heads, pages of the declared multiple (or 16, 64), top-k lists
     around the block of 64; the options: ``topk``, ``valid``, ``tiles``, ``padded``,
-    ``duplicates`` (where counted), ``order``, ``topk_length`` (where taken)."""
+    ``duplicates`` (where counted), ``order``, ``topk_length`` (where taken), ``cache``
+    (among the layouts declared)."""
 
     def cases(p: Profile, c: Capabilities) -> st.SearchStrategy[Case]:
         m = c.page_multiple
@@ -441,8 +489,10 @@ def _fp8_cases(
                 "duplicates": c.duplicates == "counted" and draw(st.booleans()),
                 "order": draw(st.sampled_from(("sorted", "shuffled"))),
                 "topk_length": c.topk_length and draw(st.booleans()),
+                "cache": draw(st.sampled_from(c.sparse_caches)),
             }  # fmt: skip
-            return replace(case, cached=cached, page=page, Dh=D, Dv=DV, latent=True,
+            width, _, _, dv = _CACHES[str(opts["cache"])]
+            return replace(case, cached=cached, page=page, Dh=width, Dv=dv, latent=True,
                            options=tuple(opts.items()))  # fmt: skip
 
         return draw()
@@ -463,14 +513,24 @@ def _fp8_examples(p: Profile, c: Capabilities) -> list[Case]:
         Case("sparse_fp8_heads", h=128, Tq=2, cached=(2500,), page=page, scale=yarn,
              options=(*opts, ("valid", "all"))),
     ]  # fmt: skip
-    return [replace(x, g=1, Dh=D, Dv=DV, latent=True, seed=600 + i) for i, x in enumerate(base)]
+    if "MODEL1" in c.sparse_caches:  # DeepSeek-V4 Flash's: 64 heads, top-k 512
+        model1 = (("topk", 512), ("tiles", "random"), ("order", "shuffled"),
+                  ("valid", "random"), ("cache", "MODEL1"))  # fmt: skip
+        base.append(Case("sparse_fp8_model1", h=64, Tq=2, cached=(3000, 40), page=page,
+                         scale=512**-0.5, options=model1))  # fmt: skip
+    return [
+        replace(
+            x, g=1, Dh=_CACHES[str(x.option("cache", "V32"))][0], Dv=512, latent=True, seed=600 + i
+        )
+        for i, x in enumerate(base)
+    ]
 
 
 PROPERTIES: tuple[Property, ...] = (
     Property(
         "sparse_fp8",
-        "each query of a sparse FP8 decode call (the 656-byte cache, packed as DeepSeek's "
-        "code does) agrees with the oracle of the rows it selects, dequantized exactly: "
+        "each query of a sparse FP8 decode call (the 656-byte or MODEL1 cache, packed as "
+        "DeepSeek's code does) agrees with the oracle of the rows it selects, dequantized exactly: "
         "output and LSE; unused slots and the page before the cache are NaN",
         (34, 36, 27, 32),
         _fp8_cases("sparse_fp8"),
@@ -480,8 +540,8 @@ PROPERTIES: tuple[Property, ...] = (
     ),
     Property(
         "sparse_fp8_tiles",
-        "the four tiles of a row far apart in size (scales from 2**-13 to 2**-2) and the "
-        "rope dims in bfloat16: each tile's scale reaches only its 128 values",
+        "the tiles of a row far apart in size (scales from 2**-13 to 2**-2) and the rope "
+        "dims in bfloat16: each tile's scale reaches only its values (128, or 64 in MODEL1)",
         (34, 36),
         _fp8_cases("sparse_fp8_tiles", tiles=st.just("spread"), valid=st.just("all")),
         _sparse_fp8,
@@ -500,7 +560,9 @@ def _mutant_fn(self: Mutant) -> Callable[..., Any]:
     return fn
 
 
-_LIKE: dict[str, Any] = {"api": NAME, "capabilities": _OURS}
+#: the mutants read the V32 cache (their bugs are in its bytes)
+_V32_ONLY = replace(_OURS, sparse_caches=("V32",))
+_LIKE: dict[str, Any] = {"api": NAME, "capabilities": _V32_ONLY}
 
 MUTANTS: tuple[Mutant, ...] = (
     Mutant("sparse_fp8_tile_shifted", 34, "a packed row's tile t dequantized with tile "
@@ -519,7 +581,7 @@ FAMILY = ApiFamily(
     alignments=("bottom_right",),
     summary="FlashMLA's flash_mla_with_kvcache with indices: DeepSeek's sparse decode over "
     "the 656-byte FP8 latent cache (512 e4m3 values, 4 float32 tile scales, 64 bfloat16 "
-    "rope dims), each query the slots its top-k indices name",
+    "rope dims) or V4's 584-byte MODEL1 pages, each query the slots its top-k indices name",
     signature="fn(q, k_cache, block_table, cache_seqlens, head_dim_v, "
     "tile_scheduler_metadata=None, num_splits=None, softmax_scale=None, causal=False, "
     "is_fp8_kvcache=False, indices=None, attn_sink=None, topk_length=None) -> (out, lse)",
