@@ -106,6 +106,7 @@ def test_a_row_has_time_rate_fraction_and_memory() -> None:
     assert r.runs == 3
 
 
+@pytest.mark.slow  # three timed batches of the verified bench: 15 s on 2 cores
 def test_clocks_are_judged_by_the_majority_of_tries(monkeypatch: pytest.MonkeyPatch) -> None:
     """One batch whose clocks disagree (a core taken from the worker outside its loop)
     is outvoted by two that agree; a row is flagged when most tries disagree."""
@@ -549,7 +550,13 @@ def test_the_decoding_floor_decodes_what_generate_decodes() -> None:
 @pytest.mark.parametrize(
     ("api", "extra", "backends"),
     [
-        ("flash-kvcache", ["--page-size", "0", "4"], ["kvcache-reference", "kvcache-naive"]),
+        # two page sizes, two backends: 13 s on 2 cores (the slow tier)
+        pytest.param(
+            "flash-kvcache",
+            ["--page-size", "0", "4"],
+            ["kvcache-reference", "kvcache-naive"],
+            marks=pytest.mark.slow,
+        ),
         ("flash-varlen", [], ["varlen-reference", "varlen-sdpa"]),
     ],
 )
