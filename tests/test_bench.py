@@ -242,6 +242,7 @@ def test_matmul_peak_is_a_positive_rate() -> None:
     assert measure_matmul_peak("float32", "cpu", n=64, runs=3) > 0
 
 
+@pytest.mark.slow  # timed runs of two backends: 5 s on 2 cores
 def test_a_rate_above_either_roof_is_flagged() -> None:
     """The roofline: a median that would mean more FLOP/s than the peak, or moving the
     case's fewest bytes faster than the bandwidth, is flagged; an honest one under both
@@ -265,6 +266,7 @@ def _raise(*args: object, **kwargs: object) -> torch.Tensor:
     raise RuntimeError("kernel exploded")
 
 
+@pytest.mark.slow  # two backends, both alignments, timed: 8 s on 2 cores
 def test_cli_writes_table_csv_json_and_plot(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -154,6 +154,7 @@ def test_helpers_that_cannot_start_leave_the_audit_to_one_judge(
     assert "helper judges could not start (OSError: no more processes)" in note
 
 
+@pytest.mark.slow  # waits out a timeout in each judge: 7 s
 def test_every_judge_shortens_its_wait_after_its_first_timeout() -> None:
     """After a judge's first timeout it waits at most ten times the slowest answer (at
     least 1 s) for each later call, the audit's own process and a helper alike: with a
