@@ -51,7 +51,7 @@ import torch
 from jaxtyping import Bool, Float, Float64, Int, Shaped
 from torch import Tensor
 
-from attnref._checking import checked
+from attnref._checking import checked, checked_internal
 
 __all__ = [
     "FP8_SPARSE_BYTES",
@@ -220,9 +220,14 @@ def _tiles(x: Tensor) -> Tensor:
 def tile_scales(latent: Float[Tensor, "*rows D"]) -> Float[Tensor, "*rows 4"]:
     """Each row's 4 tile scales, as DeepSeek's quantizer makes them: the tile's amax over
     448 (in float32), raised to a power of two, at least ``1e-4``'s."""
-    tiles = _tiles(latent[..., :NOPE].float())
-    inverse = tiles.abs().amax(-1) / E4M3_MAX
-    return torch.pow(2.0, inverse.clamp_min(MIN_SCALE).log2().ceil())
+    return _power_of_two_scales(_tiles(latent[..., :NOPE].float()))
+
+
+@checked_internal
+def _power_of_two_scales(tiles: Float[Tensor, "*tiles n"]) -> Float[Tensor, "*tiles"]:
+    """Each tile's scale, as DeepSeek's quantizer makes it (either layout): the tile's
+    amax over 448, raised to a power of two, at least ``1e-4``'s."""
+    return torch.pow(2.0, (tiles.abs().amax(-1) / E4M3_MAX).clamp_min(MIN_SCALE).log2().ceil())
 
 
 @checked
@@ -288,18 +293,12 @@ def pack_fp8_model1(
     docstring): the ``(blocks, page, 1, 584)`` ``float8_e4m3fn`` view FlashMLA's quantizer
     returns, over a buffer whose pages start a multiple of 576 bytes apart. Rows are
     rounded to bfloat16 first; each tile of 64 is divided by its power-of-two scale (the
-    tile's amax over 448, at least 1e-4's) and rounded to e4m3.
-
-    Raises:
-        ValueError: a tile that its scale would saturate (``|x| / scale > 448``).
-    """
+    tile's amax over 448, at least 1e-4's: no tile saturates) and rounded to e4m3."""
     blocks, page, _ = latent.shape
     rows = latent.to(torch.bfloat16)
     tiles = rows[..., :MODEL1_NOPE].float().reshape(blocks, page, MODEL1_TILES, MODEL1_TILE)
-    scale = torch.pow(2.0, (tiles.abs().amax(-1) / E4M3_MAX).clamp_min(MIN_SCALE).log2().ceil())
+    scale = _power_of_two_scales(tiles)
     stored = tiles / scale[..., None]
-    if bool((stored.abs() > E4M3_MAX).any()):
-        raise ValueError(f"a tile scale saturates its tile: |x| / scale above {E4M3_MAX}")
     nope = stored.to(torch.float8_e4m3fn).flatten(-2).view(torch.uint8)  # (blocks, page, 448)
     rope = rows[..., MODEL1_NOPE:].contiguous().view(torch.uint8)  # (blocks, page, 128)
     exponent = (scale.log2().round() + 127).to(torch.uint8)  # UE8M0: 2 ** (byte - 127)

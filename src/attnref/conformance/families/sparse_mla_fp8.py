@@ -491,9 +491,8 @@ def _fp8_cases(
                 "topk_length": c.topk_length and draw(st.booleans()),
                 "cache": draw(st.sampled_from(c.sparse_caches)),
             }  # fmt: skip
-            width, _, _, dv = _CACHES[str(opts["cache"])]
-            return replace(case, cached=cached, page=page, Dh=width, Dv=dv, latent=True,
-                           options=tuple(opts.items()))  # fmt: skip
+            return _sized(case, cached=cached, page=page, latent=True,
+                          options=tuple(opts.items()))  # fmt: skip
 
         return draw()
 
@@ -518,12 +517,15 @@ def _fp8_examples(p: Profile, c: Capabilities) -> list[Case]:
                   ("valid", "random"), ("cache", "MODEL1"))  # fmt: skip
         base.append(Case("sparse_fp8_model1", h=64, Tq=2, cached=(3000, 40), page=page,
                          scale=512**-0.5, options=model1))  # fmt: skip
-    return [
-        replace(
-            x, g=1, Dh=_CACHES[str(x.option("cache", "V32"))][0], Dv=512, latent=True, seed=600 + i
-        )
-        for i, x in enumerate(base)
-    ]
+    return [_sized(x, g=1, latent=True, seed=600 + i) for i, x in enumerate(base)]
+
+
+def _sized(case: Case, **changes: Any) -> Case:
+    """``case`` with ``changes`` and the head dims of the cache its options name
+    (``cache``, ``V32`` when absent), in one step (a case checks its dims as made)."""
+    options = dict(changes.get("options", case.options))
+    width, _, _, dv = _CACHES[str(options.get("cache", "V32"))]
+    return replace(case, Dh=width, Dv=dv, **changes)
 
 
 PROPERTIES: tuple[Property, ...] = (
