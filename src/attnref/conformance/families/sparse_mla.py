@@ -50,7 +50,7 @@ from attnref.conformance.serving_checks import agree, guard, judge
 from attnref.conformance.strategies import case_strategy
 from attnref.conformance.verdicts import Failure, Skip
 from attnref.conformance.worker import Job
-from attnref.sparse import CHUNK, attend_rows, score_stats, sparse_mla_attention
+from attnref.sparse import attend_rows, chunk_queries, score_stats, sparse_mla_attention
 
 __all__ = [
     "FAMILY",
@@ -288,10 +288,11 @@ def sparse_form(
             earlier = (idx[:, :, None] == idx[:, None, :]) & valid[:, None, :]
             valid &= ~earlier.tril(diagonal=-1).any(-1)
         # a chunk of queries at a time: each gathers its own rows, (chunk, topk, D)
+        n = chunk_queries(topk, kv.shape[-1])
         parts = [
-            attend(q[s : s + CHUNK], kv[:, 0][idx[s : s + CHUNK].clamp(0, max(Tk - 1, 0))],
-                   valid[s : s + CHUNK], sm_scale, d_v)
-            for s in range(0, max(q.shape[0], 1), CHUNK)
+            attend(q[s : s + n], kv[:, 0][idx[s : s + n].clamp(0, max(Tk - 1, 0))],
+                   valid[s : s + n], sm_scale, d_v)
+            for s in range(0, max(q.shape[0], 1), n)
         ]  # fmt: skip
         out, peak, lse = (torch.cat(x) for x in zip(*parts, strict=True))
         if "lse_base2" in bugs:
