@@ -16,6 +16,8 @@ from attnref.conformance.families.sparse_mla_fp8 import build_sparse_fp8
 from attnref.mla import mla_kvcache_attention
 from attnref.sparse import (
     FP8_SPARSE_BYTES,
+    attend_rows,
+    attend_scored,
     pack_fp8_model1,
     pack_fp8_sparse,
     sparse_mla_attention,
@@ -91,6 +93,31 @@ def test_invalid_entries_and_order_never_matter_and_repeats_count_twice(
         s = 0.5 * q[i] @ k.T
         torch.testing.assert_close(out[i], s.softmax(-1) @ k[:, :4])
         torch.testing.assert_close(lse[i], s.logsumexp(-1))
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 99), n=st.integers(1, 4), h=st.sampled_from((1, 3, 16)),
+       Tk=st.integers(1, 40), topk=st.integers(0, 50),
+       dtype=st.sampled_from((torch.float64, torch.float32, torch.bfloat16)))  # fmt: skip
+def test_scoring_every_row_equals_gathering_the_listed_ones(
+    seed: int, n: int, h: int, Tk: int, topk: int, dtype: torch.dtype
+) -> None:
+    """`sparse_mla_attention`'s two ways (`attend_scored` where queries list most rows,
+    `attend_rows` on gathered rows where they list few) give the same output, LSE and
+    ``max_logits``: invalid entries, repeats, queries with no valid entry, and NaN in
+    every row no entry lists."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(n, h, 9, generator=gen).to(dtype)
+    kv = torch.randn(Tk, 9, generator=gen).to(dtype)
+    idx = torch.randint(-1, Tk + 2, (n, topk), generator=gen)
+    idx[0, : topk // 2] = -1  # the first query with fewer valid entries, maybe none
+    valid = (idx >= 0) & (idx < Tk)
+    kv[(torch.arange(Tk)[:, None] != idx[valid][None]).all(-1)] = math.nan
+    gathered = attend_rows(q, kv[idx.clamp(0, Tk - 1)], valid, 0.4, 5)
+    scored = attend_scored(q, kv, idx, valid, 0.4, 5)
+    tol = 1e-12 if dtype == torch.float64 else 1e-5
+    for a, b in zip(gathered, scored, strict=True):
+        torch.testing.assert_close(a, b, rtol=tol, atol=tol)
 
 
 def test_topk_length_and_the_sink() -> None:

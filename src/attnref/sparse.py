@@ -59,6 +59,7 @@ __all__ = [
     "FP8_SPARSE_TILES",
     "MODEL1_BYTES",
     "attend_rows",
+    "attend_scored",
     "chunk_queries",
     "pack_fp8_model1",
     "pack_fp8_sparse",
@@ -81,6 +82,12 @@ E4M3_MAX = 448.0
 MIN_SCALE = 1e-4
 #: elements of gathered rows attended at once (`chunk_queries`)
 CHUNK_ELEMENTS = 2**21
+
+
+#: `sparse_mla_attention` scores every row (`attend_scored`) where the scores of rows no
+#: entry lists are at most this many a listed entry (gathering a row costs about as much
+#: as 64 scores of it: measured on a CPU, one thread)
+SCORED_ROWS = 64
 
 
 def chunk_queries(topk: int, dim: int) -> int:
@@ -132,6 +139,36 @@ def attend_rows(
 
 
 @checked
+def attend_scored(
+    q: Float[Tensor, "n h D"],
+    rows: Float[Tensor, "Tk D"],
+    idx: Int[Tensor, "n k"],
+    valid: Bool[Tensor, "n k"],
+    scale: float,
+    d_v: int,
+) -> tuple[Float[Tensor, "n h {d_v}"], Float[Tensor, "n h"], Float[Tensor, "n h"]]:
+    """`attend_rows` on the rows ``idx`` names, without gathering them: every row's score
+    once, each entry's score picked from them (``-inf`` where not ``valid``), and each
+    entry's weight added back onto the row it names (a row listed twice gets both weights)
+    before the weights meet the values. The cheaper way where a query lists most rows: a
+    query's gathered rows are ``k * D`` values, its scores against every row ``h * Tk``."""
+    wide = _wide(q.dtype)
+    n, h, _ = q.shape
+    Tk = rows.shape[0]
+    at = idx.clamp(0, Tk - 1)[:, None, :].expand(n, h, -1)  # (n, h, k)
+    every = scale * (q.to(wide) @ rows.to(wide).T)  # (n, h, Tk)
+    scores = every.gather(-1, at).masked_fill(~valid[:, None, :], -math.inf)
+    lse = scores.logsumexp(-1)  # (n, h)
+    peak = scores.amax(-1) if scores.shape[-1] else torch.full_like(lse, -math.inf)
+    weights = torch.exp(scores - lse[..., None]).masked_fill(~valid[:, None, :], 0.0)
+    on_rows = torch.zeros_like(every).scatter_add_(-1, at, weights)  # (n, h, Tk)
+    named = torch.zeros(Tk, dtype=torch.bool, device=rows.device)
+    named[idx[valid]] = True  # a row no entry names is never read
+    values = torch.where(named[:, None], rows[:, :d_v].to(wide), 0.0)
+    return on_rows @ values, peak, torch.where(torch.isneginf(lse), math.inf, lse)
+
+
+@checked
 def sparse_mla_attention(
     q: Float[Tensor, "Tq h D"],
     kv: Float[Tensor, "Tk 1 D"],
@@ -162,15 +199,19 @@ def sparse_mla_attention(
     out = torch.zeros((Tq, h, d_v), dtype=wide, device=q.device)
     peak = torch.full((Tq, h), -math.inf, dtype=wide, device=q.device)
     lse = torch.full((Tq, h), math.inf, dtype=wide, device=q.device)
-    chunk = chunk_queries(idx.shape[-1], D)
-    for s in range(0, Tq, chunk):
+    Tk, topk = rows.shape[0], idx.shape[-1]
+    # scoring every row costs a query h * (Tk - topk) products of D dims more than scoring
+    # its entries, gathering its entries topk rows of D: the cheaper way, same result
+    scored = h * max(Tk - topk, 0) <= SCORED_ROWS * topk and topk > 0
+    chunk = chunk_queries(h * Tk if scored else topk * D, 1)
+    every_row = rows.to(wide) if scored else rows  # widened once, not a chunk at a time
+    for s in range(0, Tq if Tk else 0, chunk):  # no rows at all: every query empty
         part = slice(s, s + chunk)
-        gathered = rows[idx[part].clamp(0, max(kv.shape[0] - 1, 0))] if kv.shape[0] else None
-        if gathered is None:
-            continue  # no rows at all: every query empty
-        out[part], peak[part], lse[part] = attend_rows(
-            q[part], gathered, valid[part], sm_scale, d_v
-        )
+        if scored:
+            got = attend_scored(q[part], every_row, idx[part], valid[part], sm_scale, d_v)
+        else:
+            got = attend_rows(q[part], rows[idx[part].clamp(0, Tk - 1)], valid[part], sm_scale, d_v)
+        out[part], peak[part], lse[part] = got
     if attn_sink is not None:  # sigmoid(lse - sink); an empty row's output stays 0
         out = out * torch.sigmoid(lse - attn_sink.to(wide))[..., None].nan_to_num(0.0)
     return out.to(q.dtype), peak, lse
