@@ -201,6 +201,7 @@ def test_a_batch_too_short_for_the_judge_s_clock_grows_until_it_resolves() -> No
     assert timed > 2, r.note
 
 
+@pytest.mark.slow  # a batch timed until the clock resolves it (4 s)
 def test_a_batch_still_short_after_growing_grows_again(monkeypatch: pytest.MonkeyPatch) -> None:
     """The first estimate of a call's time comes from a batch the judge's clock could
     not resolve, and can be far off: a batch still short of `RESOLVED` grows again (a
@@ -509,6 +510,7 @@ def test_the_prepared_gpu_session_runs_dry_on_the_cpu(tmp_path: Path) -> None:
     assert "gpu-bench/bench.csv" in names
 
 
+@pytest.mark.slow  # two timed benches (6 s)
 def test_one_query_against_a_cache_counts_every_key_bottom_right(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -120,8 +120,15 @@ def test_the_suite_checks_private_helpers_too() -> None:
     ("env", "expected"),
     [
         ({"JAXTYPING_DISABLE": "1"}, "checking=False internals=False"),
-        ({"ATTNREF_CHECK_INTERNALS": "0"}, "checking=True internals=False"),
-        ({"ATTNREF_CHECK_INTERNALS": "1"}, "checking=True internals=True"),
+        # a Python importing torch each (3 s): the slow tier reads the other two
+        pytest.param(
+            {"ATTNREF_CHECK_INTERNALS": "0"},
+            "checking=True internals=False",
+            marks=pytest.mark.slow,
+        ),
+        pytest.param(
+            {"ATTNREF_CHECK_INTERNALS": "1"}, "checking=True internals=True", marks=pytest.mark.slow
+        ),
     ],
 )
 def test_environment_switches(env: dict[str, str], expected: str) -> None:

@@ -327,6 +327,7 @@ def test_the_user_s_installation_under_the_temporary_folder_is_kept(tmp_path: Pa
     assert not names & {"pymp-1", "attnref-worker-1", "holds"}
 
 
+@pytest.mark.slow  # a venv built under a temporary folder: 8 s
 @needs_landlock
 def test_a_judge_whose_temporary_folder_holds_the_venv_still_imports(tmp_path: Path) -> None:
     """A clone and its virtual environment under ``$TMPDIR`` (CI runners, containers,

@@ -318,8 +318,8 @@ def test_a_long_case_that_keeps_its_queries_cuts_its_keys_first() -> None:
     ("prop", "what"),
     [
         ("forward", "rows"),
-        ("causality", "rows"),
-        ("forward", "groups"),
+        pytest.param("causality", "rows", marks=pytest.mark.slow),  # 2-3 s each
+        pytest.param("forward", "groups", marks=pytest.mark.slow),
         ("gqa", "groups"),
     ],
 )
