@@ -106,6 +106,7 @@ def test_flashinfer_paged_layout_is_the_block_table_in_csr_form() -> None:
     assert last.tolist() == [3, 4]
 
 
+@pytest.mark.slow  # two audits (4 s); the MLA adapter below is the default tier's
 @pytest.mark.usefixtures("unchecked")
 def test_flashinfer_style_decode_through_the_adapter_passes_and_its_tail_bug_fails() -> None:
     """The adapter of docs/kvcache.md, on FlashInfer's convention written in plain torch:

@@ -313,7 +313,7 @@ def test_torch_s_own_context_parallel_is_skipped_with_the_reason_off_cuda() -> N
     assert "flash, memory-efficient and cuDNN kernels, which run on CUDA" in result.message
 
 
-@pytest.mark.slow  # 8 s; the default tier audits a kernel inside another declaration below
+@pytest.mark.slow  # 8 s; the default tier holds the calls inside the declarations (below)
 def test_a_kernel_that_takes_only_the_full_group_is_audited_inside_it() -> None:
     """cp_full_group: every call on the group of every rank started (no subgroup, which
     hung such a library until gloo's timeout); the world-size law compares the two
@@ -334,7 +334,10 @@ def test_a_kernel_that_takes_only_the_full_group_is_audited_inside_it() -> None:
     ("spec", "limit"),
     [
         # a ring library of contiguous shards only: it raises on a zigzag call
-        ("tests.planted_cp:contiguous_only", {"cp_shardings": ("contiguous",)}),
+        pytest.param(
+            "tests.planted_cp:contiguous_only", {"cp_shardings": ("contiguous",)},
+            marks=pytest.mark.slow,  # 8 s
+        ),
         # all-gather attention that places zigzag chunks at multiples of T // 2W: right
         # exactly where the chunks are equal
         pytest.param(

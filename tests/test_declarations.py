@@ -186,6 +186,7 @@ def test_an_empty_row_policy_may_depend_on_the_dtype_and_on_a_mask_passed() -> N
     assert not Context(backend, torch.float64, "cpu").empty(plain, "uniform").any()
 
 
+@pytest.mark.slow  # three audits (7 s)
 def test_a_finite_fill_added_to_the_scores_is_declared_unmasked() -> None:
     """diffusers' -10000 added at hidden keys: a row its mask empties attends the keys the
     mask hid. Declared so, its empty rows pass; declared as zeros, they fail. Rows that

@@ -317,6 +317,7 @@ def test_sinks_in_a_cache_call_are_drawn_and_judged() -> None:
     assert not wrong.ok
 
 
+@pytest.mark.slow  # two audits (5 s)
 def test_an_lse_that_counts_the_sink_is_declared_and_judged_so() -> None:
     """SGLang's extend kernel returns ``logaddexp(lse, sink)``: declared
     (``lse_with_sink``), its LSE is judged so and passes; the same kernel declaring the
