@@ -90,12 +90,13 @@ CHUNK_ELEMENTS = 2**21
 SCORED_ROWS = 64
 
 
-def chunk_queries(topk: int, dim: int) -> int:
-    """How many queries to attend at once: as many as keep their gathered rows, ``chunk *
-    topk * dim`` elements, within `CHUNK_ELEMENTS` (at least one). Rows gathered for a
-    few queries stay in cache through the passes over them; a large chunk's land on fresh
-    pages and are read back from memory (2.3x slower at 4,096 entries, 576 dims)."""
-    return max(1, CHUNK_ELEMENTS // max(topk * dim, 1))
+def chunk_queries(per_query: int) -> int:
+    """How many queries to attend at once: as many as keep what they hold, ``per_query``
+    elements each (gathered rows, ``topk * D``, or scores, ``h * Tk``), within
+    `CHUNK_ELEMENTS` (at least one). What a few queries hold stays in cache through the
+    passes over it; a large chunk's lands on fresh pages and is read back from memory
+    (2.3x slower at 4,096 entries, 576 dims)."""
+    return max(1, CHUNK_ELEMENTS // max(per_query, 1))
 
 
 def _wide(dtype: torch.dtype) -> torch.dtype:
@@ -116,9 +117,18 @@ def score_stats(
     wide = _wide(q.dtype)
     scores = scale * (q.to(wide) @ rows.to(wide).transpose(-1, -2))  # (n, h, k)
     scores = scores.masked_fill(~valid[:, None, :], -math.inf)
+    return scores, *_peak_and_lse(scores)
+
+
+@checked_internal
+def _peak_and_lse(
+    scores: Float[Tensor, "n h k"],
+) -> tuple[Float[Tensor, "n h"], Float[Tensor, "n h"]]:
+    """``max_logits`` and the LSE of scores ``-inf`` where not selected: ``-inf`` and
+    ``+inf`` for a query with none."""
     lse = scores.logsumexp(-1)  # (n, h)
     peak = scores.amax(-1) if scores.shape[-1] else torch.full_like(lse, -math.inf)
-    return scores, peak, torch.where(torch.isneginf(lse), math.inf, lse)
+    return peak, torch.where(torch.isneginf(lse), math.inf, lse)
 
 
 @checked
@@ -158,14 +168,13 @@ def attend_scored(
     at = idx.clamp(0, Tk - 1)[:, None, :].expand(n, h, -1)  # (n, h, k)
     every = scale * (q.to(wide) @ rows.to(wide).T)  # (n, h, Tk)
     scores = every.gather(-1, at).masked_fill(~valid[:, None, :], -math.inf)
-    lse = scores.logsumexp(-1)  # (n, h)
-    peak = scores.amax(-1) if scores.shape[-1] else torch.full_like(lse, -math.inf)
-    weights = torch.exp(scores - lse[..., None]).masked_fill(~valid[:, None, :], 0.0)
+    peak, lse = _peak_and_lse(scores)
+    weights = torch.exp(scores - lse[..., None])  # 0 where not valid; +inf lse: all 0
     on_rows = torch.zeros_like(every).scatter_add_(-1, at, weights)  # (n, h, Tk)
     named = torch.zeros(Tk, dtype=torch.bool, device=rows.device)
     named[idx[valid]] = True  # a row no entry names is never read
     values = torch.where(named[:, None], rows[:, :d_v].to(wide), 0.0)
-    return on_rows @ values, peak, torch.where(torch.isneginf(lse), math.inf, lse)
+    return on_rows @ values, peak, lse
 
 
 @checked
@@ -203,7 +212,7 @@ def sparse_mla_attention(
     # scoring every row costs a query h * (Tk - topk) products of D dims more than scoring
     # its entries, gathering its entries topk rows of D: the cheaper way, same result
     scored = h * max(Tk - topk, 0) <= SCORED_ROWS * topk and topk > 0
-    chunk = chunk_queries(h * Tk if scored else topk * D, 1)
+    chunk = chunk_queries(h * Tk if scored else topk * D)
     every_row = rows.to(wide) if scored else rows  # widened once, not a chunk at a time
     for s in range(0, Tq if Tk else 0, chunk):  # no rows at all: every query empty
         part = slice(s, s + chunk)

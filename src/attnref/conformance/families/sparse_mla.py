@@ -288,7 +288,7 @@ def sparse_form(
             earlier = (idx[:, :, None] == idx[:, None, :]) & valid[:, None, :]
             valid &= ~earlier.tril(diagonal=-1).any(-1)
         # a chunk of queries at a time: each gathers its own rows, (chunk, topk, D)
-        n = chunk_queries(topk, kv.shape[-1])
+        n = chunk_queries(topk * kv.shape[-1])
         parts = [
             attend(q[s : s + n], kv[:, 0][idx[s : s + n].clamp(0, max(Tk - 1, 0))],
                    valid[s : s + n], sm_scale, d_v)
