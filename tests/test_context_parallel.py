@@ -24,6 +24,7 @@ from attnref.conformance.families.context_parallel import (
     Launch,
     RankGroup,
     _worker_env,
+    free_port,
     launched,
 )
 from attnref.conformance.verdicts import one_line
@@ -208,9 +209,7 @@ def _torchrun(spec: str, tmp_path: Path, *extra: str) -> tuple[int, dict[str, An
     host their ranks' workers."""
     env = {**os.environ, "ATTNREF_BACKEND_OUTPUT": "show"}  # the ranks print their names
     out = tmp_path / "report.json"
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     done = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4",
          "--master-addr", "127.0.0.1", "--master-port", str(port), "-m", "attnref", "audit",
@@ -419,3 +418,28 @@ def test_the_bench_times_on_the_judges_clock_and_verifies_every_call() -> None:
     assert "sent/rank" in ok.note
     assert status["tests.planted_cp:slow_clock"].status == "flagged", status
     assert status["tests.planted_cp:wrong_one_in_ten"].status == "wrong", status
+
+
+@pytest.mark.slow  # an audit of two ranks, started twice: 6 s
+def test_a_port_taken_before_the_group_meets_is_not_the_backend_s_fault(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The store's port is found free, then the ranks bind it a moment later: another
+    process may take it between the two (a CI run lost one so). The group
+    meets again on a new port; the backend is not blamed for EADDRINUSE."""
+    from attnref.conformance.families import context_parallel as cp
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    ports = [int(taken.getsockname()[1])]
+    monkeypatch.setattr(
+        cp, "free_port", lambda host="127.0.0.1": ports.pop() if ports else free_port(host)
+    )
+    try:
+        report = audit("ring-reference", properties=("cp_world_size",), dtypes=(torch.float32,),
+                       progress=False, world_size=2)  # fmt: skip
+    finally:
+        taken.close()
+    assert not ports  # the taken port was handed out
+    assert report.ok, report.format_table()

@@ -10,7 +10,6 @@ summed over the ranks.
 import itertools
 import multiprocessing
 import os
-import socket
 from datetime import timedelta
 from typing import NamedTuple
 
@@ -20,14 +19,9 @@ import torch.distributed as dist
 
 from attnref import distributed as D
 from attnref import functional as F
+from attnref.conformance.families.context_parallel import free_port
 
 FUNCTIONS = ("ring_attention", "allgather_attention", "alltoall_attention")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class Config(NamedTuple):
@@ -132,7 +126,7 @@ def _run(rank: int, world: int, port: int, slow: bool, out_dir: str) -> None:
 
 
 def _spawn(tmp_path: object, slow: bool) -> list[str]:
-    port = _free_port()
+    port = free_port()
     context = multiprocessing.get_context("spawn")
     ranks = [context.Process(target=_run, args=(r, 4, port, slow, str(tmp_path))) for r in range(4)]
     for p in ranks:

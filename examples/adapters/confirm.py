@@ -526,14 +526,13 @@ def _ring_rank(rank: int, port: int, bucket: int, out: str) -> None:
 def _two_ranks(bucket: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """The output, dQ, dK and dV of `_ring_rank` over two ranks, put back together in
     ``(B, h, T, D)``, and checked against nothing yet."""
-    import socket
     import tempfile
 
     from torch.multiprocessing.spawn import spawn
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from attnref.conformance.families.context_parallel import free_port
+
+    port = free_port()
     with tempfile.TemporaryDirectory() as folder:
         out = f"{folder}/ring"
         spawn(_ring_rank, args=(port, bucket, out), nprocs=2)  # type: ignore[no-untyped-call]

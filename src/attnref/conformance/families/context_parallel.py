@@ -321,10 +321,42 @@ def nccl_possible() -> bool:
     return bool(torch.cuda.is_available())
 
 
-def _free_port(host: str = "127.0.0.1") -> int:
+def _ephemeral_ports() -> tuple[int, int]:
+    """The range the kernel draws the local ports of outgoing connections (and of a
+    bind to port 0) from: Linux's ``ip_local_port_range``, else its default."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = (int(x) for x in f.read().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port free now for the group's store to listen at, drawn below the ephemeral
+    range where one is: a port of that range is also what every outgoing connection
+    (gloo's between ranks, another audit's) takes for its own end, and one taken in the
+    moment between this check and the store's bind fails the group with EADDRINUSE.
+    The check-then-bind race remains (`ContextParallel._join` starts again on a new
+    port when it is lost)."""
+    low, _ = _ephemeral_ports()
+    for _ in range(64) if low > 11024 else ():
+        port = 10000 + secrets.randbelow(low - 10000)
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+def _port_taken(error: BaseException) -> bool:
+    """Whether a group failed to form because its store's port was taken meanwhile."""
+    text = str(error)
+    return "EADDRINUSE" in text or "ddress already in use" in text
 
 
 # ------------------------------------------------------------------ under torchrun
@@ -720,7 +752,7 @@ class RankGroup:
     def _start(self) -> None:
         self._stop()
         # under torchrun the other ranks' workers reach rank 0's from their hosts
-        self._port = _free_port("127.0.0.1" if self._launch is None else "")
+        self._port = free_port("127.0.0.1" if self._launch is None else "")
         local = 1 if self._launch is not None else self.world_size
         try:
             for _ in range(local):
@@ -877,11 +909,19 @@ class RankGroup:
     def _join(self, timeout: float, device: torch.device) -> None:
         """The first job of a group: every rank joins it (the backend is not called)."""
         like = torch.zeros((1, 1, 1, 1), device=device)
-        jobs = [
-            Job((like, like, like), {**self._setup(r, self.world_size, timeout), "_join": True})
-            for r in range(self.world_size)
-        ]
-        self._gang(jobs, timeout)
+        for attempt in range(3):
+            jobs = [
+                Job((like, like, like), {**self._setup(r, self.world_size, timeout), "_join": True})
+                for r in range(self.world_size)
+            ]
+            try:
+                self._gang(jobs, timeout)
+                break
+            except Exception as e:
+                if attempt == 2 or not _port_taken(e):
+                    raise
+                # another process took the port after it was found free: a new one
+                self._start()
         self._joined = self._port
 
     def _ensure(self, timeout: float, device: torch.device) -> None:
