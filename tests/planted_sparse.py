@@ -13,7 +13,9 @@ max started at 0, not -inf: rows whose scores all lie far below 0 underflow; cla
 dequantized with tile ``t - 1``'s scale; tile 0 with its own), ``past_1024_dropped_fp8``
 (a list's entries past 1024 never read: size-gated, below DeepSeek's top-k of 2048),
 ``model1_per_token_fp8`` (DeepSeek-V4's MODEL1 pages read as if each 584-byte row of the
-view were one token's bytes). ``right``, ``right_fp8`` and ``right_model1_fp8`` are the
+view were one token's bytes), ``sink_as_base_2`` (the prefill's ``attn_sink`` taken as a
+base-2 logit, as a kernel working in base 2 that scales its scores by ``log2 e`` but not
+the sink would). ``right``, ``right_fp8`` and ``right_model1_fp8`` are the
 same kernels without a bug, which must pass.
 """
 
@@ -39,10 +41,17 @@ CLAIMS_MODEL1 = replace(CLAIMS_FP8, sparse_caches=("MODEL1",))
 
 
 def _attend(
-    q: Tensor, rows: Tensor, idx: Tensor, scale: float, d_v: int, bug: str
+    q: Tensor,
+    rows: Tensor,
+    idx: Tensor,
+    scale: float,
+    d_v: int,
+    bug: str,
+    sink: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """One query ``q (h, D)`` against ``rows (n, D)`` through its list ``idx (topk,)``,
-    block by block: ``(out (h, d_v), max_logits (h,), lse (h,))`` in float32."""
+    block by block: ``(out (h, d_v), max_logits (h,), lse (h,))`` in float32; with a sink
+    logit per head ``sink (h,)``, the output over the keys and the sink."""
     h = q.shape[0]
     n, topk = rows.shape[0], idx.shape[0]
     qf = q.float()
@@ -80,6 +89,10 @@ def _attend(
     empty = s == 0
     out = torch.where(empty[:, None], 0.0, acc / torch.where(empty, 1.0, s)[:, None])
     lse = torch.where(empty, math.inf, m + torch.log(s))
+    if sink is not None:  # the sink joins the denominator: exp(m) s + exp(sink)
+        sigma = sink.float() * (math.log(2) if bug == "sink_as_base_2" else 1.0)
+        keep = torch.where(empty, 0.0, 1.0 / (1.0 + torch.exp(sigma - lse)))
+        out = out * keep[:, None]
     if bug == "lse_in_base_2":
         lse = lse / math.log(2)
     peak = top / scale if bug == "max_logits_before_scale" else top
@@ -97,7 +110,8 @@ def _prefill(bug: str = "") -> Any:
         topk_length: Tensor | None = None,
     ) -> tuple[Tensor, Tensor, Tensor]:
         parts = [
-            _attend(q[i], kv[:, 0], indices[i, 0], sm_scale, d_v, bug) for i in range(q.shape[0])
+            _attend(q[i], kv[:, 0], indices[i, 0], sm_scale, d_v, bug, attn_sink)
+            for i in range(q.shape[0])
         ]
         out, peak, lse = (torch.stack(x) for x in zip(*parts, strict=True))
         wide = torch.float64 if q.dtype == torch.float64 else torch.float32
@@ -166,7 +180,7 @@ def _decode(bug: str = "") -> Any:
         lse = torch.empty(B, h, Tq)
         for b in range(B):
             for i in range(Tq):
-                o, _, e = _attend(q[b, i], rows, indices[b, i], scale, head_dim_v, bug)
+                o, _, e = _attend(q[b, i], rows, indices[b, i], scale, head_dim_v, bug, attn_sink)
                 out[b, i], lse[b, :, i] = o, e
         return out.to(q.dtype), lse
 
@@ -183,6 +197,7 @@ duplicates_merged = _prefill("duplicates_merged")
 lse_in_base_2 = _prefill("lse_in_base_2")
 max_logits_before_scale = _prefill("max_logits_before_scale")
 max_started_at_zero = _prefill("max_started_at_zero")
+sink_as_base_2 = _prefill("sink_as_base_2")
 right_fp8 = _decode()
 tile_scale_off_by_one_fp8 = _decode("tile_scale_off_by_one_fp8")
 past_1024_dropped_fp8 = _decode("past_1024_dropped_fp8")
@@ -197,6 +212,7 @@ UNSEEN = {
     "lse_in_base_2": "sparse-mla",
     "max_logits_before_scale": "sparse-mla",
     "max_started_at_zero": "sparse-mla",
+    "sink_as_base_2": "sparse-mla",
     "tile_scale_off_by_one_fp8": "sparse-mla-fp8",
     "past_1024_dropped_fp8": "sparse-mla-fp8",
     "model1_per_token_fp8": "sparse-mla-fp8",

@@ -275,6 +275,42 @@ def test_a_sparse_case_poisons_what_no_query_reads_and_lists_both_invalid_forms(
         assert x.key.shape[-2] == int(valid[i].sum())
 
 
+def test_a_sink_case_draws_a_sink_per_head_near_its_lses_and_passes_it_where_declared() -> None:
+    """``sink`` draws one logit a head, each near its queries' LSEs (the output's factor
+    well inside (0, 1)), ``-inf`` for one head with ``some_none``; every query's oracle
+    carries them; the call passes ``attn_sink`` where declared and is skipped, with
+    the reason, where not."""
+    from dataclasses import replace
+
+    from attnref.conformance.families.sparse_mla import sparse_arguments
+    from attnref.conformance.verdicts import Skip
+
+    caps = resolve_backend("sparse-mla-reference").capabilities
+    opts = (("topk", 40), ("valid", "all"), ("sentinels", ("-1",)), ("order", "sorted"))
+    case = Case("sparse_sink", h=5, g=1, Tq=4, Tk=30, Dh=12, Dv=8, latent=True, seed=5,
+                options=(*opts, ("sink", "near")))  # fmt: skip
+    call = build_sparse(case, torch.float32, "cpu", caps)
+    assert call.attn_sink is not None
+    assert call.attn_sink.shape == (5,)
+    assert all(x.sinks is call.attn_sink for x in call.rows)
+    lse = torch.stack([torch.logsumexp(call.sm_scale * x.query.double()
+                                       @ x.key.double().transpose(-1, -2), -1)[:, 0]
+                       for x in call.rows])  # fmt: skip
+    factor = torch.sigmoid(lse - call.attn_sink.double())
+    assert bool(((factor > 0.005) & (factor < 0.995)).all()), factor
+    _, kwargs = sparse_arguments(caps, call, {})
+    assert kwargs["attn_sink"] is call.attn_sink
+    with pytest.raises(Skip, match="attn_sink"):
+        sparse_arguments(replace(caps, attn_sink=False), call, {})
+    none = build_sparse(replace(case, options=(*opts, ("sink", "some_none"))), torch.float32,
+                        "cpu", caps)  # fmt: skip
+    assert none.attn_sink is not None
+    assert int(torch.isneginf(none.attn_sink).sum()) == 1
+    plain = build_sparse(replace(case, options=opts), torch.float32, "cpu", caps)
+    assert plain.attn_sink is None
+    assert all(x.sinks is None for x in plain.rows)
+
+
 def test_an_fp8_case_spreads_its_tiles_and_pads_its_pages_as_flash_mla_s_tests() -> None:
     caps = resolve_backend("sparse-mla-fp8-reference").capabilities
     case = Case("sparse_fp8", h=3, g=1, Tq=2, Dh=576, Dv=512, cached=(70, 9), page=16,

@@ -69,6 +69,8 @@ def _entry(launch: Any, name: str, doc: str, contiguous: bool = False) -> Any:
         attn_sink: Tensor | None = None,
         topk_length: Tensor | None = None,
     ) -> tuple[Tensor, None, None]:
+        if attn_sink is not None or topk_length is not None:  # not dropped in silence
+            raise ValueError("SGLang's sparse MLA kernels take neither attn_sink nor topk_length")
         rows = kv.contiguous() if contiguous else kv
         out = launch(_kernels(), q[..., :d_v], q[..., d_v:], rows, indices, sm_scale, d_v)
         return out[0], None, None  # (1, Tq, h, d_v): neither max_logits nor the LSE

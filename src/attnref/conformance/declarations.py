@@ -298,14 +298,17 @@ class Capabilities:
     #: (an index at the rows' count or past it); what it does with an index listed
     #: twice, ``"counted"`` (twice, as FlashMLA's reference) or ``"refused"`` (never
     #: drawn); whether it returns ``max_logits``; the top-k lengths it takes (multiples
-    #: of ``topk_multiple``); whether it takes per-query counts (``topk_length``); the
-    #: packed FP8 caches its sparse decode reads (``sparse-mla-fp8``): ``"V32"`` (656
-    #: bytes a 576-dim row), ``"MODEL1"`` (584 bytes a 512-dim row, by page)
+    #: of ``topk_multiple``); whether it takes per-query counts (``topk_length``) and a
+    #: sink logit per head (``attn_sink``, FlashMLA's name: the output times
+    #: ``sigmoid(lse - sink)``); the packed FP8 caches its sparse decode reads
+    #: (``sparse-mla-fp8``): ``"V32"`` (656 bytes a 576-dim row), ``"MODEL1"`` (584
+    #: bytes a 512-dim row, by page)
     invalid_indices: tuple[str, ...] = ("-1", "past_end")
     duplicates: str = "counted"
     max_logits: bool = False
     topk_multiple: int = 1
     topk_length: bool = False
+    attn_sink: bool = False
     sparse_caches: tuple[str, ...] = ("V32",)
 
     def __post_init__(self) -> None:

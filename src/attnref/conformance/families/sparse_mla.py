@@ -57,6 +57,7 @@ __all__ = [
     "FLASH_MLA_SPARSE",
     "SparseCall",
     "build_sparse",
+    "sink_logits",
     "sparse_form",
     "sparse_reference",
     "sparse_sdpa",
@@ -127,6 +128,7 @@ class SparseCall:
     d_v: int
     sm_scale: float
     topk_length: Tensor | None = None  # (Tq,) int32
+    attn_sink: Tensor | None = None  # (h,) float32, as each of ``rows`` carries it
 
     @property
     def first(self) -> Inputs:
@@ -148,6 +150,10 @@ def sparse_arguments(caps: Capabilities, call: SparseCall, overrides: dict[str, 
         if not caps.topk_length:
             raise Skip("per-query counts (topk_length) not declared")
         kwargs["topk_length"] = call.topk_length
+    if call.attn_sink is not None:
+        if not caps.attn_sink:
+            raise Skip("a sink logit per head (attn_sink) not declared")
+        kwargs["attn_sink"] = call.attn_sink
     kwargs.update(overrides)
     return (call.q, call.kv, call.indices, call.sm_scale), kwargs
 
@@ -259,7 +265,9 @@ def sparse_form(
     modulo ``Tk``), ``tail_block_dropped`` (the entries past the last full block of 64
     ignored), ``duplicates_once`` (an index listed twice counted once), ``lse_base2``
     (the LSE in base 2), ``max_logits_unscaled`` (``max_logits`` of ``q k^T`` before
-    the scale), ``topk_length_ignored`` (every entry read, whatever the counts).
+    the scale), ``topk_length_ignored`` (every entry read, whatever the counts),
+    ``sink_ignored`` (``attn_sink`` not applied), ``sink_in_lse`` (the LSE returned with
+    the sink counted in it).
     """
 
     @checked_internal
@@ -299,8 +307,11 @@ def sparse_form(
             lse = lse / math.log(2)
         if "max_logits_unscaled" in bugs:
             peak = peak / sm_scale
-        if attn_sink is not None:
-            out = out * torch.sigmoid(lse - attn_sink.to(lse.dtype))[..., None].nan_to_num(0.0)
+        if attn_sink is not None and "sink_ignored" not in bugs:
+            sink = attn_sink.to(lse.dtype)
+            out = out * torch.sigmoid(lse - sink)[..., None].nan_to_num(0.0)
+            if "sink_in_lse" in bugs:
+                lse = torch.where(torch.isposinf(lse), lse, torch.logaddexp(lse, sink))
         return out.to(q.dtype), peak, lse
 
     sparse.__name__ = sparse.__qualname__ = name
@@ -332,7 +343,10 @@ def _sdpa_attend(
 # ------------------------------------------------------------------ the builtins
 
 _OURS = replace(
-    sparse_caps(Capabilities(family=NAME)), topk_length=True, invalid_indices=("-1", "past_end")
+    sparse_caps(Capabilities(family=NAME)),
+    topk_length=True,
+    attn_sink=True,
+    invalid_indices=("-1", "past_end"),
 )
 
 
@@ -414,8 +428,9 @@ def build_sparse(
     (with repeats, ``duplicates``); the other entries hold invalid sentinels of the kinds
     ``case.option("sentinels")`` names (``-1``, ``past_end``: ``Tk`` and past), or, with
     ``topk_length``, rows the count excludes; ``order`` ``sorted`` lists the valid
-    entries first, ``shuffled`` mixes them. Every row no query selects, and one row
-    before and after the call's ``kv`` in its buffer, hold NaN."""
+    entries first, ``shuffled`` mixes them; ``sink`` draws a sink logit per head
+    (`sink_logits`). Every row no query selects, and one row before and after the call's
+    ``kv`` in its buffer, hold NaN."""
     gen = torch.Generator().manual_seed(case.seed)
     Tq, Tk, h, D, Dv = case.Tq, case.Tk, case.h, case.Dh, case.Dv
     topk = int(case.option("topk", max(Tk, 1)))
@@ -470,15 +485,42 @@ def build_sparse(
                None, None, case.scale)
         for i, sel in enumerate(chosen)
     )  # fmt: skip
+    sm_scale = D**-0.5 if case.scale is None else case.scale
+    sinks = None
+    if case.option("sink"):
+        sinks = sink_logits(case, rows, sm_scale).to(device)
+        rows = tuple(replace(x, sinks=sinks) for x in rows)
     return SparseCall(
         rows,
         q,
         kv,
         indices[:, None].to(torch.int32).to(device),
         Dv,
-        D**-0.5 if case.scale is None else case.scale,
+        sm_scale,
         lengths,
+        sinks,
     )
+
+
+@checked_internal
+def sink_logits(case: Case, rows: tuple[Inputs, ...], sm_scale: float) -> Float[Tensor, " h"]:
+    """A sink logit per head ``(h,)``, float32, near the head's log-sum-exps (their
+    median over the queries, plus a normal draw of spread 1.5), so that the output's
+    factor ``sigmoid(lse - sink)`` lies well inside (0, 1) and a sink applied to the
+    wrong head, in base 2, counted in the LSE or not at all is far off. With
+    ``sink="some_none"`` one head's is ``-inf``: no sink, which changes nothing."""
+    gen = rng(case, 13)
+    h = rows[0].query.shape[0] if rows else case.h
+    lses: list[Tensor] = []
+    for x in rows:
+        if x.key.shape[-2]:
+            s = sm_scale * x.query.double() @ x.key.double().transpose(-1, -2)  # (h, 1, n)
+            lses.append(torch.logsumexp(s, dim=-1)[:, 0].cpu())
+    centre = torch.stack(lses).median(0).values if lses else torch.zeros(h, dtype=torch.float64)
+    sinks = (centre + 1.5 * torch.randn(h, generator=gen, dtype=torch.float64)).float()
+    if case.option("sink") == "some_none":
+        sinks[int(torch.randint(h, (), generator=gen))] = -math.inf
+    return sinks
 
 
 def _call(
@@ -588,6 +630,8 @@ def _sparse_cases(
                 "order": draw(pins.get("order", st.sampled_from(("sorted", "shuffled")))),
                 "topk_length": c.topk_length and draw(pins.get("topk_length", st.booleans())),
             }
+            if "sink" in pins:  # only where pinned: the other properties' draws stay as they were
+                opts["sink"] = draw(pins["sink"])
             return replace(case, options=tuple(opts.items()))
 
         return draw()
@@ -615,6 +659,23 @@ def _sparse_examples(p: Profile, c: Capabilities) -> list[Case]:
                       c.duplicates == "counted"), ("order", "shuffled"), ("sentinels", both))),
     ]  # fmt: skip
     return [replace(x, g=1, Dh=40, Dv=32, latent=True, seed=500 + i) for i, x in enumerate(base)]
+
+
+def _sink_examples(p: Profile, c: Capabilities) -> list[Case]:
+    """A sink beside a query with no valid index (its output stays 0, its LSE +inf), and
+    one over a long list with a partial last block."""
+    m = max(c.topk_multiple, 1)
+    tile = c.tile_keys or TOPK_BLOCK
+    both = tuple(f for f in ("-1", "past_end") if f in c.invalid_indices) or ("-1",)
+    base = [
+        Case("sparse_sink_empty", h=3, Tq=4, Tk=30,
+             options=(("topk", max(-(-32 // m) * m, m)), ("valid", "empty"),
+                      ("sentinels", both), ("sink", "some_none"))),
+        Case("sparse_sink_long", h=16, Tq=2, Tk=2 * tile + 5, scale=0.37,
+             options=(("topk", max(-(-(2 * tile + 5) // m) * m, m)), ("valid", "all"),
+                      ("sentinels", both), ("sink", "near"))),
+    ]  # fmt: skip
+    return [replace(x, g=1, Dh=40, Dv=32, latent=True, seed=600 + i) for i, x in enumerate(base)]
 
 
 PROPERTIES: tuple[Property, ...] = (
@@ -655,6 +716,19 @@ PROPERTIES: tuple[Property, ...] = (
         _sparse_order,
         families=(NAME,),
     ),
+    Property(
+        "sparse_sink",
+        "a sink logit per head (attn_sink) scales each query's output by sigmoid(lse - "
+        "sink), a sink of -inf changes nothing, the LSE and max_logits stay the keys' own",
+        (24, 36),
+        _sparse_cases("sparse_sink", sink=st.sampled_from(("near", "some_none"))),
+        _sparse,
+        requires=lambda c: (
+            None if c.attn_sink else "a sink logit per head (attn_sink) not declared"
+        ),
+        examples=_sink_examples,
+        families=(NAME,),
+    ),
 )
 
 
@@ -687,6 +761,11 @@ MUTANTS: tuple[Mutant, ...] = (
            {"max_logits_unscaled": True}, **_LIKE),
     Mutant("sparse_topk_length_ignored", 36, "per-query counts (topk_length) ignored: "
            "every entry read", {"topk_length_ignored": True}, **_LIKE),
+    Mutant("sparse_sink_ignored", 24, "the sink logits (attn_sink) taken and never applied",
+           {"sink_ignored": True}, **_LIKE),
+    Mutant("sparse_sink_in_lse", 24, "the LSE returned with the sink counted in it "
+           "(logaddexp(lse, sink)), where FlashMLA's leaves it the keys' own",
+           {"sink_in_lse": True}, **_LIKE),
 )  # fmt: skip
 
 

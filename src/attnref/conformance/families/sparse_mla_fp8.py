@@ -50,6 +50,7 @@ from attnref.conformance.families.sparse_mla import (
     TOPK_BLOCK,
     _counts,
     _sdpa_attend,
+    sink_logits,
     sparse_form,
 )
 from attnref.conformance.family import ApiFamily, Arguments
@@ -125,6 +126,7 @@ class SparseFp8Call:
     softmax_scale: float | None
     topk_length: Tensor | None = None  # (B,) int32
     cache: str = "V32"  # the packed layout (`Capabilities.sparse_caches`)
+    attn_sink: Tensor | None = None  # (h,) float32, as each of ``rows`` carries it
 
 
 def fp8_arguments(caps: Capabilities, call: SparseFp8Call) -> Arguments:
@@ -144,6 +146,10 @@ def fp8_arguments(caps: Capabilities, call: SparseFp8Call) -> Arguments:
         if not caps.topk_length:
             raise Skip("per-row counts (topk_length) not declared")
         kwargs["topk_length"] = call.topk_length
+    if call.attn_sink is not None:
+        if not caps.attn_sink:
+            raise Skip("a sink logit per head (attn_sink) not declared")
+        kwargs["attn_sink"] = call.attn_sink
     return (call.q, call.k_cache, None, None, _CACHES[call.cache][3]), kwargs
 
 
@@ -262,7 +268,9 @@ def _reference(
     return out.to(q.dtype), lse.float()
 
 
-_OURS = replace(FLASH_MLA_SPARSE_FP8, topk_multiple=1, page_multiple=1, topk_length=True)
+_OURS = replace(
+    FLASH_MLA_SPARSE_FP8, topk_multiple=1, page_multiple=1, topk_length=True, attn_sink=True
+)
 fp8_reference = declared(_reference, _OURS)
 fp8_sdpa = declared(
     fp8_sparse_form(sparse_form(_sdpa_attend, "sdpa"), "fp8_sdpa", to=torch.bfloat16), _OURS
@@ -376,6 +384,13 @@ def build_sparse_fp8(case: Case, device: str | torch.device, caps: Capabilities)
         for b, i, sel in rows_out
     )  # fmt: skip
     lengths = torch.tensor(count_of_row, dtype=torch.int32, device=device) if counted else None
+    sinks = None
+    if case.option("sink"):  # near each head's LSEs (`sparse_mla.sink_logits`)
+        sinks = sink_logits(
+            case, out_rows, q.shape[-1] ** -0.5 if case.scale is None else case.scale
+        )
+        out_rows = tuple(replace(x, sinks=sinks) for x in out_rows)
+        sinks = sinks.to(device)
     return SparseFp8Call(
         out_rows,
         q.to(device),
@@ -384,6 +399,7 @@ def build_sparse_fp8(case: Case, device: str | torch.device, caps: Capabilities)
         case.scale,
         lengths,
         layout,
+        sinks,
     )
 
 
@@ -491,6 +507,8 @@ def _fp8_cases(
                 "topk_length": c.topk_length and draw(st.booleans()),
                 "cache": draw(st.sampled_from(c.sparse_caches)),
             }  # fmt: skip
+            if "sink" in pins:  # only where pinned: the other properties' draws stay as they were
+                opts["sink"] = draw(pins["sink"])
             return _sized(case, cached=cached, page=page, latent=True,
                           options=tuple(opts.items()))  # fmt: skip
 
@@ -549,6 +567,19 @@ PROPERTIES: tuple[Property, ...] = (
         _sparse_fp8,
         families=(NAME,),
     ),
+    Property(
+        "sparse_fp8_sink",
+        "with a sink logit per head (attn_sink), each query of a sparse FP8 decode call is "
+        "its rows' output times sigmoid(lse - sink); a sink of -inf changes nothing; the LSE "
+        "stays the keys' own",
+        (24, 36),
+        _fp8_cases("sparse_fp8_sink", sink=st.sampled_from(("near", "some_none"))),
+        _sparse_fp8,
+        requires=lambda c: (
+            None if c.attn_sink else "a sink logit per head (attn_sink) not declared"
+        ),
+        families=(NAME,),
+    ),
 )
 
 
@@ -556,7 +587,9 @@ def _mutant_fn(self: Mutant) -> Callable[..., Any]:
     """A bug in how the packed cache or the indices are read: the reference's attention
     over gathered rows behind a buggy `fp8_sparse_form`."""
     bugs = frozenset(self.switches)
-    fn = fp8_sparse_form(sparse_form(attend_rows, "rows"), self.name, bugs=bugs)
+    # the sink's bugs are the prefill form's; the cache's and the indices' this form's
+    inner = sparse_form(attend_rows, "rows", bugs=bugs & {"sink_ignored", "sink_in_lse"})
+    fn = fp8_sparse_form(inner, self.name, bugs=bugs)
     fn.__doc__ = f"Class {self.bug_class}: {self.summary}"
     fn.capabilities = self.capabilities  # type: ignore[attr-defined]
     return fn
@@ -575,6 +608,8 @@ MUTANTS: tuple[Mutant, ...] = (
            "bytes reversed", {"scale_bytes_swapped": True}, **_LIKE),
     Mutant("sparse_fp8_invalid_as_zero", 36, "index -1 read as slot 0 of the cache",
            {"invalid_as_zero": True}, **_LIKE),
+    Mutant("sparse_fp8_sink_ignored", 24, "the sink logits (attn_sink) taken and never "
+           "applied", {"sink_ignored": True}, **_LIKE),
 )  # fmt: skip
 
 
