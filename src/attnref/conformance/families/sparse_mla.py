@@ -57,6 +57,7 @@ __all__ = [
     "FLASH_MLA_SPARSE",
     "SparseCall",
     "build_sparse",
+    "sink_declared",
     "sink_logits",
     "sparse_form",
     "sparse_reference",
@@ -140,6 +141,11 @@ def _scale(inputs: Inputs) -> float:
     return inputs.query.shape[-1] ** -0.5 if inputs.scale is None else inputs.scale
 
 
+def sink_declared(caps: Capabilities) -> str | None:
+    """Why a call with sink logits cannot be made (``attn_sink`` not declared), or None."""
+    return None if caps.attn_sink else "a sink logit per head (attn_sink) not declared"
+
+
 def sparse_arguments(caps: Capabilities, call: SparseCall, overrides: dict[str, Any]) -> Arguments:
     """``flash_mla_sparse_fwd``'s call for ``call``."""
     topk = call.indices.shape[-1]
@@ -151,8 +157,8 @@ def sparse_arguments(caps: Capabilities, call: SparseCall, overrides: dict[str, 
             raise Skip("per-query counts (topk_length) not declared")
         kwargs["topk_length"] = call.topk_length
     if call.attn_sink is not None:
-        if not caps.attn_sink:
-            raise Skip("a sink logit per head (attn_sink) not declared")
+        if (reason := sink_declared(caps)) is not None:
+            raise Skip(reason)
         kwargs["attn_sink"] = call.attn_sink
     kwargs.update(overrides)
     return (call.q, call.kv, call.indices, call.sm_scale), kwargs
@@ -723,9 +729,7 @@ PROPERTIES: tuple[Property, ...] = (
         (24, 36),
         _sparse_cases("sparse_sink", sink=st.sampled_from(("near", "some_none"))),
         _sparse,
-        requires=lambda c: (
-            None if c.attn_sink else "a sink logit per head (attn_sink) not declared"
-        ),
+        requires=sink_declared,
         examples=_sink_examples,
         families=(NAME,),
     ),

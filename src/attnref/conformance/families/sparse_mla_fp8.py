@@ -50,6 +50,7 @@ from attnref.conformance.families.sparse_mla import (
     TOPK_BLOCK,
     _counts,
     _sdpa_attend,
+    sink_declared,
     sink_logits,
     sparse_form,
 )
@@ -147,8 +148,8 @@ def fp8_arguments(caps: Capabilities, call: SparseFp8Call) -> Arguments:
             raise Skip("per-row counts (topk_length) not declared")
         kwargs["topk_length"] = call.topk_length
     if call.attn_sink is not None:
-        if not caps.attn_sink:
-            raise Skip("a sink logit per head (attn_sink) not declared")
+        if (reason := sink_declared(caps)) is not None:
+            raise Skip(reason)
         kwargs["attn_sink"] = call.attn_sink
     return (call.q, call.k_cache, None, None, _CACHES[call.cache][3]), kwargs
 
@@ -575,9 +576,7 @@ PROPERTIES: tuple[Property, ...] = (
         (24, 36),
         _fp8_cases("sparse_fp8_sink", sink=st.sampled_from(("near", "some_none"))),
         _sparse_fp8,
-        requires=lambda c: (
-            None if c.attn_sink else "a sink logit per head (attn_sink) not declared"
-        ),
+        requires=sink_declared,
         families=(NAME,),
     ),
 )
