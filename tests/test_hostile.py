@@ -235,6 +235,12 @@ def test_a_declaration_is_checked_field_by_field() -> None:
             from_declaration(bad)
     with pytest.raises(ValueError, match="fields"):
         from_declaration({**good, "extra": 1})
+    # a field missing or unknown (a report of another attnref) is named
+    fewer = {k: v for k, v in good["capabilities"].items() if k != "attn_sink"}
+    with pytest.raises(ValueError, match=r"lack attn_sink .*another version"):
+        from_declaration({**good, "capabilities": fewer})
+    with pytest.raises(ValueError, match="have unknown warp_size"):
+        from_declaration({**good, "capabilities": {**good["capabilities"], "warp_size": 32}})
 
 
 # ------------------------------------------------------------------------ the bench

@@ -731,8 +731,16 @@ def from_declaration(data: object) -> Backend:
     raw = data["capabilities"]
     defaults = Capabilities()
     names = {f.name for f in fields(Capabilities)}
-    if type(raw) is not dict or set(raw) != names:
-        raise ValueError(f"capabilities must have the fields of Capabilities, got {str(raw)[:200]}")
+    if type(raw) is not dict:
+        raise ValueError(f"capabilities must be a dict, got {type(raw).__name__}")
+    if set(raw) != names:
+        missing, unknown = sorted(names - set(raw)), sorted(str(k) for k in set(raw) - names)
+        said = [f"lack {', '.join(missing[:5])}" if missing else "",
+                f"have unknown {', '.join(unknown[:5])}" if unknown else ""]  # fmt: skip
+        raise ValueError(
+            f"capabilities must have the fields of this attnref's Capabilities: they "
+            f"{' and '.join(x for x in said if x)} (written by another version of attnref?)"
+        )
     caps: dict[str, Any] = {}
     for name, value in raw.items():
         default = getattr(defaults, name)
