@@ -419,9 +419,13 @@ def test_a_hung_worker_ends_with_a_judge_that_is_killed(how: str, jobs: int) -> 
     # as the forkserver's socket in it must fit a UNIX socket's 108 bytes (tmp_path under
     # pytest-xdist does not)
     tmp = Path(tempfile.mkdtemp(prefix="k-"))
-    judge = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                             text=True, env={**os.environ, "TMPDIR": str(tmp),
-                                             "ATTNREF_BACKEND_OUTPUT": "show"})  # fmt: skip
+    # the judge's stderr, with faulthandler's stacks if it must be aborted (below)
+    err = tmp / "judge-stderr"
+    with err.open("w") as stderr:
+        judge = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=stderr,
+                                 text=True, env={**os.environ, "TMPDIR": str(tmp),
+                                                 "ATTNREF_BACKEND_OUTPUT": "show",
+                                                 "PYTHONFAULTHANDLER": "1"})  # fmt: skip
     chain: list[int] = []
     workers = 0
     try:
@@ -439,7 +443,14 @@ def test_a_hung_worker_ends_with_a_judge_that_is_killed(how: str, jobs: int) -> 
         assert len(chain) >= 2 * jobs, chain
         exception = how == "KeyboardInterrupt"
         judge.send_signal(signal.SIGINT if exception else getattr(signal, how))
-        code = judge.wait(30)
+        try:
+            code = judge.wait(30)
+        except subprocess.TimeoutExpired:
+            # where it is stuck (CI once saw a judge outlive SIGINT by 30 s): its threads'
+            # stacks, which faulthandler writes on SIGABRT
+            judge.send_signal(signal.SIGABRT)
+            judge.wait(10)
+            pytest.fail(f"the judge outlived {how} by 30 s; its stacks:\n{err.read_text()[-6000:]}")
         if how != "SIGKILL":
             assert code == (130 if exception else 143), code
         deadline = time.monotonic() + 20
