@@ -321,15 +321,15 @@ def nccl_possible() -> bool:
     return bool(torch.cuda.is_available())
 
 
-def _ephemeral_ports() -> tuple[int, int]:
-    """The range the kernel draws the local ports of outgoing connections (and of a
-    bind to port 0) from: Linux's ``ip_local_port_range``, else its default."""
+def _ephemeral_low() -> int:
+    """The lowest port of the range the kernel draws the local ports of outgoing
+    connections (and of a bind to port 0) from: Linux's ``ip_local_port_range``, else
+    its default."""
     try:
         with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-            low, high = (int(x) for x in f.read().split())
-        return low, high
-    except (OSError, ValueError):
-        return 32768, 60999
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -339,7 +339,7 @@ def free_port(host: str = "127.0.0.1") -> int:
     moment between this check and the store's bind fails the group with EADDRINUSE.
     The check-then-bind race remains (`ContextParallel._join` starts again on a new
     port when it is lost)."""
-    low, _ = _ephemeral_ports()
+    low = _ephemeral_low()
     for _ in range(64) if low > 11024 else ():
         port = 10000 + secrets.randbelow(low - 10000)
         with socket.socket() as s:
@@ -356,7 +356,7 @@ def free_port(host: str = "127.0.0.1") -> int:
 def _port_taken(error: BaseException) -> bool:
     """Whether a group failed to form because its store's port was taken meanwhile."""
     text = str(error)
-    return "EADDRINUSE" in text or "ddress already in use" in text
+    return "EADDRINUSE" in text or "address already in use" in text.lower()
 
 
 # ------------------------------------------------------------------ under torchrun

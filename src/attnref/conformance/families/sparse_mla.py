@@ -58,10 +58,12 @@ __all__ = [
     "SparseCall",
     "build_sparse",
     "sink_declared",
+    "sink_kwargs",
     "sink_logits",
     "sparse_form",
     "sparse_reference",
     "sparse_sdpa",
+    "with_sinks",
 ]
 
 NAME = "sparse-mla"
@@ -146,6 +148,23 @@ def sink_declared(caps: Capabilities) -> str | None:
     return None if caps.attn_sink else "a sink logit per head (attn_sink) not declared"
 
 
+@checked_internal
+def sink_kwargs(
+    caps: Capabilities, sinks: Float[Tensor, " h"] | None
+) -> dict[str, Float[Tensor, " h"]]:
+    """The keyword a call with ``sinks`` passes (``attn_sink``, both sparse families'
+    name); none without them.
+
+    Raises:
+        Skip: ``attn_sink`` not declared.
+    """
+    if sinks is None:
+        return {}
+    if (reason := sink_declared(caps)) is not None:
+        raise Skip(reason)
+    return {"attn_sink": sinks}
+
+
 def sparse_arguments(caps: Capabilities, call: SparseCall, overrides: dict[str, Any]) -> Arguments:
     """``flash_mla_sparse_fwd``'s call for ``call``."""
     topk = call.indices.shape[-1]
@@ -156,10 +175,7 @@ def sparse_arguments(caps: Capabilities, call: SparseCall, overrides: dict[str, 
         if not caps.topk_length:
             raise Skip("per-query counts (topk_length) not declared")
         kwargs["topk_length"] = call.topk_length
-    if call.attn_sink is not None:
-        if (reason := sink_declared(caps)) is not None:
-            raise Skip(reason)
-        kwargs["attn_sink"] = call.attn_sink
+    kwargs.update(sink_kwargs(caps, call.attn_sink))
     kwargs.update(overrides)
     return (call.q, call.kv, call.indices, call.sm_scale), kwargs
 
@@ -492,10 +508,7 @@ def build_sparse(
         for i, sel in enumerate(chosen)
     )  # fmt: skip
     sm_scale = D**-0.5 if case.scale is None else case.scale
-    sinks = None
-    if case.option("sink"):
-        sinks = sink_logits(case, rows, sm_scale).to(device)
-        rows = tuple(replace(x, sinks=sinks) for x in rows)
+    rows, sinks = with_sinks(case, rows, sm_scale)
     return SparseCall(
         rows,
         q,
@@ -504,8 +517,20 @@ def build_sparse(
         Dv,
         sm_scale,
         lengths,
-        sinks,
+        None if sinks is None else sinks.to(device),
     )
+
+
+@checked_internal
+def with_sinks(
+    case: Case, rows: tuple[Inputs, ...], sm_scale: float
+) -> tuple[tuple[Inputs, ...], Float[Tensor, " h"] | None]:
+    """``rows`` each with the sink logits ``case.option("sink")`` asks for (`sink_logits`),
+    and those logits (on the CPU); ``rows`` as they are and None where it asks for none."""
+    if not case.option("sink"):
+        return rows, None
+    sinks = sink_logits(case, rows, sm_scale)
+    return tuple(replace(x, sinks=sinks.to(x.query.device)) for x in rows), sinks
 
 
 @checked_internal
@@ -684,6 +709,9 @@ def _sink_examples(p: Profile, c: Capabilities) -> list[Case]:
     return [replace(x, g=1, Dh=40, Dv=32, latent=True, seed=600 + i) for i, x in enumerate(base)]
 
 
+#: the sink options a sink property draws: every head's near its LSEs, or one head's -inf
+SINKS = st.sampled_from(("near", "some_none"))
+
 PROPERTIES: tuple[Property, ...] = (
     Property(
         "sparse_mla",
@@ -727,7 +755,7 @@ PROPERTIES: tuple[Property, ...] = (
         "a sink logit per head (attn_sink) scales each query's output by sigmoid(lse - "
         "sink), a sink of -inf changes nothing, the LSE and max_logits stay the keys' own",
         (24, 36),
-        _sparse_cases("sparse_sink", sink=st.sampled_from(("near", "some_none"))),
+        _sparse_cases("sparse_sink", sink=SINKS),
         _sparse,
         requires=sink_declared,
         examples=_sink_examples,

@@ -47,12 +47,14 @@ from attnref.conformance.families.flash import (
 from attnref.conformance.families.flash_kvcache import fp8_expected, fp8_lse_expected, per_row
 from attnref.conformance.families.mla import _flash_mla, _invoke
 from attnref.conformance.families.sparse_mla import (
+    SINKS,
     TOPK_BLOCK,
     _counts,
     _sdpa_attend,
     sink_declared,
-    sink_logits,
+    sink_kwargs,
     sparse_form,
+    with_sinks,
 )
 from attnref.conformance.family import ApiFamily, Arguments
 from attnref.conformance.mutants import Mutant
@@ -147,10 +149,7 @@ def fp8_arguments(caps: Capabilities, call: SparseFp8Call) -> Arguments:
         if not caps.topk_length:
             raise Skip("per-row counts (topk_length) not declared")
         kwargs["topk_length"] = call.topk_length
-    if call.attn_sink is not None:
-        if (reason := sink_declared(caps)) is not None:
-            raise Skip(reason)
-        kwargs["attn_sink"] = call.attn_sink
+    kwargs.update(sink_kwargs(caps, call.attn_sink))
     return (call.q, call.k_cache, None, None, _CACHES[call.cache][3]), kwargs
 
 
@@ -385,13 +384,8 @@ def build_sparse_fp8(case: Case, device: str | torch.device, caps: Capabilities)
         for b, i, sel in rows_out
     )  # fmt: skip
     lengths = torch.tensor(count_of_row, dtype=torch.int32, device=device) if counted else None
-    sinks = None
-    if case.option("sink"):  # near each head's LSEs (`sparse_mla.sink_logits`)
-        sinks = sink_logits(
-            case, out_rows, q.shape[-1] ** -0.5 if case.scale is None else case.scale
-        )
-        out_rows = tuple(replace(x, sinks=sinks) for x in out_rows)
-        sinks = sinks.to(device)
+    scale = q.shape[-1] ** -0.5 if case.scale is None else case.scale
+    out_rows, sinks = with_sinks(case, out_rows, scale)  # near each head's LSEs
     return SparseFp8Call(
         out_rows,
         q.to(device),
@@ -400,7 +394,7 @@ def build_sparse_fp8(case: Case, device: str | torch.device, caps: Capabilities)
         case.scale,
         lengths,
         layout,
-        sinks,
+        None if sinks is None else sinks.to(device),
     )
 
 
@@ -539,6 +533,14 @@ def _fp8_examples(p: Profile, c: Capabilities) -> list[Case]:
     return [_sized(x, g=1, latent=True, seed=600 + i) for i, x in enumerate(base)]
 
 
+def _fp8_sink_examples(p: Profile, c: Capabilities) -> list[Case]:
+    """`_fp8_examples`' production sizes (DeepSeek-V3.2's and V4's: up to 128 heads and
+    top-k 2048), each with a sink per head."""
+    return [replace(x, name="sparse_fp8_sink" + x.name.removeprefix("sparse_fp8"),
+                    options=(*x.options, ("sink", "near")))
+            for x in _fp8_examples(p, c)]  # fmt: skip
+
+
 def _sized(case: Case, **changes: Any) -> Case:
     """``case`` with ``changes`` and the head dims of the cache its options name
     (``cache``, ``V32`` when absent), in one step (a case checks its dims as made)."""
@@ -574,9 +576,10 @@ PROPERTIES: tuple[Property, ...] = (
         "its rows' output times sigmoid(lse - sink); a sink of -inf changes nothing; the LSE "
         "stays the keys' own",
         (24, 36),
-        _fp8_cases("sparse_fp8_sink", sink=st.sampled_from(("near", "some_none"))),
+        _fp8_cases("sparse_fp8_sink", sink=SINKS),
         _sparse_fp8,
         requires=sink_declared,
+        examples=_fp8_sink_examples,
         families=(NAME,),
     ),
 )
