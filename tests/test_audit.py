@@ -967,9 +967,10 @@ def test_a_backend_that_raises_on_causal_with_a_mask_is_told_what_to_declare() -
 
 def test_a_backend_both_imprecise_and_wrong_on_masks_gets_both_findings() -> None:
     """Precision is judged apart from semantics: a precision miss (an error over the
-    bound, under 5% of the output's size) does not end a property's search, which goes
-    on to the semantic failure a miss met first would hide; a property that finds both
-    reports both (`PropertyResult.also`), each under its own cause. One that finds only
+    bound, of a size rounding makes) does not end a property's search, which goes on to
+    the semantic failure a miss met first would hide; a property that finds both
+    reports both (`PropertyResult.also`), the miss as part of its search's finding (not
+    a finding of its own: one search, one finding), shown under it. One that finds only
     misses is searched again, a miss then a failure to shrink. (The miss is met on a
     case judged whole: on a long case, judged on a secret sample of its rows, whether
     the sample shows it is left to the secret.)"""
@@ -979,13 +980,14 @@ def test_a_backend_both_imprecise_and_wrong_on_masks_gets_both_findings() -> Non
         properties=["forward", "tails"],
     )
     causes = [cause for cause, _ in report.findings()]
-    assert any(c.startswith("errors above the bound but under 5%") for c in causes), causes
+    assert all(not c.startswith("precision loss") for c in causes), causes
     assert any(c.startswith("wrong values") for c in causes), causes
     both = [r for r in report.results if r.also is not None]
     assert both, report.format_table()
     data = both[0].to_dict()
-    assert data["also"]["cause"].startswith("errors above the bound but under 5%")
+    assert data["also"]["cause"].startswith("precision loss")
     assert "reproducer" in data["also"]
+    assert "also met on another case: precision loss" in report.format_table()
 
 
 def test_precision_misses_alone_are_shrunk_as_before() -> None:
@@ -996,7 +998,7 @@ def test_precision_misses_alone_are_shrunk_as_before() -> None:
     assert result.status == "fail", report.format_table()
     assert result.also is None
     assert result.finding is not None
-    assert result.finding.cause.startswith("errors above the bound"), result.finding.cause
+    assert result.finding.cause.startswith("precision loss"), result.finding.cause
 
 
 def test_a_partial_report_has_the_time_so_far() -> None:

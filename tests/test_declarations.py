@@ -245,9 +245,12 @@ def test_failures_with_one_cause_are_one_finding() -> None:
 def test_causes_tell_precision_from_wrong_values_and_name_the_policy() -> None:
     small = Failure("x; query 0 sees 3 of 4 keys", kind="error", small=True)
     assert cause_of(small, "float16") == (
-        "errors above the bound but under 5% of the values' spread in rows that see keys, "
-        "in float16"
+        "precision loss: errors above the bound, of a size rounding makes in rows that see "
+        "keys, in float16"
     )
+    # in a row that sees no key the value is a policy's: an error there breaks it
+    policy = Failure("x; query 0 sees no key (declared policy 'zero')", kind="error", small=True)
+    assert cause_of(policy, "float16").startswith("wrong values")
     nan = Failure("y; query 1 sees no key (a boolean mask hides them; declared policy 'zero')",
                   kind="nan")  # fmt: skip
     assert cause_of(nan, "float32") == (
@@ -543,7 +546,7 @@ def test_semantic_bugs_on_values_far_from_zero_are_wrong_values_not_precision(bu
     assert low.semantic is not None
     rounded = low.value.to(torch.bfloat16).to(torch.float64)
     with pytest.raises(Failure) as imprecise:
-        close(rounded + 2 * (rounded - low.value), low.value, 1e-9, 1e-9, "output",
+        close(rounded + 8 * (rounded - low.value), low.value, *low.bounds(), "output",
               semantic=low.semantic)  # fmt: skip
     assert imprecise.value.small
 

@@ -23,7 +23,7 @@ from tests.planted_sizes import PLANTED, STRAWMEN
 
 SLOW = pytest.mark.slow
 #: the causes of a failure of values (`attnref.conformance.verdicts.cause_of`)
-_VALUES = re.compile(r"(wrong values|errors above the bound|NaN/inf where|finite values where)")
+_VALUES = re.compile(r"(wrong values|precision loss|NaN/inf where|finite values where)")
 #: the default profile, shrinking for at most half a second (only the verdict matters)
 KILL = replace(PROFILES["quick"], name="quick-kill", shrink_seconds=0.5)
 #: one of each class runs in the default tier, the others in the slow tier

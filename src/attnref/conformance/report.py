@@ -89,7 +89,7 @@ import json
 import math
 import os
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -97,6 +97,7 @@ import torch
 
 from attnref.conformance.cases import Case
 from attnref.conformance.declarations import DEFAULT_API, Capabilities, not_tested
+from attnref.conformance.findings import group
 from attnref.devices import dtype_name
 
 __all__ = [
@@ -410,32 +411,10 @@ class AuditReport:
         }
 
     def findings(self) -> list[tuple[str, list[PropertyResult]]]:
-        """The failures grouped by cause (`cause_key`: causes that differ only in their
-        numbers are one; a cause that names a dtype is kept apart by it) and by what
-        their shrunk cases need (`Finding.needs`: a scale ignored and a causal alignment
-        wrong are two findings, though both are wrong values), most frequent first
-        (then in audit order); each group is named by its first failure's cause,
-        numbers as they are, and what it needs, and lists each (property, dtype) once (a
-        second finding of the same cause as the first adds nothing to it)."""
-        from attnref.conformance.verdicts import cause_key
-
-        groups: dict[tuple[str, tuple[str, ...]], tuple[str, list[PropertyResult]]] = {}
-        for result in self.results:
-            if result.status != "fail":
-                continue
-            # a second finding (`PropertyResult.also`) is grouped under its own cause
-            second = result.also
-            views = [result]
-            if second is not None:
-                views.append(replace(result, message=second.message, finding=second, also=None))
-            for r in views:
-                cause = r.finding.cause if r.finding is not None and r.finding.cause else r.message
-                need = () if r.finding is None else r.finding.needs
-                title = cause + (f" (its shrunk case needs {', '.join(need)})" if need else "")
-                members = groups.setdefault((cause_key(cause), need), (title, []))[1]
-                if not any((m.property, m.dtype) == (r.property, r.dtype) for m in members):
-                    members.append(r)
-        return sorted(groups.values(), key=lambda item: -len(item[1]))
+        """The failures as findings, one per cause (`attnref.conformance.findings.group`):
+        each its title and its results, the first the one whose shrunk case is the
+        finding's smallest trigger, the rest its variations; most results first."""
+        return group(self.results)
 
     def failed_properties(self) -> set[str]:
         """The ids of the properties that failed in at least one dtype."""
@@ -569,6 +548,8 @@ class AuditReport:
                     lines.append(f"     {r.property} [{dtype_name(r.dtype)}]: {r.message}")
                     if r.finding is not None and (verbose or i == 0):
                         lines += ["       " + x for x in r.finding.reproducer.rstrip().splitlines()]
+                    if r.also is not None and (verbose or i == 0):
+                        lines.append(f"       also met on another case: {r.also.cause}")
                     if r.finding is not None and r.finding.output and verbose:
                         lines.append("       the backend's last output (stdout and stderr):")
                         lines += ["       | " + x for x in r.finding.output.rstrip().splitlines()]

@@ -230,7 +230,7 @@ def run_property(
     def finding_of(case: Case, failure: Failure, isolate: bool = True) -> Finding:
         # what the shrunk case needs, before the worker's output is read (its checks
         # add to it)
-        needed = needs(prop, ctx, case, failure, dtype_name(dtype)) if isolate else ()
+        needed = needs(prop, ctx, case, failure) if isolate else ()
         return Finding(
             case,
             str(failure),

@@ -10,7 +10,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["Failure", "Skip", "cause_key", "cause_of", "one_line"]
+__all__ = ["Failure", "Skip", "cause_key", "cause_of", "one_line", "shorten"]
 
 
 class Failure(Exception):  # noqa: N818 (a verdict on the backend, not an error of ours)
@@ -40,8 +40,8 @@ class Failure(Exception):  # noqa: N818 (a verdict on the backend, not an error 
         #: "error" (values off by more than the bound), "died" (the backend's process
         #: ended), "" (anything else)
         self.kind = kind
-        #: an "error" under 5% of the values' spread (`attnref.conformance.oracle.close`): what a
-        #: precision loss looks like
+        #: an "error" under 5% of the values' spread and within `PRECISION_TIMES` its bound
+        #: (`attnref.conformance.oracle.close`): what a precision loss looks like
         self.small = small
         #: where the values were wrong, for the report's heatmap: made on demand
         #: (`attnref.conformance.oracle.error_map`, only for the failure a search keeps);
@@ -84,11 +84,13 @@ def cause_of(failure: Failure, dtype: str) -> str:
         return "NaN/inf where the oracle is finite" + row
     if failure.kind == "policy":
         return "finite values where the declared policy gives NaN" + row
-    if failure.kind == "error" and failure.small:
-        return f"errors above the bound but under 5% of the values' spread{row}, in {dtype}"
+    if failure.kind == "error" and failure.small and not row.startswith(" in rows that see no"):
+        # (a row that sees no key holds a policy's value: an error there breaks the
+        # policy, whatever its size)
+        return f"precision loss: errors above the bound, of a size rounding makes{row}, in {dtype}"
     if failure.kind == "error":
-        return "wrong values (errors of 5% of the values' spread or more)" + row
-    return text.split("; first at")[0][:200]
+        return "wrong values (errors past what rounding makes)" + row
+    return shorten(text.split("; first at")[0])
 
 
 #: how `attnref.conformance.checks.Context.row` names the failing row
@@ -153,3 +155,13 @@ def _raised_at(e: BaseException) -> str:
     else:
         return ""
     return f"{os.path.basename(path)}, line {line}: {source}"[:200]
+
+
+def shorten(text: str, limit: int = 200) -> str:
+    """``text`` cut to at most ``limit`` characters at a word's end, with "..." where it
+    was cut (a title cut mid-word read "the crash nee")."""
+    if len(text) <= limit:
+        return text
+    cut = text[: limit - 3]
+    space = cut.rfind(" ")
+    return (cut[:space] if space > limit // 2 else cut).rstrip(" ,;:") + "..."

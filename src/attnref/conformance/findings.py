@@ -1,0 +1,209 @@
+"""Failures grouped into findings: one bug, one finding.
+
+A finding is one cause: its symptom on the failing rows (wrong values, NaN, a policy
+broken, a precision loss, an exception, a crash, a hang), the smallest trigger the
+shrinker found (the features its shrunk case needs, `attnref.conformance.needs`), and
+every failing (property, dtype) that shows the same symptom on a case the trigger
+explains, as its variations. Grouped by the failing case alone, one bug came out as many
+findings: ExecuTorch's "a mask with ``is_causal``" as 18, one dropped tail block as 12,
+one "a query with no visible key gives NaN" as 5.
+
+The rules, in the order `group` applies them:
+
+- The symptom is the failure's cause (`attnref.conformance.verdicts.cause_of`) without
+  the rows it names: a failure whose message names no row (a law's, a gradient's, an
+  attack check's) joins one that names them. Rows that see no key stay apart from rows
+  that see keys, where both are named.
+- A trigger explains a failure when the failure's case has every feature the trigger
+  needs. A failure joins the finding with the same symptom whose trigger explains it,
+  the most specific one first; rows that see no key are one finding whatever emptied
+  them (a mask, the causal diagonal, a window).
+- A precision loss in one dtype joins a finding of wrong values in a property that
+  failed so in another dtype: the same bug, seen through a coarser rounding.
+- The precision miss a search met on its way to a semantic failure
+  (`PropertyResult.also`) is part of that search's finding, not a finding of its own.
+"""
+
+import builtins
+import math
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Generic, Protocol, TypeVar
+
+from attnref.conformance.cases import Case
+from attnref.conformance.verdicts import cause_key, shorten
+
+__all__ = ["FEATURES", "IMPLIED", "features_of", "group", "symptom_of"]
+
+
+def _unequal(case: Case) -> bool:
+    if case.causal is None:
+        return False
+    if case.seqlens:
+        return any(tq != tk for tq, tk in case.seqlens)
+    return not case.cached and case.Tq != case.Tk
+
+
+def _equal(case: Case) -> Case:
+    if case.seqlens:
+        return replace(case, seqlens=tuple((tk, tk) for _, tk in case.seqlens))
+    return replace(case, Tq=case.Tk)
+
+
+#: (what a case needs, whether it has it, the case without it): the features a shrunk
+#: case is checked without
+FEATURES: tuple[tuple[str, Callable[[Case], bool], Callable[[Case], Case]], ...] = (
+    ("an explicit scale", lambda c: c.scale is not None, lambda c: replace(c, scale=None)),
+    ("causal", lambda c: c.causal is not None, lambda c: replace(c, causal=None)),
+    ("causal with Tq != Tk", _unequal, _equal),
+    ("a mask", lambda c: c.mask != "none", lambda c: replace(c, mask="none", poison="none")),
+    ("a window", lambda c: c.window is not None, lambda c: replace(c, window=None)),
+    ("softcap", lambda c: c.softcap > 0, lambda c: replace(c, softcap=0.0)),
+    ("ALiBi", lambda c: c.alibi != "none", lambda c: replace(c, alibi="none")),
+    ("sinks", lambda c: c.sinks, lambda c: replace(c, sinks=False, sink=None)),
+    ("GQA", lambda c: c.g != c.h and not c.latent, lambda c: replace(c, g=c.h)),
+    ("Dv != Dqk", lambda c: c.Dv != c.Dh and not c.latent, lambda c: replace(c, Dv=c.Dh)),
+)
+
+
+#: what the name of a second feature makes redundant in a list of needs
+IMPLIED = {"causal with Tq != Tk": "causal"}
+
+
+def features_of(case: Case) -> frozenset[str]:
+    """The names of the `FEATURES` that ``case`` has: what a trigger found on another
+    case must be among for this case's failure to be explained by it."""
+    return frozenset(name for name, has, _ in FEATURES if has(case))
+
+
+#: how `cause_of` names the failing rows
+_ROWS = re.compile(r" in rows that see (no key(?: \(declared policy '\w+'\))?|keys)")
+#: how `cause_of` names a precision loss
+PRECISION = "precision loss"
+
+
+def symptom_of(cause: str) -> tuple[str, str]:
+    """``cause`` as (its symptom without the rows, which rows: ``"no key"``, ``"keys"``
+    or ``""`` where it names none)."""
+    found = _ROWS.search(cause)
+    if found is None:
+        return cause, ""
+    rows = "no key" if found.group(1).startswith("no key") else "keys"
+    return cause[: found.start()] + cause[found.end() :], rows
+
+
+class _Found(Protocol):
+    """What grouping reads of a finding (`attnref.conformance.report.Finding`)."""
+
+    @builtins.property
+    def cause(self) -> str: ...
+    @builtins.property
+    def needs(self) -> tuple[str, ...]: ...
+    @builtins.property
+    def case(self) -> Case: ...
+
+
+class _Result(Protocol):
+    """What grouping reads of a result (`attnref.conformance.report.PropertyResult`)."""
+
+    @builtins.property  # (``property`` is a field's name here)
+    def property(self) -> str: ...
+    @builtins.property
+    def dtype(self) -> object: ...
+    @builtins.property
+    def status(self) -> str: ...
+    @builtins.property
+    def message(self) -> str: ...
+    @builtins.property
+    def finding(self) -> _Found | None: ...
+
+
+R = TypeVar("R", bound=_Result)
+
+
+@dataclass
+class _Group(Generic[R]):
+    key: str
+    rows: str
+    #: the trigger its first member found (none for rows that see no key: what emptied
+    #: them is a variation)
+    needs: tuple[str, ...]
+    members: list[R] = field(default_factory=list)
+
+    def explains(self, rows: str, features: frozenset[str]) -> bool:
+        if rows and self.rows and rows != self.rows:
+            return False
+        return self.rows == "no key" or set(self.needs) <= features
+
+
+def _cause(result: _Result) -> str:
+    f = result.finding
+    return f.cause if f is not None and f.cause else result.message
+
+
+def group(results: list[R]) -> list[tuple[str, list[R]]]:
+    """The failing ``results`` as findings: (title, members), the member that made the
+    finding first (its smallest trigger), most members first, then in audit order."""
+    failed = [r for r in results if r.status == "fail"]
+    order = {id(r): i for i, r in enumerate(failed)}
+
+    def rank(r: R) -> tuple[int, int, int]:
+        # named rows first (their trigger is known), then the most specific trigger
+        _, rows = symptom_of(_cause(r))
+        return (rows == "", -len(_needs(r)), order[id(r)])
+
+    groups: list[_Group[R]] = []
+    for r in sorted(failed, key=rank):
+        cause = _cause(r)
+        symptom, rows = symptom_of(cause)
+        key = cause_key(symptom)
+        needs = _needs(r)
+        features = frozenset() if r.finding is None else features_of(r.finding.case)
+        same = [g for g in groups if g.key == key and g.explains(rows, features)]
+        if not same and key.startswith(PRECISION):
+            # the same property wrong in another dtype: that bug, rounded more coarsely
+            same = [g for g in groups if _is_wrong(g.key) and _has(g, r.property)]
+        if same:
+            best = max(same, key=lambda g: len(g.needs))
+            if not _has(best, r.property, r.dtype):
+                best.members.append(r)
+            if not best.rows:
+                best.rows = rows
+            continue
+        groups.append(_Group(key, rows, () if rows == "no key" else needs, [r]))
+    found = []
+    for g in groups:  # the head first (the smallest trigger), the variations in audit order
+        named = [
+            m
+            for m in g.members
+            if set(g.needs) <= set(_needs(m)) and symptom_of(_cause(m))[1] == g.rows
+        ]
+        head = min(named or g.members, key=lambda m: (len(_needs(m)), _size(m), order[id(m)]))
+        rest = sorted((m for m in g.members if m is not head), key=lambda m: order[id(m)])
+        need = _needs(head)
+        title = _cause(head) + (f" (its smallest trigger needs {', '.join(need)})" if need else "")
+        found.append((shorten(title), [head, *rest]))
+    found.sort(key=lambda item: (-len(item[1]), order[id(item[1][0])]))
+    return found
+
+
+def _needs(r: _Result) -> tuple[str, ...]:
+    return () if r.finding is None else r.finding.needs
+
+
+def _size(r: _Result) -> int:
+    """How big ``r``'s shrunk case is (queries x keys x heads x batch): the smaller of
+    two triggers is the one a reader takes in first."""
+    if r.finding is None:
+        return 0
+    c = r.finding.case
+    return math.prod(c.batch) * c.h * c.Tq * c.Tk
+
+
+def _is_wrong(key: str) -> bool:
+    return key.startswith("wrong values")
+
+
+def _has(g: _Group[R], prop: str, dtype: object = None) -> bool:
+    return any(m.property == prop and (dtype is None or m.dtype == dtype) for m in g.members)
