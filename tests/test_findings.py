@@ -1,0 +1,147 @@
+"""Findings by cause (`attnref.conformance.findings`): one bug, one finding.
+
+Each rule is held on hand-made results shaped as the audit makes them, after the real
+audits that broke it: one empty-row bug came out as 5 and 11 findings, a precision miss
+met beside a semantic failure as a finding of its own.
+"""
+
+import torch
+
+from attnref.conformance.cases import Case
+from attnref.conformance.findings import features_of, group, symptom_of
+from attnref.conformance.report import Finding, PropertyResult
+from attnref.conformance.verdicts import Failure, cause_of, shorten
+
+WRONG = "output: max error 1.5 (bound 0.001); worst at (0, 0, 3, 1): got 2, expected 0.5; {}"
+NAN = "output: 4 NaN/inf values where a finite value is expected; first at (0, 0, 2, 0); {}"
+SEES_KEYS = "query 3 sees 4 of 9 keys"
+SEES_NONE = "query 2 sees no key (a boolean mask hides them; declared policy 'zero')"
+
+
+def fail(
+    prop: str,
+    message: str,
+    *,
+    kind: str = "error",
+    needs: tuple[str, ...] = (),
+    case: Case | None = None,
+    dtype: torch.dtype = torch.float32,
+    small: bool = False,
+) -> PropertyResult:
+    failure = Failure(message, kind=kind, small=small)
+    cause = cause_of(failure, str(dtype).removeprefix("torch."))
+    case = case or Case("x")
+    finding = Finding(case, message, None, None, None, "", cause, needs=needs)
+    return PropertyResult(prop, dtype, "fail", message=message, finding=finding)
+
+
+def titles(results: list[PropertyResult]) -> list[str]:
+    return [title for title, _ in group(results)]
+
+
+def test_rows_that_see_no_key_are_one_finding_whatever_emptied_them() -> None:
+    """empty_row_nan's 5 findings: NaN in rows a mask emptied, in rows the causal
+    diagonal emptied (Tq < Tk), and the same NaN where the message names no row."""
+    masked = Case("m", mask="empty_rows")
+    causal = Case("c", causal="top_left", Tq=3, Tk=7)
+    results = [
+        fail("masked_keys", NAN.format(SEES_NONE), kind="nan", needs=("a mask",), case=masked),
+        fail(
+            "causality",
+            NAN.format(SEES_NONE),
+            kind="nan",
+            needs=("causal with Tq != Tk",),
+            case=causal,
+        ),
+        fail(
+            "gradients",
+            "dq: 3 NaN/inf values where a finite value is expected; first at "
+            "(0, 0, 1, 0): got nan, expected 0.2",
+            kind="nan",
+            needs=("a mask",),
+            case=masked,
+        ),
+    ]
+    ((title, members),) = group(results)
+    assert "in rows that see no key" in title
+    assert members[0].property in ("masked_keys", "causality")
+    assert len(members) == 3
+
+
+def test_a_failure_naming_no_row_joins_the_finding_of_rows_that_see_keys() -> None:
+    """fresh_values and settled_output name no row: they landed apart from the same
+    wrong values "in rows that see keys"."""
+    results = [
+        fail("forward", WRONG.format(SEES_KEYS)),
+        fail("fresh_values", "the output on new values: max error 1.2 (bound 0.001)"),
+    ]
+    assert len(group(results)) == 1
+
+
+def test_two_triggers_that_explain_different_cases_are_two_findings() -> None:
+    """A scale ignored and a causal alignment wrong: both wrong values in rows that see
+    keys, each explained by its own trigger; a failure whose case has the scale but not
+    the alignment joins the scale's, whatever its own re-runs found."""
+    scaled = Case("s", scale=0.3)
+    unequal = Case("u", causal="top_left", Tq=3, Tk=7)
+    results = [
+        fail("scale", WRONG.format(SEES_KEYS), needs=("an explicit scale",), case=scaled),
+        fail("causality", WRONG.format(SEES_KEYS), needs=("causal with Tq != Tk",), case=unequal),
+        fail("forward", WRONG.format(SEES_KEYS), case=scaled),
+    ]
+    found = group(results)
+    assert len(found) == 2, [t for t, _ in found]
+    by_trigger = {t.split("needs ")[-1]: [r.property for r in rs] for t, rs in found}
+    assert by_trigger == {"an explicit scale)": ["scale", "forward"],
+                          "causal with Tq != Tk)": ["causality"]}  # fmt: skip
+    # a failure none of the triggers explains is a finding of its own
+    plain = fail("tails", WRONG.format(SEES_KEYS), case=Case("p"))
+    assert len(group([*results, plain])) == 3
+
+
+def test_a_precision_loss_joins_the_same_property_wrong_in_another_dtype() -> None:
+    results = [
+        fail("tails", WRONG.format(SEES_KEYS)),
+        fail("tails", WRONG.format(SEES_KEYS), dtype=torch.float16, small=True),
+    ]
+    ((title, members),) = group(results)
+    assert title.startswith("wrong values")
+    assert [r.dtype for r in members] == [torch.float32, torch.float16]
+    # alone, a precision loss is a finding of its own, named by its dtype
+    (title,) = titles(results[1:])
+    assert title.startswith("precision loss")
+    assert title.endswith("in float16")
+
+
+def test_the_smallest_trigger_heads_the_finding() -> None:
+    big = Case("b", mask="empty_rows", Tq=9, Tk=30)
+    small = Case("s", mask="empty_rows", Tq=2, Tk=3)
+    results = [
+        fail("forward", NAN.format(SEES_NONE), kind="nan", needs=("a mask", "Dv != Dqk"), case=big),
+        fail("masked_keys", NAN.format(SEES_NONE), kind="nan", needs=("a mask",), case=small),
+    ]
+    ((title, members),) = group(results)
+    assert members[0].property == "masked_keys"
+    assert title.endswith("(its smallest trigger needs a mask)")
+
+
+def test_symptoms_and_features_are_read_as_the_audit_writes_them() -> None:
+    assert symptom_of("NaN/inf where the oracle is finite in rows that see keys") == (
+        "NaN/inf where the oracle is finite",
+        "keys",
+    )
+    assert symptom_of(
+        "wrong values (errors past what rounding makes) in rows that see no key "
+        "(declared policy 'zero') (its smallest trigger needs a mask)"
+    ) == ("wrong values (errors past what rounding makes) (its smallest trigger needs a mask)",
+          "no key")  # fmt: skip
+    case = Case("x", causal="top_left", Tq=2, Tk=5, mask="bool", scale=0.5)
+    assert {"causal", "causal with Tq != Tk", "a mask", "an explicit scale"} <= features_of(case)
+
+
+def test_titles_are_cut_at_a_word() -> None:
+    text = "RuntimeError: the crash needs " + "many words " * 40
+    cut = shorten(text)
+    assert len(cut) <= 200
+    assert cut.endswith("words...")
+    assert shorten("short") == "short"
