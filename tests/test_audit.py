@@ -896,7 +896,32 @@ def test_a_pass_on_few_judged_cases_is_thin_and_fails_only_under_min_judged() ->
     assert table.rstrip().endswith("OK")
     report.min_judged = 5
     assert not report.ok
-    assert report.verdict().startswith("THIN (not OK: 2 passes judged on fewer than 5 cases")
+    assert (
+        report.verdict()
+        == "THIN (not OK: 2 of 4 passes judged on fewer than 5 cases, --min-judged)"
+    )
+    # without --min-judged, thin passes that are most of the audit make it thin too
+    report.min_judged = None
+    report.results.pop()  # "plenty": now 2 of 3 passes are thin
+    assert report.verdict().startswith("THIN (not OK: 2 of 3 passes judged on fewer than 5")
+    assert "most of the audit" in report.verdict()
+
+
+def test_an_audit_stopped_with_nothing_failed_is_incomplete_not_failed() -> None:
+    """A deadline reached with nothing failed printed FAILED; the verdict says what
+    stopped it, and a failure found before the stop still fails the audit."""
+    from attnref.conformance.declarations import Capabilities
+    from attnref.conformance.report import AuditReport, PropertyResult
+
+    report = AuditReport.start("b", "cpu", ["float32"], "quick", 0, Capabilities())
+    report.results = [PropertyResult("forward", torch.float32, "pass", checks=25)]
+    report.incomplete = "the deadline of 5 s passed"
+    assert not report.ok
+    assert report.verdict() == (
+        "INCOMPLETE (not OK: the deadline of 5 s passed; nothing failed before it)"
+    )
+    report.results.append(PropertyResult("hot", torch.float32, "fail", checks=2, message="x"))
+    assert report.verdict() == "FAILED"
 
 
 def test_a_pass_a_budget_cut_short_is_thin_and_min_judged_fails_it() -> None:

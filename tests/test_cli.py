@@ -242,7 +242,7 @@ def test_min_judged_fails_a_thin_audit(tmp_path: Path, capsys: pytest.CaptureFix
     assert "thin " in out
     assert "1 thin" in out
     assert "cases judged" in out
-    assert "THIN (not OK: 1 pass judged on fewer than 100000 cases, --min-judged)" in out
+    assert "THIN (not OK: 1 of 1 pass judged on fewer than 100000 cases, --min-judged)" in out
     summary = json.loads(path.read_text())["summary"]
     assert (summary["thin"], summary["min_judged"], summary["ok"]) == (1, 100000, False)
     assert summary["judged"] == summary["checks"] > 0
@@ -254,16 +254,18 @@ def test_a_property_budget_an_estimate_and_the_start_up_in_the_time(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """--property-budget ends each property's search (it passes on what it judged, thin
-    here); after three searches the command estimates what is left; the time it
+    here, and the audit, cut short by its budget, is THIN: exit 1, saying how to get a
+    whole one); after three searches the command estimates what is left; the time it
     reports counts its start-up, in the summary line and the JSON."""
     path = tmp_path / "r.json"
     args = ["audit", "--no-progress", "--dtype", "float32", "--dtype", "float64"]
     args += ["--property", "forward", "--property", "hot"]
     args += ["--property-budget", "0.01", "--json", str(path)]
-    assert main(args) == 0
+    assert main(args) == 1
     out, err = capsys.readouterr()
     assert "attnref audit: 3 of 4 (property, dtype) searches done; about" in err
-    assert "s of it start-up): OK" in out
+    assert "s of it start-up): THIN (not OK: 4 of 4 passes judged on fewer than" in out
+    assert "a larger budget, or none, searches them whole" in out
     data = json.loads(path.read_text())
     for r in data["results"]:
         assert r["status"] == "pass"

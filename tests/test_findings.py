@@ -145,3 +145,24 @@ def test_titles_are_cut_at_a_word() -> None:
     assert len(cut) <= 200
     assert cut.endswith("words...")
     assert shorten("short") == "short"
+
+
+def test_values_are_printed_with_the_digits_that_tell_them_apart() -> None:
+    """A float64 message read "got 0.703969, expected 0.703969"."""
+    from attnref.conformance.oracle import shown_apart
+
+    assert shown_apart(0.70396912, 0.70396934) == ("0.7039691", "0.7039693")
+    assert shown_apart(2.5, 2.5) == ("2.5", "2.5")
+    assert shown_apart(1.0, 3.0) == ("1", "3")
+
+
+def test_a_modified_argument_is_named_as_its_family_calls_it() -> None:
+    """ "the backend modified its inputs: value" where the argument was the sparse
+    family's ``indices``: each family's signature names its positional arguments."""
+    import attnref.conformance.families  # noqa: F401 (installs the families)
+    from attnref.conformance.family import get_family
+
+    assert get_family("sparse-mla").argument_name(2) == "indices"
+    assert get_family("sdpa").argument_name(2) == "value"
+    assert get_family("mla").argument_name(2) == "block_table"
+    assert get_family("context-parallel").argument_name(3) == "argument 3"  # after the *

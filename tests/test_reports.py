@@ -225,3 +225,30 @@ def test_the_html_report_of_a_size_gated_kernel_renders_where_the_error_starts(
     pixels = matplotlib.image.imread(tmp_path / "shot.png")
     assert pixels.shape[0] > 500
     assert float(pixels[..., :3].std()) > 0.05  # not blank
+
+
+def test_a_saved_report_is_printed_with_its_own_torch_version(
+    small: AuditReport, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``attnref report`` printed the running torch's version, not the report's."""
+    path = tmp_path / "r.json"
+    small.write_json(path)
+    data = json.loads(path.read_text())
+    data["torch_version"] = "1.2.3+elsewhere"
+    path.write_text(json.dumps(data))
+    assert main(["report", str(path)]) == 1
+    assert "torch 1.2.3+elsewhere" in capsys.readouterr().out
+
+
+def test_an_output_that_cannot_be_written_is_named_before_the_audit(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Into a missing folder, --html and --junit blamed --json; checked before the audit
+    starts, each names itself, and ``attnref report`` checks its outputs before reading."""
+    missing = tmp_path / "nowhere" / "page.html"
+    for option in ("--html", "--junit"):
+        assert main(["audit", "--no-progress", option, str(missing)]) == 2
+        err = capsys.readouterr().err
+        assert f"{option} {missing}: the folder" in err, err
+    assert main(["report", str(tmp_path / "absent.json"), "--html", str(missing)]) == 2
+    assert f"--html {missing}: the folder" in capsys.readouterr().err

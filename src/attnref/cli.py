@@ -311,8 +311,8 @@ def _audit(args: argparse.Namespace) -> int:
         settings = audit_settings(lambda dest: getattr(args, dest))
         jobs = _jobs(args.jobs)
         json_path = _writable(args.json)
-        junit_path = _writable(args.junit)
-        html_path = _writable(args.html)
+        junit_path = _writable(args.junit, "--junit")
+        html_path = _writable(args.html, "--html")
         shard = None
         if args.shard is not None:
             from attnref.conformance.exports import shard_of
@@ -426,8 +426,15 @@ def _saved(args: argparse.Namespace) -> int:
     """``attnref merge`` and ``attnref report``: saved reports read back and written
     again (docs/reports.md)."""
     from attnref.conformance.exports import MergeError, load_report, merge_reports, write_junit
+    from attnref.conformance.options import OptionError
 
     paths = args.reports if args.command == "merge" else [args.report]
+    try:  # the outputs first: nothing is read for a page that cannot be written
+        for option in ("--json", "--junit", "--html"):
+            _writable(getattr(args, option[2:], None), option)
+    except OptionError as e:
+        print(f"attnref {args.command}: {e}", file=sys.stderr)
+        return 2
     try:
         reports = [load_report(p) for p in paths]
     except (OSError, ValueError, KeyError, TypeError) as e:
@@ -540,12 +547,17 @@ def _jobs(asked: int | None) -> int:
     return asked
 
 
-def _writable(path: str | None) -> Path | None:
-    """``path`` as a ``Path`` if a report can be written there, before the audit runs.
+def _writable(path: str | None, option: str = "--json") -> Path | None:
+    """``path`` as a ``Path`` if a report can be written there, before the audit runs;
+    ``option`` names it in the error. An HTML page needs matplotlib too: an audit of
+    many minutes that cannot write its page at the end is told so at the start.
 
     Raises:
-        OptionError: its folder does not exist or cannot be written, or it is a folder.
+        OptionError: its folder does not exist or cannot be written, or it is a folder;
+            or (``--html``) matplotlib is not installed.
     """
+    import importlib.util
+
     from attnref.conformance.options import OptionError
 
     if path is None:
@@ -553,11 +565,16 @@ def _writable(path: str | None) -> Path | None:
     p = Path(path)
     folder = p.parent if str(p.parent) else Path(".")
     if p.is_dir():
-        raise OptionError(f"--json {path}: is a folder; give a file name")
+        raise OptionError(f"{option} {path}: is a folder; give a file name")
     if not folder.is_dir():
-        raise OptionError(f"--json {path}: the folder {folder} does not exist")
+        raise OptionError(f"{option} {path}: the folder {folder} does not exist")
     if not os.access(folder, os.W_OK):
-        raise OptionError(f"--json {path}: the folder {folder} cannot be written")
+        raise OptionError(f"{option} {path}: the folder {folder} cannot be written")
+    if option == "--html" and importlib.util.find_spec("matplotlib") is None:
+        raise OptionError(
+            f"{option} {path}: the HTML report draws with matplotlib, which is not installed "
+            "(pip install 'attnref[viz]')"
+        )
     return p
 
 

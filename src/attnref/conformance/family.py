@@ -119,6 +119,18 @@ class Convention:
             )
         return None
 
+    def argument_name(self, i: int) -> str:
+        """The name positional argument ``i`` has in `signature` (``argument i`` past its
+        positional ones): what a message about the argument calls it."""
+        inside = self.signature.split("(", 1)[-1].split(")", 1)[0]
+        names = []
+        for part in inside.split(","):
+            name = part.split("=", 1)[0].strip()
+            if name.startswith("*"):
+                break
+            names.append(name)
+        return names[i] if i < len(names) and names[i].isidentifier() else f"argument {i}"
+
     def check(self, fn: object, spec: str) -> Callable[..., Any]:
         """``fn`` if its signature can take this family's calls, else `BackendError`."""
         return _check_signature(self, fn, spec)

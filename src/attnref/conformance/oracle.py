@@ -723,6 +723,16 @@ def error_map(
 LAW_CALLS = ("the call on the changed inputs", "the call on the original inputs")
 
 
+def shown_apart(a: float, b: float) -> tuple[str, str]:
+    """``a`` and ``b`` printed with 6 significant digits, or as many more as it takes to
+    tell them apart (a float64 message read "got 0.703969, expected 0.703969")."""
+    for digits in range(6, 18):
+        x, y = f"{a:.{digits}g}", f"{b:.{digits}g}"
+        if x != y or a == b:
+            return x, y
+    return repr(a), repr(b)
+
+
 @checked
 def close(
     got: Float64[Tensor, "*shape"],
@@ -781,8 +791,9 @@ def close(
         """The two values at ``where`` as the message names them, and the failure's
         expected value (the oracle's, for a law)."""
         g, w = float(got[where]), float(want[where])
+        gs, ws = shown_apart(g, w)
         if law is None:
-            return f"got {g:.6g}, expected {w:.6g}", w
+            return f"got {gs}, expected {ws}", w
         truth = float(law[where])
         side = ""
         if math.isfinite(truth):
@@ -790,9 +801,10 @@ def close(
             dg, dw = (math.inf if math.isnan(x) else x for x in (dg, dw))
             if dg != dw:
                 side = f" (the oracle sides with {names[0] if dg < dw else names[1]})"
+        gs, ts = shown_apart(g, truth)
         return (
-            f"{names[0]} gave {g:.6g}, {names[1]} "
-            f"{w:.6g} (as the law carries it over), the oracle {truth:.6g}{side}",
+            f"{names[0]} gave {gs}, {names[1]} "
+            f"{ws} (as the law carries it over), the oracle {ts}{side}",
             truth,
         )
 

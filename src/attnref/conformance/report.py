@@ -372,34 +372,60 @@ class AuditReport:
     def thin(self) -> list[PropertyResult]:
         return [r for r in self.results if r.thin]
 
+    def thin_fails(self) -> str:
+        """Why the thin passes make the audit not OK, or "": with ``min_judged``, any
+        thin pass; otherwise thin passes that are most of the passes (the audit vouches
+        for little), or a thin pass whose search a budget cut (the audit did not search
+        where it meant to)."""
+        thin = self.thin()
+        if not thin:
+            return ""
+        n, passes = len(thin), self.count("pass")
+        what = (
+            f"{n} of {passes} {'pass' if passes == 1 else 'passes'} judged on fewer than "
+            f"{self.floor} cases"
+        )
+        if self.min_judged is not None:
+            return f"{what}, --min-judged"
+        cut = [r for r in thin if r.cut]
+        if cut:
+            return (
+                f"{what}; the budget (--property-budget) cut the search of {len(cut)}: a "
+                "larger budget, or none, searches them whole"
+            )
+        if 2 * n > passes:
+            return (
+                f"{what}, most of the audit: the declaration or the sizes leave few cases "
+                "to judge (-v lists what was skipped)"
+            )
+        return ""
+
     @property
     def ok(self) -> bool:
         """True when the audit finished, checked something, and nothing failed (an audit
         whose every property was skipped vouches for nothing: a backend that calls itself
-        unavailable, or refuses every call, does not pass), and, with ``min_judged``, no
-        pass is thin."""
-        thin_fails = self.min_judged is not None and bool(self.thin())
+        unavailable, or refuses every call, does not pass), and its thin passes do not
+        make it thin (`thin_fails`)."""
         return (
             self.count("fail") == 0
             and self.count("pass") > 0
             and not self.incomplete
-            and not thin_fails
+            and not self.thin_fails()
         )
 
     def verdict(self) -> str:
-        """``OK``, ``FAILED``, ``THIN`` (passes judged on too few cases, with
-        ``min_judged``) or ``NOTHING CHECKED`` (every property skipped)."""
+        """``OK``, ``FAILED``, ``INCOMPLETE`` (stopped, by a deadline or an interrupt,
+        with nothing failed), ``THIN`` (`thin_fails`) or ``NOTHING CHECKED`` (every
+        property skipped)."""
         if self.ok:
             return "OK"
-        if not self.count("fail") and not self.count("pass") and not self.incomplete:
+        if self.count("fail"):
+            return "FAILED"
+        if self.incomplete:
+            return f"INCOMPLETE (not OK: {self.incomplete}; nothing failed before it)"
+        if not self.count("pass"):
             return "NOTHING CHECKED (not OK: every property was skipped)"
-        if not self.count("fail") and not self.incomplete and self.thin():
-            n = len(self.thin())
-            return (
-                f"THIN (not OK: {n} {'pass' if n == 1 else 'passes'} judged on fewer than "
-                f"{self.min_judged} cases, --min-judged)"
-            )
-        return "FAILED"
+        return f"THIN (not OK: {self.thin_fails()})"
 
     def coverage(self) -> dict[str, int]:
         """Cases drawn, judged, skipped and refused, over every result."""
@@ -517,7 +543,7 @@ class AuditReport:
         header = f"{'property':<{width}}  " + "  ".join(f"{d:>{cw}}" for d in self.dtypes)
         lines = [
             f"attnref audit: backend {self.backend} on {self.device}, profile {self.profile}, "
-            f"seed {self.seed}, torch {torch.__version__}",
+            f"seed {self.seed}, torch {self.versions[1]}",
         ]
         lines += interpreted_lines(self.interpreted)
         lines += [header, "-" * len(header)]

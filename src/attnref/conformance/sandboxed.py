@@ -179,8 +179,10 @@ def _call(backend: Backend, job: dict[str, Any], buffers: tuple[Any, Any] | None
         if not _same(_fingerprint(t, copy=False), b)
     ]
     if changed:
-        names = {"argument 0": "query", "argument 1": "key", "argument 2": "value"}
-        return {"status": "modified", "names": [names.get(n, n) for n in changed]}
+        family = FAMILIES.get(backend.api)
+        name = (lambda i: f"argument {i}") if family is None else family.argument_name
+        named = [name(int(n.split()[1])) if n.startswith("argument ") else n for n in changed]
+        return {"status": "modified", "names": named}
     left = [t for t in threading.enumerate() if t not in threads and t.is_alive()]
     if left or recheck > 0:
         late = _late_write(out, value, max(recheck, 0.05), left)
