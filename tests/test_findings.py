@@ -166,3 +166,25 @@ def test_a_modified_argument_is_named_as_its_family_calls_it() -> None:
     assert get_family("sdpa").argument_name(2) == "value"
     assert get_family("mla").argument_name(2) == "block_table"
     assert get_family("context-parallel").argument_name(3) == "argument 3"  # after the *
+
+
+def test_a_trigger_that_holds_another_is_its_variation() -> None:
+    """causal_bottom_right was two findings: "needs causal with Tq != Tk" and "needs
+    causal with Tq != Tk, a mask". A trigger holding a smaller one is a variation of
+    it; a failure that needs nothing absorbs nothing."""
+    unequal = Case("u", causal="top_left", Tq=3, Tk=7)
+    masked = Case("um", causal="top_left", Tq=3, Tk=7, mask="bool")
+    results = [
+        fail("causality", WRONG.format(SEES_KEYS), needs=("causal with Tq != Tk",), case=unequal),
+        fail(
+            "masked_keys",
+            WRONG.format(SEES_KEYS),
+            needs=("causal with Tq != Tk", "a mask"),
+            case=masked,
+        ),
+    ]
+    ((title, members),) = group(results)
+    assert title.endswith("(its smallest trigger needs causal with Tq != Tk)")
+    assert [r.property for r in members] == ["causality", "masked_keys"]
+    plain = fail("tails", WRONG.format(SEES_KEYS), case=Case("p"))
+    assert len(group([*results, plain])) == 2

@@ -172,6 +172,7 @@ def group(results: list[R]) -> list[tuple[str, list[R]]]:
                 best.rows = rows
             continue
         groups.append(_Group(key, rows, () if rows == "no key" else needs, [r]))
+    groups = _absorbed(groups)
     found = []
     for g in groups:  # the head first (the smallest trigger), the variations in audit order
         named = [
@@ -186,6 +187,29 @@ def group(results: list[R]) -> list[tuple[str, list[R]]]:
         found.append((shorten(title), [head, *rest]))
     found.sort(key=lambda item: (-len(item[1]), order[id(item[1][0])]))
     return found
+
+
+def _absorbed(groups: list[_Group[R]]) -> list[_Group[R]]:
+    """``groups`` with each whose trigger holds another's (a mask with causal Tq != Tk
+    beside causal Tq != Tk alone) merged into that one: the larger trigger is a variation
+    of the smaller. An empty trigger absorbs nothing: a failure that needs no feature
+    says nothing of the failures that need one."""
+    kept: list[_Group[R]] = []
+    for g in sorted(groups, key=lambda g: len(g.needs)):
+        into = [
+            k
+            for k in kept
+            if k.key == g.key
+            and k.needs
+            and set(k.needs) < set(g.needs)
+            and (not g.rows or not k.rows or g.rows == k.rows)
+        ]
+        if into:
+            best = max(into, key=lambda k: len(k.needs))
+            best.members += [m for m in g.members if not _has(best, m.property, m.dtype)]
+        else:
+            kept.append(g)
+    return kept
 
 
 def _needs(r: _Result) -> tuple[str, ...]:
