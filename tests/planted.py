@@ -458,12 +458,33 @@ def nan_empty_rows_softcap(
     q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None = None, **kw: Any
 ) -> Tensor:
     """attnref's reference with softcap (and sinks), NaN for a query with no visible key,
-    as declared (Intel Extension for PyTorch's paged prefill): correct."""
+    as declared (Intel Extension for PyTorch's paged prefill), but 0 beside a sink, which
+    then takes all the weight (a softmax over ``-inf`` scores and one finite logit):
+    correct."""
+    return _nan_rows(q, k, v, attn_mask, kw, beside_sinks=False)
+
+
+def nan_empty_rows_beside_sinks(
+    q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None = None, **kw: Any
+) -> Tensor:
+    """`nan_empty_rows_softcap`, but NaN in a row with no visible key even beside a
+    sink: wrong (the sink's weight is 1, its value 0)."""
+    return _nan_rows(q, k, v, attn_mask, kw, beside_sinks=True)
+
+
+def _nan_rows(
+    q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, kw: dict[str, Any],
+    beside_sinks: bool,
+) -> Tensor:  # fmt: skip
     out = _reference_softcap(q, k, v, attn_mask, False, **kw)
     from attnref.conformance.cases import _visible
 
     seen = _visible(q, k, attn_mask, "top_left" if kw.get("is_causal") else None, None)
-    return out.masked_fill(~seen.any(dim=-1, keepdim=True), float("nan"))
+    empty = ~seen.any(dim=-1, keepdim=True)
+    sinks = kw.get("sinks")
+    if sinks is not None and not beside_sinks:  # (h,): a finite sink takes the row
+        empty = empty & ~torch.isfinite(sinks)[:, None, None]
+    return out.masked_fill(empty, float("nan"))
 
 
 def uniform_empty_rows_sinks(
@@ -527,9 +548,10 @@ def _declare_empty_rows() -> None:
     for fn in (wrong_past_one_query, wrong_on_one_query):  # torch's SDPA underneath
         fn.capabilities = Capabilities(causal_with_mask=False)  # type: ignore[attr-defined]
 
-    nan_empty_rows_softcap.capabilities = Capabilities(  # type: ignore[attr-defined]
-        softcap=True, sinks=True, empty_row="nan", dropout=False, gradients=False
-    )
+    for fn in (nan_empty_rows_softcap, nan_empty_rows_beside_sinks):
+        fn.capabilities = Capabilities(  # type: ignore[attr-defined]
+            softcap=True, sinks=True, empty_row="nan", dropout=False, gradients=False
+        )
     for fn in (uniform_empty_rows_sinks, uniform_empty_rows_sink_ignored):
         fn.capabilities = Capabilities(  # type: ignore[attr-defined]
             sinks=True, empty_row="uniform", dropout=False, gradients=False

@@ -425,13 +425,20 @@ def test_three_right_behaviours_are_not_failed() -> None:
     (b) That mean is held to a bound that counts its rounding to the output's dtype
     (5.671875 lies between two bfloat16 values). (c) ``softcap_bound`` on a long case
     judges its sampled rows alone: the oracle's 0 in the rows it does not know is not
-    a finite value a declared NaN row contradicts. A kernel that ignores its sink in
-    an empty row still fails."""
+    a finite value a declared NaN row contradicts. (d) Under the ``nan`` policy too, a
+    sink takes a row whose keys are all hidden: 0, not NaN. A kernel that ignores its
+    sink in an empty row still fails, under either policy."""
     sinks = "tests.planted:uniform_empty_rows_sinks"
     assert run(sinks, properties=["variants", "empty_rows"], dtypes=F32_BF16).ok
     assert run(sinks, properties=["degenerate"], dtypes=(torch.bfloat16,), seed=1).ok
     assert run("tests.planted:nan_empty_rows_softcap", properties=["softcap_bound"],
                dtypes=(torch.float32,)).ok  # fmt: skip
+    # the NaN policy beside a sink: the sink takes the row (0), as under the finite fill
+    nan = "tests.planted:nan_empty_rows_softcap"
+    assert run(nan, properties=["variants", "empty_rows"], dtypes=F32_BF16).ok
+    beside = run("tests.planted:nan_empty_rows_beside_sinks", properties=["variants"],
+                 dtypes=(torch.float32,))  # fmt: skip
+    assert not beside.ok
     ignored = run("tests.planted:uniform_empty_rows_sink_ignored", properties=["variants"],
                   dtypes=(torch.float32,))  # fmt: skip
     assert not ignored.ok

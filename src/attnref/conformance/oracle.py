@@ -402,16 +402,14 @@ def expect(
         if name == "zero":
             continue  # the reference's own policy
         if name == "nan":
-            policy = torch.full_like(oracle, math.nan)
+            # a softmax of -inf scores: NaN, but beside a sink, which then takes all the
+            # weight and carries no value (0), as attnref's own reference
+            policy = _sunk(inputs, torch.full_like(oracle, math.nan))
         elif name == "uniform":  # the mean of every V
             v = F.expand_kv_heads(inputs.value.to(torch.float64), inputs.query.shape[-3])
-            policy = v.mean(dim=-2, keepdim=True).expand_as(oracle)
-            if inputs.sinks is not None:
-                # every key's score is the same finite fill, far below a sink's logit:
-                # all the weight goes to the sink, which carries no value (0), as in
-                # MLX and attnref's own reference; a sink of -inf is no sink
-                sunk = torch.isfinite(inputs.sinks.to(policy.device))[:, None, None]
-                policy = policy.masked_fill(sunk, 0.0)
+            # every key's score is the same finite fill, far below a sink's logit: all
+            # the weight goes to the sink (MLX), as under the NaN policy
+            policy = _sunk(inputs, v.mean(dim=-2, keepdim=True).expand_as(oracle))
             # what rounding the mean to the output's dtype costs: 5.671875 lies between
             # two bfloat16 values, so no output meets a bound without it
             rounded = (policy.to(inputs.query.dtype).to(torch.float64) - policy).abs()
@@ -438,6 +436,16 @@ def expect(
     if rows is None:
         return found
     return _spread_rows(found, rows, inputs.query.shape[-2], -2)
+
+
+def _sunk(inputs: Inputs, policy: Tensor) -> Tensor:
+    """``policy`` (an empty row's output) with 0 in the heads that have a sink: a row
+    whose keys are all hidden gives all its weight to the sink, which carries no value;
+    a sink of ``-inf`` is no sink."""
+    if inputs.sinks is None:
+        return policy
+    sunk = torch.isfinite(inputs.sinks.to(policy.device))[:, None, None]  # (h, 1, 1)
+    return policy.masked_fill(sunk, 0.0)
 
 
 #: the largest error a precision loss makes, in multiples of the bound it broke: the bound
