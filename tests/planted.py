@@ -536,12 +536,20 @@ def _declare_empty_rows() -> None:
     scale_and_alignment_ignored.capabilities = Capabilities(  # type: ignore[attr-defined]
         causal_alignments=("top_left", "bottom_right"), dropout=False, gradients=False
     )
-    finite_diagonal_inf_mask.capabilities = Capabilities(  # type: ignore[attr-defined]
-        empty_row=EmptyRows(causal="diagonal", bool_mask="nan", float_mask="nan"),
-        causal_alignments=("top_left", "bottom_right"),
-        dropout=False,
-        gradients=False,
-    )
+    for fn, fill in (
+        (finite_diagonal_inf_mask, "diagonal"),
+        (replaced_diagonal_inf_mask, "diagonal_replaced"),
+    ):
+        fn.capabilities = Capabilities(  # type: ignore[attr-defined]
+            empty_row=EmptyRows(causal=fill, bool_mask="nan", float_mask="nan"),  # type: ignore[arg-type]
+            causal_alignments=("top_left", "bottom_right"),
+            dropout=False,
+            gradients=False,
+        )
+    for fn in (undefined_empty_rows, undefined_rows_leak):
+        fn.capabilities = Capabilities(  # type: ignore[attr-defined]
+            softcap=True, sinks=True, empty_row="undefined", dropout=False, gradients=False
+        )
     causal_flag_square_only.capabilities = Capabilities(  # type: ignore[attr-defined]
         causal_square_only=True, dropout=False
     )
@@ -655,9 +663,27 @@ def finite_diagonal_inf_mask(
     added to the scores (-1e4), the mask's hidden keys -inf. A row the diagonal alone
     empties attends the keys it hid; one the mask empties is NaN. Right, declared as
     ``EmptyRows(causal="diagonal", bool_mask="nan", float_mask="nan")``."""
+    return _diagonal_fill(q, k, v, attn_mask, kw, replaced=False)
+
+
+def replaced_diagonal_inf_mask(
+    q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None = None, **kw: Any
+) -> Tensor:
+    """ONNX Runtime MultiHeadAttention's way: its own causal diagonal's scores *replaced*
+    by one finite value (-1e4), the mask's hidden keys -inf. A row the diagonal alone
+    empties is the plain mean of V over the keys it hid; one the mask empties is NaN.
+    Right, declared as ``EmptyRows(causal="diagonal_replaced", ...)``."""
+    return _diagonal_fill(q, k, v, attn_mask, kw, replaced=True)
+
+
+def _diagonal_fill(
+    q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, kw: dict[str, Any],
+    replaced: bool,
+) -> Tensor:  # fmt: skip
     Tq, Tk = q.shape[-2], k.shape[-2]
     offset = Tk - Tq if kw.get("causal_alignment") == "bottom_right" else 0
     bias = torch.zeros(Tq, Tk, dtype=torch.float32)
+    later = torch.zeros(Tq, Tk, dtype=torch.bool)
     if kw.get("is_causal"):
         later = torch.arange(Tk)[None, :] > torch.arange(Tq)[:, None] + offset
         bias = bias.masked_fill(later, -1e4)
@@ -671,8 +697,52 @@ def finite_diagonal_inf_mask(
     kk = k.repeat_interleave(groups, dim=-3).to(torch.float32)
     vv = v.repeat_interleave(groups, dim=-3).to(torch.float32)
     scale = kw.get("scale") or 1 / math.sqrt(q.shape[-1])
-    s = q.to(torch.float32) @ kk.transpose(-1, -2) * scale + full
-    return (torch.softmax(s, dim=-1) @ vv).to(q.dtype)
+    s = q.to(torch.float32) @ kk.transpose(-1, -2) * scale
+    if not replaced:
+        return (torch.softmax(s + full, dim=-1) @ vv).to(q.dtype)
+    # rows that see a key: exact; a row the diagonal empties: each score it hid replaced
+    # by the one fill, so only the mask tells those keys apart
+    mask_part = full - bias  # the mask's alone (-inf - -1e4 stays -inf)
+    seen = s + mask_part.masked_fill(later.expand_as(full), -math.inf)
+    empty = ~torch.isfinite(seen).any(dim=-1, keepdim=True)
+    fill = mask_part.masked_fill(~later.expand_as(full), -math.inf)
+    exact = torch.softmax(seen.masked_fill(empty, 0.0), dim=-1) @ vv
+    mean = torch.softmax(fill, dim=-1) @ vv  # NaN where the mask hides every key
+    return torch.where(empty, mean, exact).to(q.dtype)
+
+
+def undefined_empty_rows(
+    q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None = None, **kw: Any
+) -> Tensor:
+    """JAX splash attention's documented behaviour: a query with no visible key is
+    undefined, and comes out NaN in one row and a mean that depends on the tile in
+    another (here: NaN in even rows, the mean of a few keys in odd ones). Right,
+    declared as ``empty_row="undefined"``: such rows are not judged."""
+    from attnref.conformance.cases import _visible
+
+    out = _reference_softcap(q, k, v, attn_mask, False, **kw)
+    seen = _visible(q, k, attn_mask, "top_left" if kw.get("is_causal") else None, None)
+    empty = ~seen.any(dim=-1, keepdim=True)  # (..., Tq, 1)
+    groups = q.shape[-3] // k.shape[-3]
+    tile_mean = v.repeat_interleave(groups, dim=-3)[..., :3, :].mean(dim=-2, keepdim=True)
+    odd = (torch.arange(q.shape[-2]) % 2 == 1)[:, None]
+    garbage = torch.where(odd, tile_mean.expand_as(out), torch.full_like(out, float("nan")))
+    return torch.where(empty, garbage, out)
+
+
+def undefined_rows_leak(
+    q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None = None, **kw: Any
+) -> Tensor:
+    """`undefined_empty_rows`, but a row that sees keys gets the tile's mean too where
+    the row before it saw none: wrong (undefined rows excuse no other row)."""
+    from attnref.conformance.cases import _visible
+
+    out = undefined_empty_rows(q, k, v, attn_mask, **kw)
+    seen = _visible(q, k, attn_mask, "top_left" if kw.get("is_causal") else None, None)
+    empty = ~seen.any(dim=-1, keepdim=True)
+    after = torch.zeros_like(empty)
+    after[..., 1:, :] = empty[..., :-1, :] & ~empty[..., 1:, :]
+    return out.masked_fill(after, 0.0)
 
 
 _declare_empty_rows()  # last: it declares what is defined above

@@ -680,3 +680,40 @@ def test_a_finite_diagonal_and_an_inf_mask_is_a_policy_that_can_be_declared() ->
     assert not audit(plain, **kwargs).ok  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="diagonal"):
         EmptyRows(causal="diagonals")  # type: ignore[arg-type]
+
+
+def test_a_replaced_diagonal_fill_is_declared_diagonal_replaced() -> None:
+    """ONNX Runtime's MultiHeadAttention replaces its causal diagonal's scores with one
+    finite value: a row the diagonal empties is the plain mean of V over the keys it hid,
+    which neither the added fill (``diagonal``) nor the mean of every V (``uniform``)
+    expressed, so the library failed as declared as well as it could. Declared
+    ``diagonal_replaced`` it passes; the added fill declared so fails, and the replaced
+    one declared as the added fill fails too."""
+    kwargs = {"properties": ["empty_rows", "mask_kinds"], "dtypes": [torch.float32],
+              "device": "cpu", "progress": False}  # fmt: skip
+    replaced = resolve_backend("tests.planted:replaced_diagonal_inf_mask")
+    assert audit(replaced, **kwargs).ok  # type: ignore[arg-type]
+    added = resolve_backend("tests.planted:finite_diagonal_inf_mask")
+    caps = replaced.capabilities
+    wrong = Backend("added", added.fn, "", caps, spec="tests.planted:finite_diagonal_inf_mask")
+    assert not audit(wrong, **kwargs).ok  # type: ignore[arg-type]
+    swapped = Backend("replaced", replaced.fn, "", added.capabilities,
+                      spec="tests.planted:replaced_diagonal_inf_mask")  # fmt: skip
+    assert not audit(swapped, **kwargs).ok  # type: ignore[arg-type]
+
+
+def test_rows_a_library_leaves_undefined_are_not_judged_and_said_so() -> None:
+    """JAX's splash attention documents a query with no visible key as undefined (NaN,
+    or a mean that depends on the tile): no policy expressed it. Declared
+    ``empty_row="undefined"``, such rows are not judged in any property (agreement or
+    law), and the report lists them as not tested; the rows that see keys still are, and
+    a kernel that spoils one of them fails."""
+    props = ["empty_rows", "masked_keys", "mask_kinds", "variants", "forward"]
+    kwargs = {"properties": props, "dtypes": [torch.float32], "progress": False}
+    report = audit("tests.planted:undefined_empty_rows", **kwargs)  # type: ignore[arg-type]
+    assert report.ok, report.format_table()
+    assert "such rows are not judged" in report.format_table()
+    leak = audit("tests.planted:undefined_rows_leak", **kwargs)  # type: ignore[arg-type]
+    assert not leak.ok
+    (finding,) = leak.findings()
+    assert "in rows that see keys" in finding[0], finding[0]

@@ -441,7 +441,9 @@ def gradient(ctx: Context, case: Case) -> None:
 def agree_grads(ctx: Context, case: Case, inputs: Inputs, **overrides: Any) -> None:
     """dQ, dK, dV (and dSinks) of the backend's call on ``inputs`` (its keywords
     ``overrides`` replaced) against the oracle's, for a random upstream gradient."""
-    policies: tuple[EmptyRow, ...] = ("nan", "uniform", "unmasked", "diagonal")
+    policies: tuple[EmptyRow, ...] = (
+        "nan", "uniform", "unmasked", "diagonal", "diagonal_replaced", "undefined"
+    )  # fmt: skip
     for policy in policies:
         if bool(ctx.empty(inputs, policy).any()):
             raise Skip(f"gradients of rows with no visible key under policy {policy!r}")
@@ -497,6 +499,7 @@ def masked_keys(ctx: Context, case: Case) -> None:
     # rows whose policy reads the hidden keys: the mean of every V, or attention over them
     reads = ctx.empty(clean_inputs, "uniform") | ctx.empty(clean_inputs, "unmasked")
     reads = reads | ctx.empty(clean_inputs, "diagonal")
+    reads = reads | ctx.empty(clean_inputs, "diagonal_replaced")
     sel = ~reads if bool(reads.any()) else None
     law(
         ctx,

@@ -52,8 +52,17 @@ SDPA = Callable[..., Any]
 #: *added* to the scores, as diffusers' ``-10000``: every score of the row moves alike)
 #: "diagonal": attention over the keys the causal diagonal alone hid, the mask's hidden
 #: keys kept hidden (a finite fill added on the diagonal, -inf in the mask: ONNX Runtime's
-#: GroupQueryAttention); NaN where the mask hides every key
-EmptyRow = Literal["zero", "nan", "uniform", "unmasked", "diagonal"]
+#: GroupQueryAttention); NaN where the mask hides every key;
+#: "diagonal_replaced": the diagonal's hidden scores *replaced* by one finite value, so
+#: the plain mean of V over the keys the diagonal alone hid (the mask applied as usual
+#: on top: a float mask's entries still weigh them): ONNX Runtime's MultiHeadAttention;
+#: NaN where the mask hides every key;
+#: "undefined": the library's documentation leaves such a row undefined (JAX's splash
+#: attention: NaN, or a mean that depends on the tile): it is not judged, and the report
+#: says so
+EmptyRow = Literal[
+    "zero", "nan", "uniform", "unmasked", "diagonal", "diagonal_replaced", "undefined"
+]
 #: "contained": NaN/inf in K/V at keys no query sees never reaches the output;
 #: "propagates": it may (0 * NaN = NaN in a materialised P @ V, as torch's CPU kernels)
 MaskedNaN = Literal["contained", "propagates"]
@@ -522,6 +531,17 @@ def not_tested(caps: Capabilities) -> list[str]:
         caps.causal_square_only,
         "its own causal flag with Tq != Tk",
         "causal_square_only=True: the diagonal reaches the backend folded into the mask",
+    )
+    rows = caps.empty_rows
+    undefined = [
+        c for c in ("bool_mask", "float_mask", "causal") if getattr(rows, c) == "undefined"
+    ]
+    if rows.causal_masked == "undefined" and "causal" not in undefined:
+        undefined.append("causal_masked")
+    add(
+        bool(undefined),
+        "the output of a query with no visible key (" + ", ".join(undefined) + ")",
+        "empty_row 'undefined', as the library documents it: such rows are not judged",
     )
     add(not caps.bool_mask, "boolean masks", "bool_mask=False")
     add(not caps.float_mask, "float (additive) masks", "float_mask=False")

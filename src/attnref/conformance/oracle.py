@@ -133,9 +133,10 @@ class Expected:
     #: the part of ``floor`` added for a rounding the backend makes of inputs it derives
     #: itself (rotary: `attnref.conformance.serving_checks`), 0 when none was
     derived: float = 0.0
-    #: ``(Tq, 1)``: the output rows the oracle was computed for (a sample of a long
-    #: case's rows, `expect`'s ``rows``); ``value`` and ``ref_err`` are 0 in the others,
-    #: which no comparison reads. None: every row
+    #: broadcastable to ``value`` (``(Tq, 1)`` for a long case's sampled rows, `expect`'s
+    #: ``rows``; ``value``'s shape where a declaration leaves some rows undefined): the
+    #: entries the oracle holds a backend to; ``value`` and ``ref_err`` are 0 in the
+    #: others, which no comparison reads. None: every entry
     known: Tensor | None = None
     #: an output's: the smallest error that is a wrong function rather than a precision
     #: loss (`semantic_error`), which `close` tells apart with it; None (an LSE, a
@@ -398,9 +399,13 @@ def expect(
     else:
         ref_err = (reference(target).to(torch.float64) - oracle).abs()
     # what follows applies the declared policy to rows with no visible key
+    free: Tensor | None = None  # the rows a declaration leaves undefined: not judged
     for cause, name, empty in _cause_rows(inputs, empty_row, native_causal, rows):
         if name == "zero":
             continue  # the reference's own policy
+        if name == "undefined":
+            free = empty if free is None else free | empty
+            continue
         if name == "nan":
             # a softmax of -inf scores: NaN, but beside a sink, which then takes all the
             # weight and carries no value (0), as attnref's own reference
@@ -415,24 +420,29 @@ def expect(
             rounded = (policy.to(inputs.query.dtype).to(torch.float64) - policy).abs()
             ref_err = torch.where(empty, rounded, ref_err)
         else:  # "unmasked": attention over the keys the mask hid; "diagonal": over those
-            # the diagonal alone hid, the mask's kept hidden
-            opened, filled = _unhidden(inputs, cause, native_causal, name == "diagonal")
+            # the diagonal alone hid, the mask's kept hidden; "diagonal_replaced": their
+            # plain mean (every score of theirs the same fill: a query of zeros)
+            on_diagonal = name in ("diagonal", "diagonal_replaced")
+            opened, filled = _unhidden(inputs, cause, native_causal, on_diagonal)
+            if name == "diagonal_replaced":
+                opened = filled = replace(opened, query=torch.zeros_like(opened.query))
             if rows is not None:
                 opened, filled = at_rows(opened, rows), at_rows(filled, rows)
             policy = reference(opened.to(torch.float64))
             fill_err = (reference(filled).to(torch.float64) - policy).abs()
             ref_err = torch.where(empty, fill_err, ref_err)
-            if name == "diagonal":  # where the mask hides every key: a softmax of -inf
+            if on_diagonal:  # where the mask hides every key: a softmax of -inf
                 nothing = ~opened.visible().any(dim=-1, keepdim=True)
                 policy = policy.masked_fill(nothing, math.nan)
         oracle = torch.where(empty, policy, oracle)
-        if name not in ("unmasked", "uniform", "diagonal"):
+        if name == "nan":
             ref_err = ref_err.masked_fill(empty, 0.0)
     ref_err = torch.nan_to_num(ref_err, nan=0.0)
     floor = error_floor(inputs, None if rows is None else target)
     size = float(torch.nan_to_num(oracle, nan=0.0).abs().max()) if oracle.numel() else 0.0
     semantic = semantic_error(values_spread(target), size, inputs.query.dtype)
-    found = Expected(oracle, ref_err, floor, semantic=semantic)
+    known = None if free is None else ~free.expand_as(oracle)
+    found = Expected(oracle, ref_err, floor, semantic=semantic, known=known)
     if rows is None:
         return found
     return _spread_rows(found, rows, inputs.query.shape[-2], -2)
@@ -504,7 +514,11 @@ def _spread_rows(sampled: Expected, rows: Int[Tensor, " n"], Tq: int, axis: int)
     err = sampled.ref_err.new_zeros(shape).index_copy_(axis, rows, sampled.ref_err)
     known = torch.zeros(Tq, dtype=torch.bool, device=full.device)
     known[rows] = True
-    return replace(sampled, value=full, ref_err=err, known=known if axis == -1 else known[:, None])
+    row_known = known if axis == -1 else known[:, None]
+    if sampled.known is not None:  # entries of the sampled rows left unjudged (undefined)
+        inner = sampled.known.expand_as(sampled.value)
+        row_known = full.new_zeros(shape, dtype=torch.bool).index_copy_(axis, rows, inner)
+    return replace(sampled, value=full, ref_err=err, known=row_known)
 
 
 @checked
