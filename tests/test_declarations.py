@@ -682,6 +682,7 @@ def test_a_finite_diagonal_and_an_inf_mask_is_a_policy_that_can_be_declared() ->
         EmptyRows(causal="diagonals")  # type: ignore[arg-type]
 
 
+@pytest.mark.slow  # three audits: 9 s
 def test_a_replaced_diagonal_fill_is_declared_diagonal_replaced() -> None:
     """ONNX Runtime's MultiHeadAttention replaces its causal diagonal's scores with one
     finite value: a row the diagonal empties is the plain mean of V over the keys it hid,
@@ -702,6 +703,7 @@ def test_a_replaced_diagonal_fill_is_declared_diagonal_replaced() -> None:
     assert not audit(swapped, **kwargs).ok  # type: ignore[arg-type]
 
 
+@pytest.mark.slow  # two audits: 9 s
 def test_rows_a_library_leaves_undefined_are_not_judged_and_said_so() -> None:
     """JAX's splash attention documents a query with no visible key as undefined (NaN,
     or a mean that depends on the tile): no policy expressed it. Declared
