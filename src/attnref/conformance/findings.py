@@ -34,7 +34,7 @@ from typing import Generic, Protocol, TypeVar
 from attnref.conformance.cases import Case
 from attnref.conformance.verdicts import cause_key, shorten
 
-__all__ = ["FEATURES", "IMPLIED", "features_of", "group", "symptom_of"]
+__all__ = ["FEATURES", "IMPLIED", "features_of", "group", "implied", "symptom_of"]
 
 
 def _unequal(case: Case) -> bool:
@@ -69,6 +69,12 @@ FEATURES: tuple[tuple[str, Callable[[Case], bool], Callable[[Case], Case]], ...]
 
 #: what the name of a second feature makes redundant in a list of needs
 IMPLIED = {"causal with Tq != Tk": "causal"}
+
+
+def implied(needs: tuple[str, ...]) -> frozenset[str]:
+    """``needs`` with what each implies (causal with Tq != Tk: causal), for comparing
+    triggers: a list of needs leaves out what another of its names implies."""
+    return frozenset(needs) | {IMPLIED[n] for n in needs if n in IMPLIED}
 
 
 def features_of(case: Case) -> frozenset[str]:
@@ -134,7 +140,7 @@ class _Group(Generic[R]):
     def explains(self, rows: str, features: frozenset[str]) -> bool:
         if rows and self.rows and rows != self.rows:
             return False
-        return self.rows == "no key" or set(self.needs) <= features
+        return self.rows == "no key" or implied(self.needs) <= features
 
 
 def _cause(result: _Result) -> str:
@@ -191,17 +197,17 @@ def group(results: list[R]) -> list[tuple[str, list[R]]]:
 
 def _absorbed(groups: list[_Group[R]]) -> list[_Group[R]]:
     """``groups`` with each whose trigger holds another's (a mask with causal Tq != Tk
-    beside causal Tq != Tk alone) merged into that one: the larger trigger is a variation
-    of the smaller. An empty trigger absorbs nothing: a failure that needs no feature
-    says nothing of the failures that need one."""
+    beside causal alone) merged into that one: the larger trigger is a variation of the
+    smaller. An empty trigger holds in every case: a bug that shows on a case with none
+    of the features (strides ignored, no max subtracted) is the one bug its re-runs
+    without a feature happened to pass on elsewhere."""
     kept: list[_Group[R]] = []
-    for g in sorted(groups, key=lambda g: len(g.needs)):
+    for g in sorted(groups, key=lambda g: len(implied(g.needs))):
         into = [
             k
             for k in kept
             if k.key == g.key
-            and k.needs
-            and set(k.needs) < set(g.needs)
+            and implied(k.needs) < implied(g.needs)
             and (not g.rows or not k.rows or g.rows == k.rows)
         ]
         if into:
