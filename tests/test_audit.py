@@ -635,7 +635,8 @@ def test_builtin_names_are_listed() -> None:
     [
         (
             {"empty_row": "zeros"},
-            "empty_row must be one of zero, nan, uniform, unmasked, diagonal, diagonal_replaced, undefined or an EmptyRows",
+            "empty_row must be one of zero, nan, uniform, unmasked, diagonal, "
+            "diagonal_replaced, undefined or an EmptyRows",
         ),
         ({"empty_row": {"bool_mask": "zero"}}, "or an EmptyRows (one per cause), got {'bool_mask"),
         ({"masked_nan": "maybe"}, "masked_nan must be one of contained, propagates"),

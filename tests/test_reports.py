@@ -166,8 +166,13 @@ def test_the_html_page_holds_the_grid_each_finding_s_heatmap_and_coverage(
     failed = [r for r in report.results if r.finding is not None]
     assert failed
     assert all(r.finding.errors for r in failed)  # type: ignore[union-attr]
-    assert page.count("data:image/png;base64,") >= len(failed) + 1  # heatmaps, coverage
-    assert "check_case(" in page  # the reproducer
+    findings = report.findings()
+    # one heatmap and one reproducer a finding (not a failure), and one coverage plot
+    assert page.count("data:image/png;base64,") == len(findings) + 1
+    assert page.count("check_case(") == len(findings)
+    assert ("<details>" in page) == any(len(rs) > 1 for _, rs in findings)
+    assert '<table class="coverage">' in page
+    assert "timeout" in page  # the options it ran with
 
 
 def _chromium() -> str:
@@ -185,6 +190,25 @@ def _chromium() -> str:
     if found is None:
         pytest.skip("no chromium, and it cannot be installed here (apt-get as root)")
     return found
+
+
+@pytest.mark.slow  # a whole quick audit: 60 s
+def test_the_page_of_a_whole_quick_audit_is_small_and_folds_its_variations(
+    tmp_path: Path,
+) -> None:
+    """A mutant failing 56 of 88 searches with one bug (a finite fill where the
+    declaration says zero) made a page of 1.9 MB with every failure in full; one
+    finding a heatmap and a reproducer, its variations folded, coverage in tables:
+    under 500 kB."""
+    from attnref.conformance.html import write_html
+
+    report = audit("mutant.empty_row_uniform", progress=False)
+    assert report.count("fail") > 40
+    ((_, members),) = report.findings()
+    page = write_html(report, tmp_path / "r.html").read_text()
+    assert len(page.encode()) < 500_000
+    assert page.count("check_case(") == 1
+    assert page.count('class="variation"') == len(members) - 1
 
 
 @pytest.mark.slow  # a browser, and its install where missing

@@ -29,7 +29,10 @@ from attnref.conformance.declarations import Capabilities, from_declaration
 from attnref.conformance.report import SCHEMA_VERSION, AuditReport, Finding, PropertyResult
 from attnref.devices import DTYPES, dtype_name
 
-__all__ = ["MergeError", "junit_xml", "load_report", "merge_reports", "shard_of"]
+__all__ = ["READABLE", "MergeError", "junit_xml", "load_report", "merge_reports", "shard_of"]
+
+#: the report schemas this version reads: 13 is 14 without ``options``
+READABLE = (13, SCHEMA_VERSION)
 
 
 class MergeError(ValueError):
@@ -83,10 +86,10 @@ def load_report(source: str | Path | dict[str, Any]) -> AuditReport:
     data = source if isinstance(source, dict) else json.loads(Path(source).read_text())
     if not isinstance(data, dict) or "schema_version" not in data:
         raise ValueError("not an attnref report (no schema_version)")
-    if data["schema_version"] != SCHEMA_VERSION:
+    if data["schema_version"] not in READABLE:
         raise ValueError(
             f"a report of schema {data['schema_version']}: this attnref reads "
-            f"{SCHEMA_VERSION} (write it again with this version)"
+            f"{' and '.join(map(str, READABLE))} (write it again with this version)"
         )
     report = AuditReport(
         backend=data["backend"],
@@ -112,6 +115,7 @@ def load_report(source: str | Path | dict[str, Any]) -> AuditReport:
         shard=None if data.get("shard") is None else (data["shard"][0], data["shard"][1]),
         planned=data.get("planned", len(data["results"])),
         examples=data.get("examples", 0),
+        options=dict(data.get("options") or {}),
     )
     report.versions = (data["attnref_version"], data["torch_version"])
     for r in data["results"]:

@@ -4,12 +4,14 @@ library, every picture inline.
 - the verdict, what was audited (backend, family, device, profile, seed, versions), what
   confined the backend, whether it ran interpreted;
 - the property x dtype grid, each cell coloured by its verdict and linking to its result;
-- each finding: its cause, message, shrunk case, a heatmap of where its values were
-  wrong (the error over the bound, rows against queries; the sampled rows of a large
-  case) and the reproducer;
-- coverage: for each property, what its judged cases covered (query and key lengths,
-  head dims, batch x heads, masks, causal alignments, variants), and what the
-  declaration leaves untested or skipped.
+- each finding (one bug): its cause, the smallest trigger's message, shrunk case, a
+  heatmap of where its values were wrong (the error over the bound, rows against
+  queries; the sampled rows of a large case; one query's error drawn against its
+  columns), what the backend printed, and the reproducer, once; its variations (the
+  same bug in other properties and dtypes) folded under it, a line and a case each;
+- coverage: what the judged cases covered (query and key lengths, head dims, batch x
+  heads, masks, causal alignments, variants), the whole audit's as one picture and each
+  property's as a table, and what the declaration leaves untested or skipped.
 
 The pictures are drawn with matplotlib (the ``viz`` extra), as PNG in ``data:`` URLs.
 """
@@ -26,6 +28,7 @@ from attnref.conformance.report import (
     AuditReport,
     Finding,
     PropertyResult,
+    cell_text,
     interpreted_lines,
     sandbox_line,
 )
@@ -43,19 +46,23 @@ td.thin { background: #fbeeb8; } td.skip { background: #eee; color: #777; }
 td a { color: inherit; text-decoration: none; display: block; }
 .verdict { display: inline-block; padding: 2px 10px; border-radius: 4px; color: white; }
 .ok { background: #2e7d32; } .bad { background: #c62828; }
-pre { background: #f7f7f7; padding: 8px; overflow-x: auto; font-size: 0.85em; }
+pre { background: #f7f7f7; padding: 8px; font-size: 0.85em; white-space: pre-wrap;
+      overflow-wrap: anywhere; }
+details { margin: 0.5em 0; } summary { cursor: pointer; }
+.variation { margin: 0.4em 0 0.8em 1em; }
 .finding { border-left: 4px solid #c62828; padding-left: 1em; margin: 1.5em 0; }
 .meta td:first-child { font-weight: bold; }
+table.coverage th { width: 9em; } table.coverage { font-size: 0.85em; margin-bottom: 1em; }
 img { max-width: 100%; }
 """
 
 
-def _png(figure: Any) -> str:
+def _png(figure: Any, dpi: int = 80) -> str:
     """A matplotlib figure as an inline ``<img>``."""
     import matplotlib.pyplot as plt
 
     buffer = io.BytesIO()
-    figure.savefig(buffer, format="png", dpi=90, bbox_inches="tight")
+    figure.savefig(buffer, format="png", dpi=dpi, bbox_inches="tight")
     plt.close(figure)
     data = base64.b64encode(buffer.getvalue()).decode()
     return f'<img alt="plot" src="data:image/png;base64,{data}">'
@@ -79,6 +86,8 @@ def heatmap(errors: dict[str, Any], title: str) -> str:
     top = float(np.nanmax(ratio)) if np.isfinite(ratio).any() else 1.0
     shown = np.where(np.isnan(ratio), max(top, 1.0) * 1.1, ratio)
     rows, cols = shown.shape
+    if rows == 1 and cols > 1:  # one query: its error against its columns, not one strip
+        return _line(ratio[0], errors, title)
     figure, ax = plt.subplots(figsize=(min(12, 3 + cols * 0.15), min(6, 1.5 + rows * 0.3)))
     image = ax.imshow(shown, aspect="auto", cmap="magma", interpolation="nearest",
                       vmin=0.0, vmax=max(top, 1.0) * 1.1)  # fmt: skip
@@ -108,32 +117,83 @@ def heatmap(errors: dict[str, Any], title: str) -> str:
     return _png(figure)
 
 
-def coverage_plot(name: str, results: list[PropertyResult]) -> str:
-    """A property's coverage over its dtypes: one bar chart a feature."""
+def _line(ratio: Any, errors: dict[str, Any], title: str) -> str:
+    """One row of an error map as a line over its columns (a one-query case): the error
+    over the bound, the bound at 1, non-finite values marked x on the top edge."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import numpy as np
 
+    finite = np.isfinite(ratio)
+    top = float(np.nanmax(np.where(finite, ratio, np.nan))) if finite.any() else 1.0
+    figure, ax = plt.subplots(figsize=(8, 2.6))
+    ax.plot(np.where(finite, ratio, np.nan), marker=".", color="#7b2cbf")
+    bad = np.flatnonzero(~finite)
+    if len(bad):
+        ax.scatter(bad, [max(top, 1.0) * 1.05] * len(bad), marker="x", color="#c62828")
+    ax.axhline(1.0, color="#0097a7", linewidth=1.0, label="the bound")
+    ax.set_xlabel(errors.get("columns", "") or "column")
+    ax.set_ylabel("error / bound")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=7)
+    return _png(figure)
+
+
+def _merged(results: list[PropertyResult]) -> dict[str, dict[str, int]]:
+    """The coverage of ``results`` added up: each feature's values and their cases."""
     merged: dict[str, dict[str, int]] = {}
     for r in results:
         for feature, counts in r.coverage.items():
             into = merged.setdefault(feature, {})
             for value, n in counts.items():
                 into[value] = into.get(value, 0) + n
+    return merged
+
+
+def coverage_table(results: list[PropertyResult]) -> str:
+    """A property's coverage over its dtypes as a table: a feature a row, its values with
+    their cases (text a reader can search and copy, a few hundred bytes)."""
+    e = html.escape
+    merged = _merged(results)
+    rows = []
+    for feature in FEATURES:
+        counts = merged.get(feature)
+        if counts:
+            values = ", ".join(f"{k}: {counts[k]}" for k in sorted(counts, key=_order))
+            rows.append(f"<tr><th>{e(feature)}</th><td>{e(values)}</td></tr>")
+    return f'<table class="coverage">{"".join(rows)}</table>' if rows else ""
+
+
+def coverage_plot(name: str, results: list[PropertyResult]) -> str:
+    """The coverage of ``results`` (the whole audit's) as one picture: one bar chart a
+    feature."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    merged = _merged(results)
     shown = [f for f in FEATURES if merged.get(f)]
     if not shown:
         return ""
-    figure, axes = plt.subplots(1, len(shown), figsize=(2.2 * len(shown), 1.9), squeeze=False)
-    for ax, feature in zip(axes[0], shown, strict=True):
+    columns = min(4, len(shown))
+    lines = -(-len(shown) // columns)
+    figure, axes = plt.subplots(lines, columns, figsize=(3.0 * columns, 2.4 * lines), squeeze=False)
+    for ax in axes.flat[len(shown) :]:
+        ax.set_visible(False)
+    for ax, feature in zip(axes.flat, shown, strict=False):
         counts = merged[feature]
         keys = sorted(counts, key=_order)
-        ax.bar(range(len(keys)), [counts[k] for k in keys], color="#4a78b5")
-        ax.set_xticks(range(len(keys)), keys, rotation=60, fontsize=6, ha="right")
-        ax.tick_params(axis="y", labelsize=6)
-        ax.set_title(feature, fontsize=8)
-    figure.suptitle(f"{name}: judged cases", fontsize=9, y=1.08)
-    return _png(figure)
+        ax.barh(range(len(keys)), [counts[k] for k in keys], color="#4a78b5")
+        ax.set_yticks(range(len(keys)), keys, fontsize=8)
+        ax.invert_yaxis()
+        ax.tick_params(axis="x", labelsize=7)
+        ax.set_title(feature, fontsize=9)
+    figure.suptitle(f"{name}: judged cases", fontsize=10)
+    figure.tight_layout()
+    return _png(figure, dpi=60)
 
 
 def _order(value: str) -> tuple[int, float, str]:
@@ -146,15 +206,11 @@ def _order(value: str) -> tuple[int, float, str]:
 
 
 def _cell(r: PropertyResult | None) -> tuple[str, str]:
+    """The grid's class and text for ``r``: the terminal's text (`cell_text`)."""
     if r is None:
         return "skip", ""
-    if r.status == "fail":
-        return "fail", "FAIL"
-    if r.status == "skip":
-        return "skip", "skip"
-    if r.thin:
-        return "thin", f"thin {r.judged}"
-    return "pass", f"ok {r.judged}"
+    kind = {"fail": "fail", "skip": "skip"}.get(r.status, "thin" if r.thin else "pass")
+    return kind, cell_text(r)
 
 
 def _anchor(r: PropertyResult) -> str:
@@ -162,17 +218,36 @@ def _anchor(r: PropertyResult) -> str:
 
 
 def _finding_html(r: PropertyResult, finding: Finding) -> str:
+    """A finding's smallest trigger, whole: its message, heatmap, shrunk case, what the
+    backend printed, the precision miss its search also met, and the reproducer."""
     e = html.escape
-    parts = [f'<div class="finding" id="{_anchor(r)}">',
-             f"<h3>{e(r.property)} [{e(dtype_name(r.dtype))}]</h3>",
-             f"<p><b>cause</b>: {e(finding.cause or finding.message)}</p>",
-             f"<p>{e(finding.message)}</p>"]  # fmt: skip
+    parts = [f'<div id="{_anchor(r)}">',
+             f"<p><b>smallest trigger</b>: {e(r.property)} [{e(dtype_name(r.dtype))}]</p>",
+             f"<pre>{e(finding.message)}</pre>"]  # fmt: skip
     if finding.errors and finding.errors.get("map"):
         shape = "x".join(str(n) for n in finding.errors.get("shape", []))
         title = f"{r.property} [{dtype_name(r.dtype)}]: where the values were wrong ({shape})"
         parts.append(heatmap(finding.errors, title))
     parts.append(f"<p><b>shrunk case</b></p><pre>{e(repr(finding.case))}</pre>")
+    if finding.output.strip():
+        parts.append(f"<p><b>what the backend printed</b> (its last lines)</p>"
+                     f"<pre>{e(finding.output.rstrip())}</pre>")  # fmt: skip
+    if r.also is not None:
+        parts.append(f"<p><b>also met on another case</b>: {e(r.also.cause)}</p>"
+                     f"<pre>{e(r.also.message)}</pre>")  # fmt: skip
     parts.append(f"<p><b>reproducer</b> (copy and run)</p><pre>{e(finding.reproducer)}</pre>")
+    parts.append("</div>")
+    return "\n".join(parts)
+
+
+def _variation_html(r: PropertyResult) -> str:
+    """Another (property, dtype) of a finding: its message and shrunk case."""
+    e = html.escape
+    parts = [f'<div class="variation" id="{_anchor(r)}">',
+             f"<b>{e(r.property)} [{e(dtype_name(r.dtype))}]</b>",
+             f"<pre>{e(r.message)}</pre>"]  # fmt: skip
+    if r.finding is not None:
+        parts.append(f"<pre>{e(repr(r.finding.case))}</pre>")
     parts.append("</div>")
     return "\n".join(parts)
 
@@ -206,6 +281,9 @@ def html_report(report: AuditReport) -> str:
         meta.append(("shard", f"{report.shard[0]} of {report.shard[1]}"))
     if report.incomplete:
         meta.append(("incomplete", report.incomplete))
+    meta.append(("dtypes", ", ".join(report.dtypes)))
+    meta.append(("judged at least", f"{report.floor} cases a pass (else thin)"))
+    meta += [(name, value) for name, value in report.options.items()]
     out += [f"<tr><td>{e(k)}</td><td>{e(v)}</td></tr>" for k, v in meta]
     out.append("</table>")
     for line in interpreted_lines(report.interpreted):
@@ -224,39 +302,49 @@ def html_report(report: AuditReport) -> str:
             out.append(f'<td class="{kind}">{link}</td>')
         out.append("</tr>")
     out.append("</table>")
-    summary = report.coverage()
+    out.append(f"<pre>{e(report.format_table().splitlines()[-1])}</pre>")  # the summary
     out.append(
-        f"<p>{report.count('pass')} passed, {report.count('fail')} failed, "
-        f"{report.count('skip')} skipped; {summary['judged']} cases judged "
-        f"({summary['cases_skipped']} skipped, {summary['cases_refused']} refused).</p>"
+        "<p>A cell: FAIL, skip, or ok N (thin N: fewer than the floor) with N the cases "
+        "judged, sK cases skipped as outside the declaration, rJ refused as declared.</p>"
     )
 
     findings = report.findings()
     out.append(f"<h2>Findings ({len(findings)})</h2>")
     shown: set[str] = set()
-    for cause, members in findings:
-        listed = ", ".join(f"{m.property} [{dtype_name(m.dtype)}]" for m in members)
-        out.append(f"<h3>{e(cause)}</h3><p>{len(members)}: {e(listed)}</p>")
-        for m in members:
-            if m.finding is not None and _anchor(m) not in shown:
+    for n, (cause, members) in enumerate(findings, 1):
+        head, rest = members[0], members[1:]
+        out.append(f'<div class="finding"><h3>{n}. {e(cause)}</h3>')
+        shown.add(_anchor(head))
+        if head.finding is not None:
+            out.append(_finding_html(head, head.finding))
+        else:
+            out.append(f'<pre id="{_anchor(head)}">{e(head.message)}</pre>')
+        if rest:
+            listed = ", ".join(f"{m.property} [{dtype_name(m.dtype)}]" for m in rest)
+            out.append(f"<details><summary>{len(rest)} more: the same bug in {e(listed)}"
+                       "</summary>")  # fmt: skip
+            for m in rest:
                 shown.add(_anchor(m))
-                out.append(_finding_html(m, m.finding))
+                out.append(_variation_html(m))
+            out.append("</details>")
+        out.append("</div>")
 
     out.append("<h2>Coverage</h2>")
-    out.append("<p>What each property's judged cases covered, over its dtypes.</p>")
+    out.append("<p>What the judged cases covered: the whole audit's, then each property's "
+               "over its dtypes (a feature's values, each with its cases).</p>")  # fmt: skip
+    out.append(coverage_plot("every property", report.results))
     by_property: dict[str, list[PropertyResult]] = {}
     for r in report.results:
         by_property.setdefault(r.property, []).append(r)
     for name, results in by_property.items():
+        out.append(f"<h3>{e(name)}</h3>")
         for r in results:
             if _anchor(r) not in shown:
                 kind, text = _cell(r)
                 why = f": {r.message}" if r.message else ""
                 out.append(f'<p id="{_anchor(r)}">{e(name)} [{e(dtype_name(r.dtype))}]: '
                            f"{e(text or kind)}{e(why)}</p>")  # fmt: skip
-        plot = coverage_plot(name, results)
-        if plot:
-            out.append(plot)
+        out.append(coverage_table(results))
     untested = not_tested(report.capabilities)
     if untested:
         out.append("<h2>Not tested, as declared</h2><ul>")

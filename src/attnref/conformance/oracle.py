@@ -694,7 +694,8 @@ def error_map(
     """What the report's heatmap shows of a failed comparison: ``err`` (the absolute
     error where judged, ``inf`` where a value is NaN or infinite and should not be) as
     rows against columns, an output's ``(..., Tq, Dv)`` reduced over ``Dv`` (its worst
-    channel) to ``(batch * heads, Tq)``, an LSE's ``(..., Tq)`` to ``(batch * heads,
+    channel) to ``(batch * heads, Tq)`` (a one-query output's kept as ``(batch * heads,
+    Dv)``: its channels), an LSE's ``(..., Tq)`` to ``(batch * heads,
     Tq)``; max-pooled down to `MAP_ROWS` x `MAP_COLUMNS`; with the bound, and the worst
     value's row and column. ``narrow``: the compared tensors were a long case's sampled
     rows (``(axis, indices)``): the columns are labelled with the queries they are."""
@@ -704,7 +705,13 @@ def error_map(
         labels = [int(i) for i in narrow[1].tolist()]
     e = torch.nan_to_num(e, nan=math.inf)
     columns = "queries"
-    if e.dim() >= 3:
+    if e.dim() >= 3 and e.shape[-2] == 1 and e.shape[-1] > 1 and labels is None:
+        # one query: its channels are what there is to see (a map of one column was a
+        # single cell per head)
+        e = e.squeeze(-2)
+        columns = "value channels (the one query)"
+        point = None if where is None or len(where) != err.dim() else (*where[:-2], where[-1])
+    elif e.dim() >= 3:
         e = e.amax(-1)  # the worst channel of each query
         point = None if where is None or len(where) != err.dim() else where[:-1]
     else:

@@ -5,10 +5,11 @@ JSON schema (``schema_version`` 13; 3 added ``api``, 4 ``trusted``, 5 ``checked`
 ``floor``, ``min_judged``, ``startup_seconds`` and ``not_tested``, 8 ``also``, 9
 ``sandbox``, 10 ``judges`` and ``judge_notes``, 11 a result's ``cut`` and a finding's
 ``output``, 12 ``interpreted`` and a result's ``case_seconds``, 13 ``shard``,
-``planned``, ``examples``, a result's ``coverage`` and a finding's ``errors``)::
+``planned``, ``examples``, a result's ``coverage`` and a finding's ``errors``, 14
+``options``)::
 
     {
-      "schema_version": 13,
+      "schema_version": 14,
       "attnref_version": str, "torch_version": str,
       "backend": str, "api": an API family ("sdpa", "flash", ...), "device": str,
       "dtypes": [str], "world_size": int | null (the processes each call ran on),
@@ -35,6 +36,7 @@ JSON schema (``schema_version`` 13; 3 added ``api``, 4 ``trusted``, 5 ``checked`
       "shard": null | [K, N],      # shard K of N of one audit (--shard; attnref merge)
       "planned": int,              # the (property, dtype) searches it set out to run
       "examples": int,             # cases drawn per search (the profile's)
+      "options": {name: str},      # what it ran with: timeout, deadline, budget, ...
       "incomplete": null | str,    # why the audit did not finish (then "ok" is false)
       "summary": {"passed": int, "failed": int, "skipped": int,  # (property, dtype) verdicts
                   "thin": int,     # passes judged on fewer cases than the floor
@@ -107,12 +109,13 @@ __all__ = [
     "Finding",
     "PropertyResult",
     "Status",
+    "cell_text",
     "interpreted_lines",
     "is_thin",
     "reproducer",
 ]
 
-SCHEMA_VERSION = 13
+SCHEMA_VERSION = 14
 
 #: a pass judged on fewer than this share of the profile's examples (per property and
 #: dtype) is thin, unless ``--min-judged`` sets the floor
@@ -327,6 +330,9 @@ class AuditReport:
     shard: tuple[int, int] | None = None
     #: the attnref and torch versions it was written with (a loaded report keeps its own)
     versions: tuple[str, str] = field(default_factory=_versions)
+    #: the options the audit ran with, as a reader names them (timeout, deadline, budget,
+    #: ...: what the profile and seed do not say)
+    options: dict[str, str] = field(default_factory=dict)
     _t0: float = 0.0
 
     @classmethod
@@ -475,6 +481,7 @@ class AuditReport:
             "shard": None if self.shard is None else list(self.shard),
             "planned": self.planned,
             "examples": self.examples,
+            "options": self.options,
             "incomplete": self.incomplete or None,
             "summary": {
                 "passed": self.count("pass"),
@@ -539,7 +546,7 @@ class AuditReport:
         """One row per property, one column per dtype, then each failure and its reproducer."""
         names, cells = self.grid()
         width = max([len("property"), *map(len, names)])
-        cw = max([10, *(len(_cell(r)) for r in cells.values())])
+        cw = max([10, *(len(cell_text(r)) for r in cells.values())])
         header = f"{'property':<{width}}  " + "  ".join(f"{d:>{cw}}" for d in self.dtypes)
         lines = [
             f"attnref audit: backend {self.backend} on {self.device}, profile {self.profile}, "
@@ -549,7 +556,7 @@ class AuditReport:
         lines += [header, "-" * len(header)]
         for name in names:
             row = [f"{name:<{width}}"]
-            row += [f"{_cell(cells.get((name, d))):>{cw}}" for d in self.dtypes]
+            row += [f"{cell_text(cells.get((name, d))):>{cw}}" for d in self.dtypes]
             lines.append("  ".join(row))
         if any(r.status == "pass" and (r.skipped or r.refused) for r in self.results):
             lines.append(
@@ -671,7 +678,10 @@ def sandbox_line(sandbox: dict[str, dict[str, str]]) -> str:
     return line
 
 
-def _cell(r: PropertyResult | None) -> str:
+def cell_text(r: PropertyResult | None) -> str:
+    """A (property, dtype)'s cell as the terminal and the HTML grid show it: ``FAIL``,
+    ``skip``, or ``ok N`` / ``thin N`` (cases judged) with ``sK`` skipped and ``rJ``
+    refused."""
     if r is None:
         return "-"
     if r.status == "skip":

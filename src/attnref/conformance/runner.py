@@ -458,6 +458,16 @@ def audit(
     report.min_judged = min_judged
     report.examples = prof.examples
     report.floor = min_judged or max(1, math.ceil(prof.examples * FLOOR_SHARE))
+    report.options = {
+        "timeout": f"{timeout:g} s a call",
+        "deadline": "none" if deadline is None else f"{deadline:g} s",
+        "property budget": "none" if property_budget is None else f"{property_budget:g} s",
+        "min judged": "the floor" if min_judged is None else str(min_judged),
+        "gradients": "judged" if gradients else "left out (--no-grad)",
+        "fail fast": "yes" if fail_fast else "no",
+        "threads": str(threads),
+        "properties": "all" if properties is None else ", ".join(properties),
+    }
     work = [(p, d) for p in chosen for d in dtype_list]
     work += [(p, d) for p in chosen for d in fp8_kept if "fp8" in p.id]
     if fp8_kept and any(d in fp8_kept for _, d in work):
