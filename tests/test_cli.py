@@ -287,6 +287,11 @@ def test_the_estimate_rests_on_several_searches_and_says_how_sure_it_is() -> Non
     assert "(3.2 min to 15.0 min; a rough guess, from 4 searches" in said
     assert "about 2.2 min left" in estimate([30.0, 2.0, 3.0, 2.5], planned=100, judges=2)
     assert "sure, from 60" in estimate([1.0] * 60, planned=100, judges=1)
+    # the point lies inside its range where a few searches were quick (the mean below
+    # the median), and a time under a second is not "about 0 s"
+    skewed = estimate([10.0] * 6 + [0.1] * 3, planned=100, judges=1)
+    assert "about 15.2 min left (9 s to 15.2 min;" in skewed
+    assert "under 1 s left (a rough guess" in estimate([0.01, 0.02, 0.01], planned=4, judges=2)
     assert _checkpoints(100) == {3, 25, 50, 75}
     assert _checkpoints(2) == set()
 
