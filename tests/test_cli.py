@@ -263,7 +263,8 @@ def test_a_property_budget_an_estimate_and_the_start_up_in_the_time(
     args += ["--property-budget", "0.01", "--json", str(path)]
     assert main(args) == 1
     out, err = capsys.readouterr()
-    assert "attnref audit: 3 of 4 (property, dtype) searches done; about" in err
+    assert "attnref audit: 3 of 4 (property, dtype) searches done; " in err
+    assert " left (" in err
     assert "s of it start-up): THIN (not OK: 4 of 4 passes judged on fewer than" in out
     assert "a larger budget, or none, searches them whole" in out
     data = json.loads(path.read_text())
