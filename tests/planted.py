@@ -201,7 +201,9 @@ def segfaults(*args: Any, **kwargs: Any) -> Tensor:
 
 
 def aborts(*args: Any, **kwargs: Any) -> Tensor:
-    """Calls abort(): SIGABRT, as a failed C++ assertion or JAX's bfloat16 path does."""
+    """Says why, then calls abort(): SIGABRT, as a failed C++ assertion or JAX's bfloat16
+    path does."""
+    print("kernel.cpp:42: assert failed (head_dim <= 256)", file=sys.stderr, flush=True)
     os.abort()
 
 

@@ -18,7 +18,7 @@ from attnref._checking import checked, checked_internal
 from attnref.conformance.cases import Inputs
 from attnref.conformance.declarations import DEFAULT_API, Backend, Capabilities
 from attnref.conformance.family import family_of, get_family
-from attnref.conformance.verdicts import Failure, Skip, one_line
+from attnref.conformance.verdicts import Failure, Skip, one_line, shorten
 from attnref.conformance.worker import (
     BackendDied,
     Executor,
@@ -212,11 +212,22 @@ def invoke(
     except Raised as e:
         raise_for_error(backend, e.error, job)
     except BackendDied as e:
-        raise Failure(str(e), kind="died") from None
+        # the library's own last words ("free(): invalid pointer", an assert's line)
+        # say more than the signal: they belong in the finding, not the JSON alone
+        last = last_line(getattr(executor, "output_tail", str)())
+        said = f"; its last line: {last!r}" if last else ""
+        raise Failure(f"{e}{said}", kind="died") from None
     except TimeoutError as e:
         raise Failure(f"{TIMED_OUT}{e}", fatal=True) from None
     except InternalError as e:
         raise Failure(str(e).splitlines()[0], fatal=True) from None
+
+
+def last_line(output: str) -> str:
+    """The last line with something on it of what a backend printed, at most 200
+    characters (cut at a word), or ""."""
+    lines = [x.strip() for x in output.splitlines() if x.strip()]
+    return shorten(lines[-1]) if lines else ""
 
 
 def digest(job: object) -> str:
