@@ -195,3 +195,26 @@ def test_a_trigger_that_holds_another_is_its_variation() -> None:
     ((title, members),) = group([*results, causal])
     assert title.endswith("(its smallest trigger needs causal)")
     assert len(members) == 3
+
+
+def test_an_empty_row_is_named_by_what_emptied_it() -> None:
+    """A row a window emptied was said to be hidden by "the causal diagonal the backend
+    applies": each of the mask, the diagonal and the window that hides its keys is
+    named, and the policy by the cause the declaration knows it by."""
+    from dataclasses import replace
+
+    from attnref.conformance.backends import resolve_backend
+    from attnref.conformance.cases import build
+    from attnref.conformance.checks import Context
+    from attnref.conformance.declarations import Capabilities
+
+    backend = replace(resolve_backend("reference"), capabilities=Capabilities(window=True))
+    ctx = Context(backend, torch.float32, "cpu", 10.0)
+    windowed = build(Case("w", batch=(1,), h=1, g=1, Tq=4, Tk=2, window=(0, 0)), torch.float32)
+    text = ctx.row(windowed, (0, 0, 0, 0))
+    assert text.startswith("query 0 sees no key (the sliding window hides them;"), text
+    assert "causal diagonal" not in text
+    both = build(Case("b", batch=(1,), h=1, g=1, Tq=4, Tk=2, causal="bottom_right",
+                      mask="bool_full"), torch.float32)  # fmt: skip
+    text = ctx.row(both, (0, 0, 0, 0))
+    assert "causal diagonal" in text, text

@@ -219,8 +219,25 @@ class Context:
         causes = empty_row_causes(inputs, self.native(inputs))
         cause = next(c for c, rows in causes.items() if bool(rows[index].any()))
         policy = self.caps.empty_rows.for_call(cause, inputs.attn_mask)
-        why = "there are none" if inputs.key.shape[-2] == 0 else _CAUSES[cause]
-        return f"{query} sees no key ({why}; declared policy {policy!r})"
+        why = "there are none" if inputs.key.shape[-2] == 0 else self._hidden_by(inputs, index)
+        return f"{query} sees no key ({why}; declared policy {policy!r} for {_CAUSES[cause]})"
+
+    def _hidden_by(self, inputs: Inputs, index: tuple[int, ...]) -> str:
+        """What hid the keys of the row at ``index`` (which sees none): each of the mask,
+        the causal diagonal and the window that hides some of them (a row a window
+        emptied was said to be hidden by "the causal diagonal the backend applies")."""
+        mask = inputs.attn_mask
+        parts = []
+        for name, alone in (
+            ("-inf in the float mask" if mask is not None and mask.is_floating_point()
+             else "the mask", replace(inputs, causal=None, window=None)),
+            ("the causal diagonal" + (" the backend applies" if self.native(inputs)
+             else " (passed folded into the mask)"), replace(inputs, attn_mask=None, window=None)),
+            ("the sliding window", replace(inputs, attn_mask=None, causal=None)),
+        ):  # fmt: skip
+            if not bool(alone.visible()[index].all()):
+                parts.append(name)
+        return " and ".join(parts) + (" hide them" if len(parts) > 1 else " hides them")
 
     def _spread(self, inputs: Inputs, where: tuple[int, ...], nan: bool) -> str:
         """For a row that sees keys: a row nearby that sees none, whose NaN may have
@@ -302,9 +319,9 @@ def sample_rows(Tq: int, seed: int) -> Int[Tensor, " n"]:
 
 #: how a row's keys were hidden, by `attnref.conformance.oracle.empty_row_causes`
 _CAUSES = {
-    "bool_mask": "a boolean mask hides them",
-    "float_mask": "-inf in a float mask hides them",
-    "causal": "the causal diagonal the backend applies hides them",
+    "bool_mask": "rows a boolean mask empties",
+    "float_mask": "rows -inf in a float mask empties",
+    "causal": "rows its own causal masking empties",
 }
 
 
