@@ -5,6 +5,7 @@ audits that broke it: one empty-row bug came out as 5 and 11 findings, a precisi
 met beside a semantic failure as a finding of its own.
 """
 
+import pytest
 import torch
 
 from attnref.conformance.cases import Case
@@ -218,3 +219,48 @@ def test_an_empty_row_is_named_by_what_emptied_it() -> None:
                       mask="bool_full"), torch.float32)  # fmt: skip
     text = ctx.row(both, (0, 0, 0, 0))
     assert "causal diagonal" in text, text
+
+
+@pytest.mark.slow  # three audits: 6 s
+def test_a_row_one_key_off_says_which_key() -> None:
+    """A row that attends one key too many among 31 or 65 was called a precision loss;
+    where the oracle over one key more or fewer is what the backend returned, the
+    finding says which key (a diagonal that leaks the next token, one that leaves out
+    the query's own), and a wrong scale is not taken for it."""
+    from attnref.conformance import audit
+
+    said = {}
+    for mutant in ("causal_leaks_next", "causal_excludes_self", "scale_ignored"):
+        report = audit(f"mutant.{mutant}", properties=["forward"], dtypes=[torch.float32],
+                       progress=False, jobs=1)  # fmt: skip
+        (result,) = report.results
+        assert result.status == "fail"
+        said[mutant] = result.message
+    assert "attends key 1, which it must not see" in said["causal_leaks_next"]
+    assert "leaves out key 0, which it sees" in said["causal_excludes_self"]
+    assert "which it" not in said["scale_ignored"]
+
+
+def test_the_key_set_one_off_is_found_on_the_oracle_alone() -> None:
+    """`one_key_off` on hand-made rows: the oracle over the key after the last one seen,
+    over the first one left out, and a row that is neither."""
+    from attnref.conformance.cases import build
+    from attnref.conformance.oracle import one_key_off, reference
+
+    inputs = build(Case("c", batch=(1,), h=1, g=1, Tq=5, Tk=5, causal="top_left"),
+                   torch.float64)  # fmt: skip
+    opened = reference(build(Case("o", batch=(1,), h=1, g=1, Tq=5, Tk=5), torch.float64))
+    # query 2 sees keys 0-2; the row over keys 0-3 is "one key too many"
+    from dataclasses import replace
+
+    wider = replace(inputs, causal=None, attn_mask=torch.ones(5, 5, dtype=torch.bool).tril(1))
+    row = reference(wider)[0, 0, 2]
+    assert one_key_off(inputs, row, (0, 0, 2), 1e-9).startswith(
+        "query 2 attends key 3, which it must not see"
+    )
+    narrower = replace(inputs, causal=None, attn_mask=torch.ones(5, 5, dtype=torch.bool).tril(-1))
+    row = reference(narrower)[0, 0, 2]
+    assert one_key_off(inputs, row, (0, 0, 2), 1e-9).startswith(
+        "query 2 leaves out key 2, which it sees"
+    )
+    assert one_key_off(inputs, opened[0, 0, 2] * 2, (0, 0, 2), 1e-9) == ""

@@ -42,6 +42,7 @@ from attnref.conformance.oracle import (
     expect_grads,
     expect_lse,
     expect_sink_grad,
+    one_key_off,
     policy_rows,
 )
 from attnref.conformance.verdicts import Failure, Skip
@@ -195,14 +196,21 @@ class Context:
         out = self.run(inputs, **overrides)
         exp = self.expect(inputs)
         with self.naming_the_row(inputs):
-            close(
-                out.to(torch.float64),
-                exp.value,
-                *exp.bounds(),
-                what,
-                exp.known,
-                semantic=exp.semantic,
-            )
+            try:
+                close(
+                    out.to(torch.float64),
+                    exp.value,
+                    *exp.bounds(),
+                    what,
+                    exp.known,
+                    semantic=exp.semantic,
+                )
+            except Failure as f:
+                where = f.where
+                if f.kind != "error" or where is None or len(where) != out.dim():
+                    raise
+                off = one_key_off(inputs, out[where[:-1]], where[:-1], exp.bounds()[0])
+                raise (f.reworded(f"{f}; {off}") if off else f) from None
         return out
 
     def row(self, inputs: Inputs, where: tuple[int, ...], nan: bool = False) -> str:

@@ -50,6 +50,7 @@ __all__ = [
     "expect_grads",
     "expect_lse",
     "expect_sink_grad",
+    "one_key_off",
     "policy_rows",
     "reference",
     "reference_lse",
@@ -456,6 +457,56 @@ def _sunk(inputs: Inputs, policy: Tensor) -> Tensor:
         return policy
     sunk = torch.isfinite(inputs.sinks.to(policy.device))[:, None, None]  # (h, 1, 1)
     return policy.masked_fill(sunk, 0.0)
+
+
+def one_key_off(inputs: Inputs, got: Tensor, index: tuple[int, ...], bound: float) -> str:
+    """What a wrong output row at ``index`` (``(*batch, h, query)``) is, where it is the
+    oracle over one key more or one fewer than its query sees: the key next to either
+    end of what it sees taken in, or either end left out (a causal diagonal or a window
+    off by one, class 5 and 22). ``got``: the backend's row, ``bound`` the error it may
+    have. "" where no such key set matches, or the row has ALiBi or sinks (not modelled
+    here)."""
+    if inputs.alibi_slopes is not None or inputs.sinks is not None:
+        return ""
+    seen = inputs.visible()[index]  # (Tk,)
+    if not bool(seen.any()):
+        return ""
+    h, g = inputs.query.shape[-3], inputs.key.shape[-3]
+    kv = (*index[:-2], index[-2] // (h // g))
+    q = inputs.query[index].to(torch.float64)
+    k, v = inputs.key[kv].to(torch.float64), inputs.value[kv].to(torch.float64)
+    dh = q.shape[-1]
+    scale = inputs.scale if inputs.scale is not None else (dh**-0.5 if dh else 1.0)
+    scores = k @ q * scale  # (Tk,)
+    if inputs.softcap > 0:
+        scores = inputs.softcap * torch.tanh(scores / inputs.softcap)
+    mask = inputs.attn_mask
+    if mask is not None and mask.is_floating_point():
+        shape = (*inputs.query.shape[:-1], inputs.key.shape[-2])
+        row = mask.to(torch.float64).expand(shape)[index]
+        scores = scores + torch.where(torch.isfinite(row), row, 0.0)
+    at = seen.nonzero().flatten()
+    first, last = int(at[0]), int(at[-1])
+    query = f"query {index[-1]}"
+    tries = [
+        (last + 1, True, f"{query} attends key {last + 1}, which it must not see"),
+        (first - 1, True, f"{query} attends key {first - 1}, which it must not see"),
+        (last, False, f"{query} leaves out key {last}, which it sees"),
+        (first, False, f"{query} leaves out key {first}, which it sees"),
+    ]
+    got = got.to(torch.float64)
+    for j, taken, text in tries:
+        if not 0 <= j < seen.numel() or bool(seen[j]) == taken:
+            continue
+        keys = seen.clone()
+        keys[j] = taken
+        if bool(keys.any()):
+            want = torch.softmax(scores[keys], dim=-1) @ v[keys]
+        else:  # its one key left out: the row sees none, and the reference's policy is 0
+            want = torch.zeros_like(got)
+        if float((want - got).abs().max()) <= bound:
+            return text + " (its output is the oracle's over that key set)"
+    return ""
 
 
 #: the largest error a precision loss makes, in multiples of the bound it broke: the bound
