@@ -276,3 +276,29 @@ def test_an_output_that_cannot_be_written_is_named_before_the_audit(
         assert f"{option} {missing}: the folder" in err, err
     assert main(["report", str(tmp_path / "absent.json"), "--html", str(missing)]) == 2
     assert f"--html {missing}: the folder" in capsys.readouterr().err
+
+
+def test_a_reproducer_saves_the_inputs_each_call_got_and_the_oracle(tmp_path: Path) -> None:
+    """A user wrote an input-dumping copy of an adapter to look at the tensors that broke
+    a kernel: ``check_case(..., save=DIR)`` (a reproducer's ``--save DIR``) writes each
+    call's arguments as the backend received them, what it returned, and the oracle's
+    answer with its bounds."""
+    from attnref.conformance import Case, check_case
+    from attnref.conformance.report import reproducer
+
+    case = Case("x", batch=(1,), h=2, g=2, Tq=3, Tk=3, causal="top_left")
+    verdict = check_case("forward", "mutant.causal_leaks_next", case, torch.float32,
+                         save=tmp_path / "saved")  # fmt: skip
+    assert verdict.startswith("FAIL")
+    calls = torch.load(tmp_path / "saved" / "inputs.pt", weights_only=True)["calls"]
+    (call,) = calls
+    q = call["args"][0]
+    assert tuple(q.shape) == (1, 2, 3, 8)
+    assert q.dtype == torch.float32
+    assert call["kwargs"]["is_causal"] is True
+    (oracle,) = torch.load(tmp_path / "saved" / "expected.pt", weights_only=True)["oracles"]
+    assert oracle["output"].dtype == torch.float64
+    assert torch.equal(oracle["inputs"]["query"], q)
+    got = call["returned"].to(torch.float64)
+    assert float((got - oracle["output"]).abs().max()) > oracle["bound"][0]
+    assert "--save" in reproducer("b", "forward", case, torch.float32, "cpu", "m")

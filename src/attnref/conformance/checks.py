@@ -179,6 +179,31 @@ class Context:
             inputs, self.caps.empty_lse, self.rows(inputs), with_sink=self.caps.lse_with_sink
         )
 
+    def oracles(self) -> list[dict[str, Any]]:
+        """The oracles this check computed on its last case, as plain tensors and
+        numbers: each one's inputs, its float64 output (NaN where the declared policy
+        gives NaN) and its (max, mean) bounds (what `check_case` saves)."""
+        found = []
+        for inputs, exp in self._oracles.values():
+            found.append(
+                {
+                    "inputs": {
+                        name: getattr(inputs, name)
+                        for name in ("query", "key", "value", "attn_mask", "alibi_slopes", "sinks")
+                    }
+                    | {
+                        "causal": inputs.causal,
+                        "scale": inputs.scale,
+                        "window": inputs.window,
+                        "softcap": inputs.softcap,
+                    },
+                    "output": exp.value,
+                    "known": exp.known,
+                    "bound": exp.bounds(),
+                }
+            )
+        return found
+
     def keep(self, inputs: Inputs, expected: Expected) -> None:
         """Make ``expected`` the oracle of ``inputs`` for the rest of the check (a
         family's check that widens the bound of a call, e.g. for a rotation it rounds)."""

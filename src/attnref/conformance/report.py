@@ -263,6 +263,7 @@ def reproducer(
     return (
         f"# attnref: property {pid!r} failed for backend {backend!r} ({dt}, {device})\n"
         f"# {message}\n"
+        "# --save DIR also writes the inputs each call got and the oracle's answer there\n"
         f"{imports}"
         "\n"
         "import torch\n"
@@ -271,8 +272,10 @@ def reproducer(
         "\n"
         f"{where}"
         f"case = {case!r}\n"
+        'save = sys.argv[sys.argv.index("--save") + 1] if "--save" in sys.argv else None\n'
         "# the backend is imported and run in a supervised worker (isolate=False: here)\n"
-        f"verdict = check_case({pid!r}, {backend!r}, case, torch.{dt}, {device!r}{api_arg})\n"
+        f"verdict = check_case({pid!r}, {backend!r}, case, torch.{dt}, {device!r}{api_arg}, "
+        "save=save)\n"
         "print(verdict)\n"
         'sys.exit(1 if verdict.startswith("FAIL") else 0)\n'
     )

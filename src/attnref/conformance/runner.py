@@ -16,6 +16,8 @@ import time
 import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
 
 import torch
 from hypothesis import HealthCheck, Phase, Verbosity, given, settings
@@ -672,30 +674,77 @@ def check_case(
     isolate: bool = True,
     timeout: float = 60.0,
     world_size: int | None = None,
+    save: str | Path | None = None,
 ) -> str:
     """Check one case of property ``pid``: ``"pass"``, ``"skip: why"`` or ``"FAIL: why"``.
 
     What reproducers call. ``backend``: a `Backend`, or a spec that only the worker
     resolves (``api``: its family). ``isolate``: the backend runs in a supervised worker
     behind the trust boundary, so that a crash is a failure rather than the end of the
-    reproducer; ``False`` runs it in this process, trusting it.
+    reproducer; ``False`` runs it in this process, trusting it. ``save``: a folder to
+    write what the check saw into, for a debugger: ``inputs.pt`` (each call's arguments
+    exactly as the backend received them, and what it returned) and ``expected.pt``
+    (each float64 oracle the check computed, its inputs and its bounds); load them with
+    ``torch.load(path, weights_only=True)``.
     """
-    executor = start_executor(backend, api, isolate=isolate, world_size=world_size)
-    backend = executor.backend
+    executor: Any = start_executor(backend, api, isolate=isolate, world_size=world_size)
+    if save is not None:
+        executor = Recording(executor)
+    resolved: Backend = executor.backend
     prop = get_property(pid)
-    if not prop.applies_to(backend.api):
+    if not prop.applies_to(resolved.api):
         executor.close()
         return f"skip: a property of the {' and '.join(prop.families)} family"
+    # every row of a long case is judged: a reproducer must see the row that failed
+    ctx = Context(resolved, dtype, device, timeout, executor, sample=False)
     try:
-        # every row of a long case is judged: a reproducer must see the row that failed
-        prop.check(Context(backend, dtype, device, timeout, executor, sample=False), case)
+        prop.check(ctx, case)
     except Skip as s:
         return f"skip: {s}"
     except Failure as f:
         return f"FAIL: {f}"
     finally:
         executor.close()
+        if save is not None:
+            _save(Path(save), executor.calls, ctx.oracles())
     return "pass"
+
+
+class Recording:
+    """An executor that keeps each call it runs: the job (its arguments, as the backend
+    receives them) and what came back (None where the call failed)."""
+
+    def __init__(self, inner: Executor) -> None:
+        self.inner = inner
+        self.calls: list[tuple[Any, Any]] = []
+
+    def run(self, job: Any, timeout: float, meanwhile: Any = None) -> Any:
+        try:
+            out = self.inner.run(job, timeout, meanwhile)
+        except BaseException:
+            self.calls.append((job, None))
+            raise
+        self.calls.append((job, out))
+        return out
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def _save(folder: Path, calls: list[tuple[Any, Any]], oracles: list[Any]) -> None:
+    """``inputs.pt`` and ``expected.pt`` in ``folder`` (`check_case`'s ``save``)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    kept = [
+        {
+            "args": list(getattr(job, "args", ())),
+            "kwargs": dict(getattr(job, "kwargs", {})),
+            "d_out": getattr(job, "d_out", None),
+            "returned": out,
+        }
+        for job, out in calls
+    ]
+    torch.save({"calls": kept}, folder / "inputs.pt")
+    torch.save({"oracles": oracles}, folder / "expected.pt")
 
 
 def property_seed(seed: int, pid: str, dtype: torch.dtype) -> int:
