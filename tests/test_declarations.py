@@ -719,3 +719,23 @@ def test_rows_a_library_leaves_undefined_are_not_judged_and_said_so() -> None:
     assert not leak.ok
     (finding,) = leak.findings()
     assert "in rows that see keys" in finding[0], finding[0]
+
+
+def test_softcap_bound_draws_inside_a_narrow_head_dim_declaration() -> None:
+    """softcap_bound read the weights with V = I in one call, so it set Dqk = Dv = Tk and
+    a kernel declaring head dims (8, 16) without Dv != Dqk had 17 of 25 cases skipped:
+    it now reads them Dv at a time, skips none, and still catches a dropped softcap."""
+    from attnref.conformance.mutants import MUTANTS
+
+    narrow = {"distinct_value_dim": False, "head_dims": (8, 16)}
+    ref = resolve_backend("reference")
+    backend = replace(ref, capabilities=replace(ref.capabilities, **narrow))  # type: ignore[arg-type]
+    report = audit(backend, properties=["softcap_bound"], dtypes=[torch.float32],
+                   progress=False, isolate=False)  # fmt: skip
+    (result,) = report.results
+    assert (result.status, result.skipped) == ("pass", 0), result.message
+    dropped = MUTANTS["softcap_dropped"].backend()
+    dropped = replace(dropped, capabilities=replace(dropped.capabilities, **narrow))  # type: ignore[arg-type]
+    report = audit(dropped, properties=["softcap_bound"], dtypes=[torch.float32],
+                   progress=False, isolate=False)  # fmt: skip
+    assert not report.ok

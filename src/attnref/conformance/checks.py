@@ -890,21 +890,35 @@ def softcap_bound(ctx: Context, case: Case) -> None:
     c = inputs.softcap
     v = inputs.value
     Tk = v.shape[-2]
-    eye = torch.eye(Tk, dtype=v.dtype, device=v.device).expand(*v.shape[:-1], Tk)
-    probe = _with(inputs, value=eye)
-    weights = ctx.run(probe).to(torch.float64)  # (*batch, h, Tq, Tk): w_ij
-    with ctx.naming_the_row(probe):
-        # judged(): NaN in the rows a sampled oracle does not know (its value is 0 there)
-        _finite_where_the_oracle_is(weights, ctx.expect(probe).judged(), "the weights (V = I)")
+    # V = I reads the weights, its columns Dv at a time (where the declaration takes no
+    # Dv = Tk, the case has its own Dv: several calls)
+    width = v.shape[-1]
+    if width == 0:
+        raise Skip("a value dim of 0 reads no weights through V")
+    eye = torch.eye(Tk, dtype=v.dtype, device=v.device)
+    probes = []
+    for start in range(0, Tk, width):
+        block = eye[:, start : start + width]
+        block = torch.nn.functional.pad(block, (0, width - block.shape[-1]))
+        probes.append(_with(inputs, value=block.expand(*v.shape[:-1], width)))
+    parts = []
+    for probe in probes:
+        out = ctx.run(probe).to(torch.float64)
+        with ctx.naming_the_row(probe):
+            # judged(): NaN in the rows a sampled oracle does not know (its value is 0)
+            _finite_where_the_oracle_is(out, ctx.expect(probe).judged(), "the weights (V = I)")
+        parts.append(out)
+    weights = torch.cat(parts, dim=-1)[..., :Tk]  # (*batch, h, Tq, Tk): w_ij
     seen = inputs.visible()
     eps = torch.finfo(v.dtype).eps
     # first, what is judged must be softcap: a hidden key with weight is a mask not
     # applied, whatever the scores, and the bound below would blame the cap for it
-    exact = ctx.expect(probe)
+    exact = ctx.expect(probes[0])
     hidden = ~seen & (weights.abs() > exact.bounds()[0] + eps) & inputs.visible().any(-1, True)
     if bool(hidden.any()):
         where = tuple(int(i) for i in hidden.nonzero()[0])
         w = float(weights[where])
+        probe = probes[where[-1] // width]
         why = _why_hidden(ctx, probe, where)
         hider = "the mask"  # a mask, or the diagonal passed in one
         if why in ("the causal diagonal hides it", "the window hides it"):
@@ -914,7 +928,7 @@ def softcap_bound(ctx: Context, case: Case) -> None:
         # were) tells a mask never applied from one that softcap's path drops
         zero_q = replace(probe, query=torch.zeros_like(probe.query), softcap=0.0)
         plain = ctx.run(zero_q, oracle=False).to(torch.float64)
-        w0 = float(plain[where])
+        w0 = float(plain[(*where[:-1], where[-1] % width)])
         culprit = (
             f"{hider} is not applied, with or without softcap (weight {w0:.4g} without it)"
             if abs(w0) > exact.bounds()[0] + eps
@@ -929,7 +943,7 @@ def softcap_bound(ctx: Context, case: Case) -> None:
             where=where,
         )
     n = seen.sum(dim=-1, keepdim=True).clamp(min=1).to(torch.float64)
-    rel = 4 * eps + 4 * ctx.expect(probe).floor  # rounding w, and the score error
+    rel = 4 * eps + 4 * max(ctx.expect(p).floor for p in probes)  # w's rounding, the scores
     lo = math.exp(-2 * c) / n * (1 - rel)
     hi = math.exp(2 * c) / n * (1 + rel) + eps
     bad = seen & ~((weights >= lo) & (weights <= hi))
