@@ -535,6 +535,11 @@ def _declare_empty_rows() -> None:
     tiled_lengths_and_dims.capabilities = Capabilities(  # type: ignore[attr-defined]
         head_dim_multiple=8, length_multiples=(16, 32), zero_head_dim=False, dropout=False
     )
+    for fn in (tiled_with_lse, tiled_lse_base2):
+        fn.capabilities = Capabilities(  # type: ignore[attr-defined]
+            head_dim_multiple=8, length_multiples=(16, 32), zero_head_dim=False, dropout=False,
+            lse=True, gradients=False, causal_alignments=("top_left", "bottom_right"),
+        )  # fmt: skip
     scale_and_alignment_ignored.capabilities = Capabilities(  # type: ignore[attr-defined]
         causal_alignments=("top_left", "bottom_right"), dropout=False, gradients=False
     )
@@ -632,6 +637,31 @@ def tiled_lengths_and_dims(
     from tests.torch_sdpa import sdpa
 
     return sdpa(q, k, v, attn_mask, **kw)
+
+
+def tiled_with_lse(
+    q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None = None, **kw: Any
+) -> Any:
+    """`tiled_lengths_and_dims` with the log-sum-exp (attnref's reference inside): right.
+    Its merge and decode steps must be drawn at its multiples to be judged at all."""
+    Tq, Tk, D = q.shape[-2], k.shape[-2], q.shape[-1]
+    if Tq % 16 or Tk % 32 or D % 8 or v.shape[-1] % 8:
+        raise ValueError(f"unsupported shape: Tq={Tq}, Tk={Tk}, D={D}")
+    from attnref.functional import scaled_dot_product_attention
+
+    kw.pop("dropout_p", None)
+    return scaled_dot_product_attention(q, k, v, attn_mask, **kw)
+
+
+def tiled_lse_base2(
+    q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None = None, **kw: Any
+) -> Any:
+    """`tiled_with_lse` with its log-sum-exp in base 2 (class 25): wrong."""
+    got = tiled_with_lse(q, k, v, attn_mask, **kw)
+    if not kw.get("return_lse"):
+        return got
+    out, lse = got
+    return out, lse / math.log(2)
 
 
 def causal_flag_square_only(

@@ -739,3 +739,18 @@ def test_softcap_bound_draws_inside_a_narrow_head_dim_declaration() -> None:
     report = audit(dropped, properties=["softcap_bound"], dtypes=[torch.float32],
                    progress=False, isolate=False)  # fmt: skip
     assert not report.ok
+
+
+@pytest.mark.slow  # two audits: 6 s
+def test_merge_and_decode_are_drawn_at_the_declared_length_multiples() -> None:
+    """A kernel that takes lengths of multiples of 16 queries and 32 keys never had its
+    merge or decode judged: a decode step is one query against a prefix of keys, and
+    merge split the keys anywhere, so every case was skipped (decode: 25 of 25). A step
+    now repeats its query to 16 rows and stops at a multiple of 32 keys; merge splits by
+    blocks of 32. A base-2 LSE behind the same declaration fails merge."""
+    kwargs = {"properties": ["decode", "merge"], "dtypes": [torch.float32], "progress": False}
+    report = audit("tests.planted:tiled_with_lse", **kwargs)  # type: ignore[arg-type]
+    assert report.ok, report.format_table()
+    assert all(r.judged >= 20 for r in report.results), report.format_table()
+    base2 = audit("tests.planted:tiled_lse_base2", **kwargs)  # type: ignore[arg-type]
+    assert {r.property for r in base2.results if r.status == "fail"} == {"merge"}

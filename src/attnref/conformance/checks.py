@@ -752,16 +752,26 @@ def decode(ctx: Context, case: Case) -> None:
     if judged is not None:
         pick = int(judged[pick % len(judged)])
     rows = sorted({0, Tq - 1, pick})
+    mq, mk = ctx.caps.length_multiples
+    if mk > 1:  # a kernel that takes key lengths of multiples of mk: the rows that see such
+        fits = [i for i in range(Tq) if min(Tk, i + offset + 1) % mk == 0]
+        rows = sorted({fits[0], fits[-1], fits[pick % len(fits)]}) if fits else []
+        if not rows:
+            raise Skip(f"no query sees a multiple of {mk} keys (length_multiples)")
     for i in rows:
         n = min(Tk, i + offset + 1)
         if n <= 0:
             continue  # this query sees nothing: the empty-row property's business
         row_mask = None if mask is None else mask[..., i if mask.shape[-2] > 1 else 0, None, :n]
+        # one query, repeated to a multiple of mq where the kernel takes only such: rows
+        # are independent, and the last copy (aligned bottom-right, it sees all n keys)
+        # is the one row
+        one = q[..., i : i + 1, :]
         step = Inputs(
-            q[..., i : i + 1, :],
+            one.expand(*one.shape[:-2], mq, one.shape[-1]).contiguous() if mq > 1 else one,
             k[..., :n, :],
             v[..., :n, :],
-            row_mask,
+            None if row_mask is None else row_mask.expand(*row_mask.shape[:-2], mq, n),
             step_causal,
             inputs.scale,
             softcap=inputs.softcap,  # a row's own: softcap and sinks apply step by step
@@ -769,8 +779,8 @@ def decode(ctx: Context, case: Case) -> None:
         )
         law(
             ctx,
-            ctx.run(step),
-            step,
+            ctx.run(step)[..., mq - 1 :, :],
+            replace(step, query=one, attn_mask=row_mask, causal=step_causal),
             full,
             inputs,
             f"query {i} decoded alone against {n} keys",
@@ -1055,7 +1065,8 @@ def merge(ctx: Context, case: Case) -> None:
     k = inputs.key
     Tk = k.shape[-2]
     share = float(torch.rand((), generator=gen))
-    first = torch.rand(Tk, generator=gen) < share
+    block = ctx.caps.length_multiples[1]  # a part's keys: whole blocks where declared
+    first = (torch.rand(-(-Tk // block), generator=gen) < share).repeat_interleave(block)[:Tk]
     dv = inputs.value.shape[-1]
     shape = (*inputs.query.shape[:-1], dv)
     merged = torch.zeros(shape, dtype=torch.float64, device=k.device)
