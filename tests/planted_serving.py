@@ -40,7 +40,7 @@ def _attend(
     qh = q.to(acc).transpose(0, 1)
     kh = k.to(acc).transpose(0, 1).repeat_interleave(h // g, dim=0)
     vh = v.to(acc).transpose(0, 1).repeat_interleave(h // g, dim=0)
-    s = qh @ kh.transpose(-1, -2) * (scale if scale is not None else 1 / math.sqrt(D))
+    s = qh @ kh.transpose(-1, -2) * (scale if scale is not None else 1 / math.sqrt(D) if D else 1.0)
     pos = torch.arange(Tq)[:, None] + (Tk - Tq if offset is None else offset)
     j = torch.arange(Tk)[None, :]
     if softcap:
@@ -287,6 +287,22 @@ def decode_only(q: Tensor, k_cache: Tensor, v_cache: Tensor, *args: Any, **kwarg
 
 decode_only.capabilities = replace(  # type: ignore[attr-defined]
     KVCACHE_CLAIMS, single_query=True, empty_sequences=False
+)
+
+
+def extend_only(q: Tensor, k_cache: Tensor, v_cache: Tensor, *args: Any, **kwargs: Any) -> Any:
+    """`correct_kvcache` behind an extend kernel's limit: no row with more queries than
+    keys, counted per row (its cached keys and the new ones: SGLang's extend splits the
+    keys at the row's prefix); it raises otherwise. Right inside what it declares."""
+    seqlens = kwargs.get("cache_seqlens")
+    new = 0 if kwargs.get("k") is None else kwargs["k"].shape[1]
+    if seqlens is not None and bool((seqlens + new < q.shape[1]).any()):
+        raise ValueError("a row with more queries than keys")
+    return correct_kvcache(q, k_cache, v_cache, *args, **kwargs)
+
+
+extend_only.capabilities = replace(  # type: ignore[attr-defined]
+    KVCACHE_CLAIMS, queries_at_most_keys=True
 )
 
 

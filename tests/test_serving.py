@@ -338,3 +338,25 @@ def test_an_lse_that_counts_the_sink_is_declared_and_judged_so() -> None:
     wrong = audit(keys_only, **kwargs)  # type: ignore[arg-type]
     assert not wrong.ok
     assert "log-sum-exp" in wrong.results[0].message, wrong.format_table()
+
+
+@pytest.mark.slow  # two audits of two cache properties: 10 s
+def test_queries_at_most_keys_holds_per_row_of_a_cache() -> None:
+    """An extend kernel (SGLang's) takes no row with more queries than keys, counted per
+    row: its cached keys and the new ones. The cache cases held Tq <= Tk only for the
+    cache's length, so rows of a short sequence reached it and it failed kvcache and
+    kvcache_pages as declared. Drawn per row it passes; a real bug behind the same
+    declaration still fails."""
+    from dataclasses import replace
+
+    from attnref.conformance import audit
+    from attnref.conformance.backends import resolve_backend
+
+    props = ["kvcache", "kvcache_pages"]
+    kwargs: dict[str, Any] = {"api": "flash-kvcache", "properties": props,
+                              "dtypes": [torch.float32], "progress": False}  # fmt: skip
+    report = audit("tests.planted_serving:extend_only", **kwargs)
+    assert report.ok, report.format_table()
+    broken = resolve_backend("tests.planted_serving:ignores_new_tokens", "flash-kvcache")
+    broken = replace(broken, capabilities=replace(broken.capabilities, queries_at_most_keys=True))
+    assert not audit(broken, **kwargs).ok

@@ -566,7 +566,10 @@ def inside(
     if caps.queries_at_most_keys:
         if case.seqlens:
             case = replace(case, seqlens=tuple((min(tq, tk), tk) for tq, tk in case.seqlens))
-        elif not case.cached and case.Tq > case.Tk:
+        elif case.cached:  # each row's: its cached keys and the new ones, per row
+            short = max(0, case.Tq - case.new)
+            case = replace(case, cached=tuple(max(c, short) for c in case.cached))
+        elif case.Tq > case.Tk:
             case = replace(case, Tq=case.Tk)
     if caps.causal_only and case.causal not in caps.causal_alignments:
         case = replace(case, causal=pick(caps.causal_alignments))

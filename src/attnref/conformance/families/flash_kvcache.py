@@ -98,6 +98,9 @@ def cache_arguments(
     defaults are not passed."""
     for row in call.rows:
         flash_checks(row)
+        Tq, Tk = row.query.shape[-2], row.key.shape[-2]
+        if caps.queries_at_most_keys and Tq > Tk:  # per row: each has its own keys
+            raise Skip(f"a row of {Tq} queries and {Tk} keys: queries at most keys declared")
     # sinks (our extension of flash_attn_with_kvcache's names: SGLang's decode and
     # vLLM's unified attention have one logit a query head) reach it as ``sinks=``
     # where declared (`variant_kwargs`: a Skip otherwise)
