@@ -190,6 +190,41 @@ def _decode(bug: str = "") -> Any:
     return sparse
 
 
+def _materialised(clamp_only: bool) -> Any:
+    def sparse(
+        q: Tensor,
+        kv: Tensor,
+        indices: Tensor,
+        sm_scale: float,
+        d_v: int = 512,
+        attn_sink: Tensor | None = None,
+        topk_length: Tensor | None = None,
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        idx = indices[:, 0].long()  # (Tq, topk)
+        n = kv.shape[0]
+        valid = (idx >= 0) & (idx < n)
+        rows = kv[idx.clamp(0, max(n - 1, 0)), 0].float()  # (Tq, topk, D): every entry
+        logits = torch.einsum("qhd,qkd->qhk", q.float(), rows) * sm_scale
+        if not clamp_only:  # the bug: a sentinel's clamped row is read as a token
+            logits = logits.masked_fill(~valid[:, None, :], -math.inf)
+        lse = torch.logsumexp(logits, dim=-1)  # -inf for a query with no valid entry
+        out = torch.softmax(logits, dim=-1) @ rows[..., :d_v]  # NaN there, and 0 * NaN
+        wide = torch.float64 if q.dtype == torch.float64 else torch.float32
+        return out.to(q.dtype), logits.amax(-1).to(wide), lse.to(wide)
+
+    sparse.capabilities = replace(  # type: ignore[attr-defined]
+        CLAIMS, masked_nan="propagates", empty_row="nan", empty_lse="-inf", attn_sink=False
+    )
+    return sparse
+
+
+#: P @ V materialised over every entry's gathered row, as FlashMLA's torch reference,
+#: DeepSeek-V3.2's model code and fla's naive_dsa do: weight 0 times a NaN row is NaN,
+#: and a query with no valid entry is a softmax of -inf (NaN). Right, declared so.
+materialised = _materialised(clamp_only=False)
+#: the same, with a sentinel's clamped row read as a token: wrong however declared
+materialised_reads_sentinels = _materialised(clamp_only=True)
+
 right = _prefill()
 invalid_read_as_zero = _prefill("invalid_read_as_zero")
 partial_block_dropped = _prefill("partial_block_dropped")

@@ -398,3 +398,45 @@ def test_the_planted_kernels_without_a_bug_pass(name: str, api: str) -> None:
     own = [p.id for p in PROPERTIES.values() if api in p.families]
     report = run(resolve_backend(f"tests.planted_sparse:{name}", api=api), properties=own)
     assert report.ok, report.format_table()
+
+
+@pytest.mark.slow  # three audits: 9 s
+def test_an_implementation_that_materialises_p_v_is_audited_as_it_declares() -> None:
+    """FlashMLA's torch reference, DeepSeek-V3.2's model code and fla's naive_dsa gather
+    every entry's row and materialise P @ V: weight 0 times the NaN the family planted in
+    rows no valid entry names is NaN, and a query with no valid entry is a softmax of
+    -inf. Declared so (``masked_nan="propagates"``, ``empty_row="nan"``), such rows hold
+    finite values of their own and it passes; one that reads a sentinel's row as a token
+    fails; FlashMLA's own declaration keeps the NaN, and a kernel true to it passes."""
+    from typing import Any
+
+    from attnref.conformance import audit
+
+    props = ["sparse_mla", "sparse_empty", "sparse_tiles", "sparse_order"]
+    kwargs: dict[str, Any] = {"api": "sparse-mla", "dtypes": [torch.float32],
+                              "progress": False, "properties": props}  # fmt: skip
+    assert audit("tests.planted_sparse:materialised", **kwargs).ok
+    assert not audit("tests.planted_sparse:materialised_reads_sentinels", **kwargs).ok
+    assert audit("tests.planted_sparse:right", **kwargs).ok
+
+
+def test_unread_rows_hold_nan_only_where_the_declaration_contains_it() -> None:
+    """Rows and slots no valid entry names hold NaN under ``masked_nan="contained"``
+    (FlashMLA's), and finite values of their own where NaN there may propagate."""
+    from dataclasses import replace
+
+    caps = resolve_backend("sparse-mla-reference").capabilities
+    assert caps.masked_nan == "contained"
+    case = Case("sparse_mla", h=3, g=1, Tq=2, Tk=40, Dh=576, Dv=512, latent=True, seed=4,
+                options=(("topk", 64), ("valid", "random")))  # fmt: skip
+    nan = build_sparse(case, torch.float32, "cpu", caps)
+    around = (42, 1, 576), (576, 576, 1), 0  # kv's buffer: a row before it and after it
+    assert bool(torch.isnan(nan.kv.as_strided(*around)).any())
+    finite = build_sparse(case, torch.float32, "cpu", replace(caps, masked_nan="propagates"))
+    assert bool(torch.isfinite(finite.kv.as_strided(*around)).all())
+    assert torch.equal(finite.q, nan.q)  # the case's own values unchanged
+    fp8_caps = resolve_backend("sparse-mla-fp8-reference").capabilities
+    fp8 = Case("sparse_fp8", h=3, g=1, Tq=2, Dh=576, Dv=512, cached=(70, 9), page=16,
+               latent=True, seed=2, options=(("topk", 64), ("valid", "all")))  # fmt: skip
+    raw = build_sparse_fp8(fp8, "cpu", replace(fp8_caps, masked_nan="propagates")).k_cache
+    assert bool((raw.view(torch.uint8)[0] == 60).all())  # the unused page: finite bytes

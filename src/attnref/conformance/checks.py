@@ -252,7 +252,9 @@ class Context:
         causes = empty_row_causes(inputs, self.native(inputs))
         cause = next(c for c, rows in causes.items() if bool(rows[index].any()))
         policy = self.caps.empty_rows.for_call(cause, inputs.attn_mask)
-        why = "there are none" if inputs.key.shape[-2] == 0 else self._hidden_by(inputs, index)
+        if inputs.key.shape[-2] == 0:
+            return f"{query} sees no key (there are none; declared policy {policy!r})"
+        why = self._hidden_by(inputs, index)
         return f"{query} sees no key ({why}; declared policy {policy!r} for {_CAUSES[cause]})"
 
     def _hidden_by(self, inputs: Inputs, index: tuple[int, ...]) -> str:

@@ -90,6 +90,8 @@ FLASH_MLA_SPARSE = Capabilities(
     empty_lse="+inf",
     max_logits=True,
     topk_multiple=TOPK_BLOCK,
+    # its kernels never read a row no valid entry names: NaN there must never matter
+    masked_nan="contained",
 )
 
 
@@ -369,6 +371,7 @@ _OURS = replace(
     topk_length=True,
     attn_sink=True,
     invalid_indices=("-1", "past_end"),
+    masked_nan="contained",
 )
 
 
@@ -441,6 +444,13 @@ def _counts(case: Case, topk: int, Tk: int, gen: torch.Generator, block: int) ->
     return counts
 
 
+def _filler(case: Case, shape: tuple[int, ...]) -> Tensor:
+    """Finite values for the rows no valid entry names, drawn apart from the case's own
+    (its seed's stream unchanged): large enough that a row read as a token shows."""
+    gen = torch.Generator().manual_seed(case.seed * 31 + 7)
+    return 8.0 * torch.randn(shape, generator=gen) + 4.0
+
+
 def build_sparse(
     case: Case, dtype: torch.dtype, device: str | torch.device, caps: Capabilities
 ) -> SparseCall:
@@ -452,7 +462,8 @@ def build_sparse(
     ``topk_length``, rows the count excludes; ``order`` ``sorted`` lists the valid
     entries first, ``shuffled`` mixes them; ``sink`` draws a sink logit per head
     (`sink_logits`). Every row no query selects, and one row before and after the call's
-    ``kv`` in its buffer, hold NaN."""
+    ``kv`` in its buffer, hold NaN where ``caps.masked_nan`` is ``contained`` (else finite
+    values of their own, `_filler`)."""
     gen = torch.Generator().manual_seed(case.seed)
     Tq, Tk, h, D, Dv = case.Tq, case.Tk, case.h, case.Dh, case.Dv
     topk = int(case.option("topk", max(Tk, 1)))
@@ -464,7 +475,13 @@ def build_sparse(
     q32, k32, _ = shape_values(case, dtype, q32.transpose(0, 1), k32.transpose(0, 1),
                                 k32.transpose(0, 1)[..., :Dv])  # fmt: skip
     q = q32.transpose(0, 1).to(proto)
+    # what rows no valid entry names hold: NaN where the declaration says NaN there never
+    # reaches the output; else finite values of their own (an implementation that
+    # materialises P @ V over gathered rows, weight 0 times NaN, is not wrong for it)
+    filler = _filler(case, (Tk + 2, 1, D)) if caps.masked_nan == "propagates" else None
     buffer = torch.full((Tk + 2, 1, D), math.nan, dtype=dtype, device=device)
+    if filler is not None:
+        buffer.copy_(filler)
     buffer[1 : Tk + 1] = k32.transpose(0, 1).to(proto)
     block = caps.tile_keys or TOPK_BLOCK
     counts = _counts(case, topk, Tk, gen, block)
@@ -492,7 +509,11 @@ def build_sparse(
     used = torch.zeros(Tk, dtype=torch.bool)
     for sel in chosen:
         used[sel] = True
-    kv[~used.to(device)] = math.nan  # no query reads them
+    unused = (~used).to(device)  # no query reads them
+    if filler is None:
+        kv[unused] = math.nan
+    else:
+        kv.copy_(torch.where(unused[:, None, None], filler[1 : Tk + 1].to(kv), kv))
     lengths = None
     if counted:  # past each count: valid-looking indices of NaN rows, or of chosen rows
         lengths = torch.tensor(counts, dtype=torch.int32, device=device)
