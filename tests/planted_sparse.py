@@ -109,15 +109,22 @@ def _prefill(bug: str = "") -> Any:
         attn_sink: Tensor | None = None,
         topk_length: Tensor | None = None,
     ) -> tuple[Tensor, Tensor, Tensor]:
-        parts = [
-            _attend(q[i], kv[:, 0], indices[i, 0], sm_scale, d_v, bug, attn_sink)
-            for i in range(q.shape[0])
-        ]
-        out, peak, lse = (torch.stack(x) for x in zip(*parts, strict=True))
+        if bug.startswith("materialised"):
+            out, peak, lse = _gathered(q, kv, indices, sm_scale, d_v, bug.endswith("sentinels"))
+        else:
+            parts = [
+                _attend(q[i], kv[:, 0], indices[i, 0], sm_scale, d_v, bug, attn_sink)
+                for i in range(q.shape[0])
+            ]
+            out, peak, lse = (torch.stack(x) for x in zip(*parts, strict=True))
         wide = torch.float64 if q.dtype == torch.float64 else torch.float32
         return out.to(q.dtype), peak.to(wide), lse.to(wide)
 
     sparse.capabilities = CLAIMS  # type: ignore[attr-defined]
+    if bug.startswith("materialised"):  # NaN may propagate, and an empty query is NaN
+        sparse.capabilities = replace(  # type: ignore[attr-defined]
+            CLAIMS, masked_nan="propagates", empty_row="nan", empty_lse="-inf", attn_sink=False
+        )
     return sparse
 
 
@@ -190,42 +197,30 @@ def _decode(bug: str = "") -> Any:
     return sparse
 
 
-def _materialised(clamp_only: bool) -> Any:
-    def sparse(
-        q: Tensor,
-        kv: Tensor,
-        indices: Tensor,
-        sm_scale: float,
-        d_v: int = 512,
-        attn_sink: Tensor | None = None,
-        topk_length: Tensor | None = None,
-    ) -> tuple[Tensor, Tensor, Tensor]:
-        idx = indices[:, 0].long()  # (Tq, topk)
-        n = kv.shape[0]
-        valid = (idx >= 0) & (idx < n)
-        rows = kv[idx.clamp(0, max(n - 1, 0)), 0].float()  # (Tq, topk, D): every entry
-        logits = torch.einsum("qhd,qkd->qhk", q.float(), rows) * sm_scale
-        if not clamp_only:  # the bug: a sentinel's clamped row is read as a token
-            logits = logits.masked_fill(~valid[:, None, :], -math.inf)
-        lse = torch.logsumexp(logits, dim=-1)  # -inf for a query with no valid entry
-        out = torch.softmax(logits, dim=-1) @ rows[..., :d_v]  # NaN there, and 0 * NaN
-        wide = torch.float64 if q.dtype == torch.float64 else torch.float32
-        return out.to(q.dtype), logits.amax(-1).to(wide), lse.to(wide)
+def _gathered(
+    q: Tensor, kv: Tensor, indices: Tensor, sm_scale: float, d_v: int, clamp_only: bool
+) -> tuple[Tensor, Tensor, Tensor]:
+    """P @ V materialised over every entry's gathered row, as FlashMLA's torch reference,
+    DeepSeek-V3.2's model code and fla's naive_dsa do: weight 0 times a NaN row is NaN,
+    and a query with no valid entry is a softmax of -inf (NaN). ``clamp_only``: the bug,
+    a sentinel's clamped row read as a token."""
+    idx = indices[:, 0].long()  # (Tq, topk)
+    n = kv.shape[0]
+    valid = (idx >= 0) & (idx < n)
+    rows = kv[idx.clamp(0, max(n - 1, 0)), 0].float()  # (Tq, topk, D): every entry
+    logits = torch.einsum("qhd,qkd->qhk", q.float(), rows) * sm_scale
+    if not clamp_only:
+        logits = logits.masked_fill(~valid[:, None, :], -math.inf)
+    lse = torch.logsumexp(logits, dim=-1)  # -inf for a query with no valid entry
+    out = torch.softmax(logits, dim=-1) @ rows[..., :d_v]  # NaN there, and 0 * NaN
+    return out, logits.amax(-1), lse
 
-    sparse.capabilities = replace(  # type: ignore[attr-defined]
-        CLAIMS, masked_nan="propagates", empty_row="nan", empty_lse="-inf", attn_sink=False
-    )
-    return sparse
-
-
-#: P @ V materialised over every entry's gathered row, as FlashMLA's torch reference,
-#: DeepSeek-V3.2's model code and fla's naive_dsa do: weight 0 times a NaN row is NaN,
-#: and a query with no valid entry is a softmax of -inf (NaN). Right, declared so.
-materialised = _materialised(clamp_only=False)
-#: the same, with a sentinel's clamped row read as a token: wrong however declared
-materialised_reads_sentinels = _materialised(clamp_only=True)
 
 right = _prefill()
+#: `_gathered`: right as declared (masked_nan="propagates", empty_row="nan")
+materialised = _prefill("materialised")
+#: `_gathered`, a sentinel's clamped row read as a token: wrong however declared
+materialised_reads_sentinels = _prefill("materialised_reads_sentinels")
 invalid_read_as_zero = _prefill("invalid_read_as_zero")
 partial_block_dropped = _prefill("partial_block_dropped")
 duplicates_merged = _prefill("duplicates_merged")
