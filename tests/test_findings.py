@@ -264,3 +264,45 @@ def test_the_key_set_one_off_is_found_on_the_oracle_alone() -> None:
         "query 2 leaves out key 2, which it sees"
     )
     assert one_key_off(inputs, opened[0, 0, 2] * 2, (0, 0, 2), 1e-9) == ""
+
+
+#: mutants whose whole quick audit gave many findings for one bug (before: 11, 9, 6 and
+#: 4), and the symptoms each may show: one finding, two where the bug shows in rows that
+#: see keys and in rows that see none
+ONE_BUG = {
+    "empty_row_uniform": 1,
+    "causal_alignment_ignored": 2,
+    "no_max_subtraction": 1,
+    "strides_ignored": 1,
+}
+
+
+@pytest.mark.slow  # a whole quick audit each: 50-70 s
+@pytest.mark.parametrize(("mutant", "most"), ONE_BUG.items())
+def test_a_whole_quick_audit_of_one_bug_is_one_finding(mutant: str, most: int) -> None:
+    from attnref.conformance import audit
+    from attnref.conformance.families import MUTANTS
+
+    report = audit(f"mutant.{mutant}", api=MUTANTS[mutant].api, progress=False)
+    found = report.findings()
+    assert report.count("fail") > 5
+    assert 1 <= len(found) <= most, [title for title, _ in found]
+
+
+def test_triggers_are_compared_as_the_backend_got_the_call() -> None:
+    """mask_inverted came out as "needs causal" and "needs a mask": its declaration
+    computes only the top-left diagonal, so a bottom-right case's diagonal reached it as
+    a mask. Read by the declaration, both triggers are a mask: one finding."""
+    from attnref.conformance.declarations import Capabilities
+
+    causal = Case("c", causal="bottom_right", Tq=3, Tk=5)
+    masked = Case("m", mask="bool")
+    results = [
+        fail("causality", WRONG.format(SEES_KEYS), needs=("causal with Tq != Tk",), case=causal),
+        fail("masked_keys", WRONG.format(SEES_KEYS), needs=("a mask",), case=masked),
+    ]
+    assert len(group(results)) == 2  # without the declaration: two triggers
+    ((title, _),) = group(results, Capabilities(causal_alignments=("top_left",)))
+    assert title.endswith("(its smallest trigger needs a mask)")
+    both = Capabilities(causal_alignments=("top_left", "bottom_right"))
+    assert len(group(results, both)) == 2  # computed by the backend: two triggers

@@ -32,9 +32,18 @@ from dataclasses import dataclass, field, replace
 from typing import Generic, Protocol, TypeVar
 
 from attnref.conformance.cases import Case
+from attnref.conformance.declarations import Capabilities
 from attnref.conformance.verdicts import cause_key, shorten
 
-__all__ = ["FEATURES", "IMPLIED", "features_of", "group", "implied", "symptom_of"]
+__all__ = [
+    "FEATURES",
+    "IMPLIED",
+    "as_called",
+    "features_of",
+    "group",
+    "implied",
+    "symptom_of",
+]
 
 
 def _unequal(case: Case) -> bool:
@@ -148,24 +157,35 @@ def _cause(result: _Result) -> str:
     return f.cause if f is not None and f.cause else result.message
 
 
-def group(results: list[R]) -> list[tuple[str, list[R]]]:
+def group(results: list[R], caps: Capabilities | None = None) -> list[tuple[str, list[R]]]:
     """The failing ``results`` as findings: (title, members), the member that made the
-    finding first (its smallest trigger), most members first, then in audit order."""
+    finding first (its smallest trigger), most members first, then in audit order.
+    ``caps``: the backend's declaration, by which a causal diagonal it does not compute
+    itself reaches it as a mask (`as_called`)."""
     failed = [r for r in results if r.status == "fail"]
     order = {id(r): i for i, r in enumerate(failed)}
+
+    def needs_of(r: _Result) -> tuple[str, ...]:
+        if r.finding is None:
+            return ()
+        return as_called(r.finding.needs, r.finding.case, caps)
+
+    def present(case: Case) -> frozenset[str]:  # its features as the backend got them
+        found = features_of(case)
+        return found | {"a mask"} if not _native(case, caps) else found
 
     def rank(r: R) -> tuple[int, int, int]:
         # named rows first (their trigger is known), then the most specific trigger
         _, rows = symptom_of(_cause(r))
-        return (rows == "", -len(_needs(r)), order[id(r)])
+        return (rows == "", -len(needs_of(r)), order[id(r)])
 
     groups: list[_Group[R]] = []
     for r in sorted(failed, key=rank):
         cause = _cause(r)
         symptom, rows = symptom_of(cause)
         key = cause_key(symptom)
-        needs = _needs(r)
-        features = frozenset() if r.finding is None else features_of(r.finding.case)
+        needs = needs_of(r)
+        features = frozenset() if r.finding is None else present(r.finding.case)
         same = [g for g in groups if g.key == key and g.explains(rows, features)]
         if not same and key.startswith(PRECISION):
             # the same property wrong in another dtype: that bug, rounded more coarsely
@@ -184,11 +204,11 @@ def group(results: list[R]) -> list[tuple[str, list[R]]]:
         named = [
             m
             for m in g.members
-            if set(g.needs) <= set(_needs(m)) and symptom_of(_cause(m))[1] == g.rows
+            if set(g.needs) <= set(needs_of(m)) and symptom_of(_cause(m))[1] == g.rows
         ]
-        head = min(named or g.members, key=lambda m: (len(_needs(m)), _size(m), order[id(m)]))
+        head = min(named or g.members, key=lambda m: (len(needs_of(m)), _size(m), order[id(m)]))
         rest = sorted((m for m in g.members if m is not head), key=lambda m: order[id(m)])
-        need = _needs(head)
+        need = needs_of(head)
         title = _cause(head) + (f" (its smallest trigger needs {', '.join(need)})" if need else "")
         found.append((shorten(title), [head, *rest]))
     found.sort(key=lambda item: (-len(item[1]), order[id(item[1][0])]))
@@ -218,8 +238,27 @@ def _absorbed(groups: list[_Group[R]]) -> list[_Group[R]]:
     return kept
 
 
-def _needs(r: _Result) -> tuple[str, ...]:
-    return () if r.finding is None else r.finding.needs
+def _native(case: Case, caps: Capabilities | None) -> bool:
+    """Whether the backend computes ``case``'s causal diagonal itself (else the audit
+    passes it folded into a boolean mask: `Capabilities.causal_alignments`,
+    ``causal_with_mask``, ``causal_square_only``)."""
+    if case.causal is None or caps is None:
+        return True
+    if case.causal not in caps.causal_alignments:
+        return False
+    if case.mask != "none" and not caps.causal_with_mask:
+        return False
+    return not (caps.causal_square_only and case.Tq != case.Tk)
+
+
+def as_called(needs: tuple[str, ...], case: Case, caps: Capabilities | None) -> tuple[str, ...]:
+    """``needs`` as the backend was called: where it does not compute the case's causal
+    diagonal itself, the diagonal reached it as a mask, and "causal" is "a mask" (an
+    inverted mask needed "causal" in one case and "a mask" in another: one trigger)."""
+    if _native(case, caps) or not ({"causal", "causal with Tq != Tk"} & set(needs)):
+        return needs
+    kept = [n for n in needs if n not in ("causal", "causal with Tq != Tk")]
+    return tuple(dict.fromkeys(["a mask", *kept]))
 
 
 def _size(r: _Result) -> int:

@@ -449,7 +449,7 @@ class AuditReport:
         """The failures as findings, one per cause (`attnref.conformance.findings.group`):
         each its title and its results, the first the one whose shrunk case is the
         finding's smallest trigger, the rest its variations; most results first."""
-        return group(self.results)
+        return group(self.results, self.capabilities)
 
     def failed_properties(self) -> set[str]:
         """The ids of the properties that failed in at least one dtype."""
