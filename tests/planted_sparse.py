@@ -15,7 +15,8 @@ dequantized with tile ``t - 1``'s scale; tile 0 with its own), ``past_1024_dropp
 ``model1_per_token_fp8`` (DeepSeek-V4's MODEL1 pages read as if each 584-byte row of the
 view were one token's bytes), ``sink_as_base_2`` (the prefill's ``attn_sink`` taken as a
 base-2 logit, as a kernel working in base 2 that scales its scores by ``log2 e`` but not
-the sink would). ``right``, ``right_fp8`` and ``right_model1_fp8`` are the
+the sink would), ``indices_16_bit`` (a row index kept in 16 bits: rows past 2**16 wrap;
+class 21 with 36). ``right``, ``right_fp8`` and ``right_model1_fp8`` are the
 same kernels without a bug, which must pass.
 """
 
@@ -67,6 +68,8 @@ def _attend(
         stop = min(topk, 1024)
     for start in range(0, stop, BLOCK):
         block = idx[start : min(start + BLOCK, stop)].long()
+        if bug == "indices_16_bit":  # a row index kept in 16 bits: rows past 2**16 wrap
+            block = torch.where(block >= 0, block % 2**16, block)
         ok = (block >= 0) & (block < n)
         if bug == "invalid_read_as_zero":
             block, ok = torch.where(ok, block, 0), torch.ones_like(ok)
@@ -228,6 +231,7 @@ lse_in_base_2 = _prefill("lse_in_base_2")
 max_logits_before_scale = _prefill("max_logits_before_scale")
 max_started_at_zero = _prefill("max_started_at_zero")
 sink_as_base_2 = _prefill("sink_as_base_2")
+indices_16_bit = _prefill("indices_16_bit")
 right_fp8 = _decode()
 tile_scale_off_by_one_fp8 = _decode("tile_scale_off_by_one_fp8")
 past_1024_dropped_fp8 = _decode("past_1024_dropped_fp8")
@@ -243,6 +247,7 @@ UNSEEN = {
     "max_logits_before_scale": "sparse-mla",
     "max_started_at_zero": "sparse-mla",
     "sink_as_base_2": "sparse-mla",
+    "indices_16_bit": "sparse-mla",
     "tile_scale_off_by_one_fp8": "sparse-mla-fp8",
     "past_1024_dropped_fp8": "sparse-mla-fp8",
     "model1_per_token_fp8": "sparse-mla-fp8",

@@ -691,9 +691,15 @@ def _sparse_cases(
     return cases
 
 
+#: the rows of the far case: DeepSeek's 131,072 tokens and a partial block past them
+FAR_ROWS = 2**17 + 77
+
+
 def _sparse_examples(p: Profile, c: Capabilities) -> list[Case]:
     """Where class 36 shows: a query with no valid index beside ones with many, the
-    last partial block of a long list, past-the-end and ``-1`` entries mixed, repeats."""
+    last partial block of a long list, past-the-end and ``-1`` entries mixed, repeats;
+    and rows past 2**16 (DeepSeek's models index 131,072 tokens: a kernel that keeps its
+    indices in 16 bits passed every drawn case, at most 160 rows)."""
     m = max(c.topk_multiple, 1)
     tile = c.tile_keys or TOPK_BLOCK
 
@@ -709,6 +715,8 @@ def _sparse_examples(p: Profile, c: Capabilities) -> list[Case]:
         Case("sparse_repeats", h=3, Tq=4, Tk=20,
              options=(("topk", up(24)), ("valid", "random"), ("duplicates",
                       c.duplicates == "counted"), ("order", "shuffled"), ("sentinels", both))),
+        Case("sparse_far_rows", h=3, Tq=2, Tk=FAR_ROWS,
+             options=(("topk", up(64)), ("valid", "all"), ("sentinels", both))),
     ]  # fmt: skip
     return [replace(x, g=1, Dh=40, Dv=32, latent=True, seed=500 + i) for i, x in enumerate(base)]
 
