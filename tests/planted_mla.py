@@ -51,6 +51,8 @@ def _kernel(bug: str = "") -> Any:
             if n == 0:
                 if bug == "empty_sequence_stale" and previous is not None:
                     out[b], lse[b] = previous  # the last sequence's buffers, not cleared
+                if bug == "nan_empty":  # a softmax of nothing, as a torch reference has it
+                    out[b] = math.nan
                 continue
             pages = -(-n // page)
             span = pages * page if bug == "nan_tail_unmasked" else n
@@ -72,7 +74,7 @@ def _kernel(bug: str = "") -> Any:
                 o = (e @ values) / total.clamp(min=1e-300)
                 total = (torch.log(total) + m)[..., 0]
             empty = ~seen.any(-1)  # (Tq,)
-            o = o.masked_fill(empty[:, None, None], 0.0)
+            o = o.masked_fill(empty[:, None, None], math.nan if bug == "nan_empty" else 0.0)
             lse_b = total.transpose(0, 1).masked_fill(empty[None, :], math.inf)  # (h, Tq)
             if bug == "lse_base2_past_page" and n > page:
                 lse_b = lse_b / math.log(2)
@@ -82,6 +84,8 @@ def _kernel(bug: str = "") -> Any:
         return out, lse.to(torch.float64 if q.dtype == torch.float64 else torch.float32)
 
     mla.capabilities = CLAIMS  # type: ignore[attr-defined]
+    if bug == "nan_empty":  # right, as declared: NaN where a query sees no key
+        mla.capabilities = replace(CLAIMS, empty_row="nan")  # type: ignore[attr-defined]
     mla.__name__ = bug or "correct_mla"
     return mla
 
@@ -107,6 +111,8 @@ scale_ignored_many_heads = _kernel("scale_ignored_many_heads")
 empty_sequence_stale = _kernel("empty_sequence_stale")
 nan_tail_unmasked = _kernel("nan_tail_unmasked")
 split_unscaled = _kernel("split_unscaled")
+#: NaN for a query with no key (a softmax over nothing), declared empty_row="nan": right
+nan_empty = _kernel("nan_empty")
 lse_base2_past_page = _kernel("lse_base2_past_page")
 
 #: each buggy kernel: the class of its bug

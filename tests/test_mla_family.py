@@ -205,3 +205,19 @@ def test_the_mean_bound_averages_only_the_entries_close_judges() -> None:
                 cached=(1,), page=16, shuffle=True, latent=True, fp8="e4m3fn")  # fmt: skip
     verdict = check_case("mla_fp8", "mla-sdpa", case, torch.bfloat16, "cpu", api="mla")
     assert verdict == "pass", verdict
+
+
+@pytest.mark.slow  # two audits: 13 s
+def test_a_kernel_that_gives_nan_for_an_empty_sequence_declares_it() -> None:
+    """A torch reference of FlashMLA's decode gives NaN for a query that sees no key (a
+    softmax over nothing), where FlashMLA gives 0: declared ``empty_row="nan"``, it
+    passes the family's properties; declared as zeros, it fails them."""
+    from attnref.conformance import audit
+
+    spec = "tests.planted_mla:nan_empty"
+    kwargs = {"api": "mla", "dtypes": [torch.float32], "progress": False,
+              "properties": ["mla", "empty_rows", "forward"]}  # fmt: skip
+    assert audit(spec, **kwargs).ok  # type: ignore[arg-type]
+    backend = resolve_backend(spec, "mla")
+    zeros = replace(backend, capabilities=replace(backend.capabilities, empty_row="zero"))
+    assert not audit(zeros, **kwargs).ok  # type: ignore[arg-type]
