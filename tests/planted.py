@@ -597,6 +597,16 @@ def dies_after_corrupting(*args: Any, **kwargs: Any) -> Tensor:
     return torch.nn.functional.scaled_dot_product_attention(*args, **kwargs)
 
 
+def wrong_then_dies(*args: Any, **kwargs: Any) -> Tensor:
+    """Wrong (off by 0.5) on the first call of its process, which leaves its memory
+    corrupted: every later call dies of it (SIGSEGV). The case a crash is met on fails
+    alone too, in a fresh process, without crashing."""
+    if _CORRUPTED:
+        ctypes.string_at(0)
+    _CORRUPTED.append(True)
+    return torch.nn.functional.scaled_dot_product_attention(*args, **kwargs) + 0.5
+
+
 def wrong_past_one_query(*args: Any, **kwargs: Any) -> Tensor:
     """Right for one query (a decode step), off by 0.5 for more (a prefill): in the
     ``decode`` law the original call is the wrong one, and finite."""

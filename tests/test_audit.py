@@ -310,6 +310,13 @@ def test_a_crash_that_its_case_does_not_repeat_alone_says_so() -> None:
     always = run("tests.planted:segfaults", properties=["forward"], dtypes=(torch.float32,))
     assert "killed by SIGSEGV" in always.results[0].message
     assert "alone" not in always.results[0].message
+    # one whose case fails alone too, without the crash, is not said to need the calls
+    # before it to fail: only its crash does
+    wrong = run("tests.planted:wrong_then_dies", properties=["forward"], dtypes=(torch.float32,))
+    (result,) = wrong.results
+    assert "killed by SIGSEGV" in result.message, result.message
+    assert "alone, in a fresh worker, it fails too but does not crash" in result.message
+    assert "does not reproduce alone" not in result.message
 
 
 @pytest.mark.parametrize(

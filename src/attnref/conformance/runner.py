@@ -43,7 +43,7 @@ from attnref.conformance.report import (
     reproducer,
 )
 from attnref.conformance.strategies import inside, narrowed, work
-from attnref.conformance.verdicts import Failure, Skip, cause_of
+from attnref.conformance.verdicts import Failure, Skip, cause_of, shorten
 from attnref.conformance.worker import Executor, start_executor
 from attnref.devices import best_device, dtype_name
 from attnref.interpreted import INTERPRETERS
@@ -321,7 +321,13 @@ def _alone(
     except Failure as f:
         if f.kind == "died":
             return failure
-        alone = f"it fails otherwise: {str(f)[:200]}"
+        # it fails alone too, without the crash: the case is wrong either way, and its
+        # reproducer fails; only the crash needs what came before
+        return failure.reworded(
+            f"{failure}; alone, in a fresh worker, it fails too but does not crash "
+            f"({shorten(str(f))}): the crash needs the calls before it, the wrong answer "
+            "does not"
+        )
     return failure.reworded(str(failure) + NOT_ALONE.format(alone))
 
 
