@@ -595,7 +595,8 @@ def test_json_report_and_reproducer_files(tmp_path: Path) -> None:
     path = tmp_path / "report.json"
     written = report.write_json(path)
     data = json.loads(path.read_text())
-    assert data["schema_version"] == 13
+    assert data["schema_version"] == 14
+    assert data["options"]["properties"] == "forward, gqa, causality"
     assert data["api"] == "sdpa"
     assert data["backend"] == "mutant.gqa_tiled"
     assert data["profile"] == "quick"

@@ -116,7 +116,7 @@ def test_the_report_says_it_ran_interpreted_and_times_each_case(tmp_path: Path) 
     assert lines[2] == "  bfloat16 left out: off by 8e8"
     report.write_json(tmp_path / "r.json")
     data = json.loads((tmp_path / "r.json").read_text())
-    assert data["schema_version"] == 13
+    assert data["schema_version"] == 14
     assert data["interpreted"]["dtypes_out"] == {"bfloat16": "off by 8e8"}
     (result,) = data["results"]
     assert len(result["case_seconds"]) == result["checks"] > 0

@@ -76,7 +76,8 @@ def _parser() -> argparse.ArgumentParser:
         "--html",
         metavar="PATH",
         help="also write the report as one self-contained HTML page: the property x "
-        "dtype grid, each finding's heatmap and reproducer, coverage plots",
+        "dtype grid, each finding's heatmap and reproducer once (its variations folded), "
+        "coverage tables and a plot",
     )
     a.add_argument(
         "--shard",

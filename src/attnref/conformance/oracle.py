@@ -459,7 +459,10 @@ def _sunk(inputs: Inputs, policy: Tensor) -> Tensor:
     return policy.masked_fill(sunk, 0.0)
 
 
-def one_key_off(inputs: Inputs, got: Tensor, index: tuple[int, ...], bound: float) -> str:
+@checked
+def one_key_off(
+    inputs: Inputs, got: Float[Tensor, " Dv"], index: tuple[int, ...], bound: float
+) -> str:
     """What a wrong output row at ``index`` (``(*batch, h, query)``) is, where it is the
     oracle over one key more or one fewer than its query sees: the key next to either
     end of what it sees taken in, or either end left out (a causal diagonal or a window

@@ -584,6 +584,12 @@ def inside(
         case = replace(case, window=(case.window[0], 0))
     if caps.sinks_required and not case.sinks:
         case = replace(case, sinks=True)
+    top = caps.max_head_dim
+    if top is not None and max(case.Dh, case.Dv) > top:  # an explicit production size
+        Dh, Dv = min(case.Dh, top), min(case.Dv, top)
+        case = replace(case, Dh=Dh, Dv=Dv, rotary=min(case.rotary, Dh - Dh % 2))
+    if not caps.distinct_value_dim and case.Dv != case.Dh and not case.latent:
+        case = replace(case, Dv=case.Dh)
     m = caps.head_dim_multiple
     if m > 1 and (case.Dh % m or case.Dv % m):
         Dh, Dv = (-(-d // m) * m for d in (case.Dh, case.Dv))
