@@ -475,8 +475,6 @@ class Capabilities:
             or self.cp_equal_shards
             or self.causal_windows_only
             or self.head_dim_multiple > 1
-            or self.max_head_dim is not None
-            or not self.distinct_value_dim
             or self.single_query
             or not self.empty_sequences
             or self.length_multiples != (1, 1)
