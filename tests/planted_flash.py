@@ -39,7 +39,7 @@ def _attend(
     qh = q.to(acc).permute(0, 2, 1, 3)  # (B, h, Tq, D)
     kh = k.to(acc).permute(0, 2, 1, 3).repeat_interleave(h // g, dim=1)
     vh = v.to(acc).permute(0, 2, 1, 3).repeat_interleave(h // g, dim=1)
-    scale = softmax_scale if softmax_scale is not None else 1 / math.sqrt(D)
+    scale = softmax_scale if softmax_scale is not None else 1 / math.sqrt(D) if D else 1.0
     s = qh @ kh.transpose(-1, -2) * scale
     pos = torch.arange(Tq)[:, None] + Tk - Tq
     j = torch.arange(Tk)[None, :]
