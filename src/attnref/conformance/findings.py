@@ -18,6 +18,9 @@ The rules, in the order `group` applies them:
   needs. A failure joins the finding with the same symptom whose trigger explains it,
   the most specific one first; rows that see no key are one finding whatever emptied
   them (a mask, the causal diagonal, a window).
+- Triggers are compared as the backend got the call: a causal diagonal it does not
+  compute itself reached it as a mask (`as_called`), and a trigger that holds another
+  is that one's variation (`_absorbed`).
 - A precision loss in one dtype joins a finding of wrong values in a property that
   failed so in another dtype: the same bug, seen through a coarser rounding.
 - The precision miss a search met on its way to a semantic failure
