@@ -476,18 +476,20 @@ def one_key_off(
         return ""
     h, g = inputs.query.shape[-3], inputs.key.shape[-3]
     kv = (*index[:-2], index[-2] // (h // g))
-    q = inputs.query[index].to(torch.float64)
-    k, v = inputs.key[kv].to(torch.float64), inputs.value[kv].to(torch.float64)
-    dh = q.shape[-1]
-    scale = inputs.scale if inputs.scale is not None else (dh**-0.5 if dh else 1.0)
-    scores = k @ q * scale  # (Tk,)
-    if inputs.softcap > 0:
-        scores = inputs.softcap * torch.tanh(scores / inputs.softcap)
+    # the row alone, as one query of one head against its head's keys (float64)
+    row = replace(
+        inputs.to(torch.float64),
+        query=inputs.query[index][None, None, None].to(torch.float64),
+        key=inputs.key[kv][None, None].to(torch.float64),
+        value=inputs.value[kv][None, None].to(torch.float64),
+        causal=None,
+        window=None,
+    )
     mask = inputs.attn_mask
+    added = None  # a float mask's entries of the row, which still add to its scores
     if mask is not None and mask.is_floating_point():
         shape = (*inputs.query.shape[:-1], inputs.key.shape[-2])
-        row = mask.to(torch.float64).expand(shape)[index]
-        scores = scores + torch.where(torch.isfinite(row), row, 0.0)
+        added = mask.to(torch.float64).expand(shape)[index]
     at = seen.nonzero().flatten()
     first, last = int(at[0]), int(at[-1])
     query = f"query {index[-1]}"
@@ -503,10 +505,11 @@ def one_key_off(
             continue
         keys = seen.clone()
         keys[j] = taken
-        if bool(keys.any()):
-            want = torch.softmax(scores[keys], dim=-1) @ v[keys]
-        else:  # its one key left out: the row sees none, and the reference's policy is 0
-            want = torch.zeros_like(got)
+        if added is None:
+            keyset: Tensor = keys
+        else:  # a key taken in is scored as it is, its -inf (if any) set aside
+            keyset = torch.where(keys, torch.where(torch.isinf(added), 0.0, added), -math.inf)
+        want = reference(replace(row, attn_mask=keyset[None]))[0, 0, 0]  # 0 for no key
         if float((want - got).abs().max()) <= bound:
             return text + " (its output is the oracle's over that key set)"
     return ""
