@@ -607,6 +607,27 @@ def wrong_then_dies(*args: Any, **kwargs: Any) -> Tensor:
     return torch.nn.functional.scaled_dot_product_attention(*args, **kwargs) + 0.5
 
 
+def _write_outside(t: Tensor, after: bool) -> None:
+    """Eight zero bytes just after the end (or before the start) of ``t``'s storage, as
+    a native kernel with an off-by-one bound writes them."""
+    storage = t.untyped_storage()
+    at = storage.data_ptr() + storage.nbytes() if after else storage.data_ptr() - 8
+    ctypes.memset(at, 0, 8)
+
+
+def writes_past_key(q: Tensor, k: Tensor, v: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+    """Right values, and eight bytes written just past the end of the key's memory (a
+    native kernel's last tile stored one row too far). Nothing it returns shows it."""
+    _write_outside(k, after=True)
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, *args, **kwargs)
+
+
+def writes_before_query(q: Tensor, k: Tensor, v: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+    """Right values, and eight bytes written just before the query's memory."""
+    _write_outside(q, after=False)
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, *args, **kwargs)
+
+
 def wrong_past_one_query(*args: Any, **kwargs: Any) -> Tensor:
     """Right for one query (a decode step), off by 0.5 for more (a prefill): in the
     ``decode`` law the original call is the wrong one, and finite."""

@@ -320,6 +320,24 @@ def test_a_crash_that_its_case_does_not_repeat_alone_says_so() -> None:
 
 
 @pytest.mark.parametrize(
+    ("name", "said"),
+    [("writes_past_key", "key (64 guard bytes after its end changed)"),
+     ("writes_before_query", "query (64 guard bytes before its start changed)")],
+)  # fmt: skip
+def test_a_write_outside_an_argument_s_memory_is_found_by_its_guard_bytes(
+    name: str, said: str
+) -> None:
+    """Each tensor a worker gets lies between guard bytes of its own (64 of 0xA5 on each
+    side), read back after the call: a kernel that writes past the end of an input (or of
+    a cache it appends to) is told so, though its values are right and the write would
+    otherwise corrupt memory unseen, or crash a later call."""
+    report = run(f"tests.planted:{name}", properties=["forward"], dtypes=(torch.float32,))
+    (result,) = report.results
+    assert result.status == "fail", report.format_table()
+    assert f"the backend wrote outside its arguments' memory: {said}" in result.message
+
+
+@pytest.mark.parametrize(
     ("spec", "wrong"),
     [("tests.planted:wrong_past_one_query", "original"),
      ("tests.planted:wrong_on_one_query", "changed")],

@@ -340,6 +340,49 @@ def test_large_jobs_cross_in_a_sealed_file_the_worker_cannot_write() -> None:
         os.close(fd)
 
 
+@pytest.mark.parametrize("large", [False, True])
+def test_each_tensor_a_worker_gets_lies_between_guard_bytes(large: bool) -> None:
+    """Through the pipe or in a sealed file, each tensor the worker decodes has `GUARD`
+    bytes of `GUARD_BYTE` on each side of its storage, its own to write: a write just
+    past the end (or before the start) of one is seen, and names that side; the
+    tensor's values are whole."""
+    import ctypes
+
+    from attnref.conformance.wire import (
+        GUARD,
+        SHARED,
+        SHARED_FROM,
+        broken_guards,
+        can_share,
+        encode_shared,
+        map_shared,
+    )
+
+    if large and not can_share():
+        pytest.skip("no sealed memory files on this platform")
+    q = torch.randn(SHARED_FROM // 4 + 3 if large else 7)
+    k = torch.arange(15, dtype=torch.float16)
+    message, fd = encode_shared({"q": q, "k": k})
+    assert (fd is not None) == large
+    guards: dict[int, int] = {}
+    if fd is None:
+        back = decode(message, guards=guards)
+    else:
+        back = decode(message[len(SHARED) :], shared=map_shared(fd), guards=guards)
+    assert torch.equal(back["q"], q)
+    assert torch.equal(back["k"], k)
+    at = {name: back[name].untyped_storage().data_ptr() for name in ("q", "k")}
+    assert sorted(guards.values()) == sorted((k.nbytes, q.nbytes))
+    assert all(broken_guards(guards, a) is None for a in at.values())
+    ctypes.memset(at["k"] + k.nbytes + GUARD - 1, 0, 1)  # the last guard byte after k
+    assert broken_guards(guards, at["k"]) == "after its end"
+    ctypes.memset(at["q"] - 1, 0, 1)
+    assert broken_guards(guards, at["q"]) == "before its start"
+    assert torch.equal(back["q"], q)
+    assert torch.equal(back["k"], k)
+    assert broken_guards(guards, 12345) is None  # not a guarded storage
+
+
 def test_a_workers_reused_memory_file_is_sealed_against_it_and_carries_each_job() -> None:
     """An executor's `Arena` carries job after job in one file (a new, larger one when a
     job outgrows it): each decodes to its own tensors, and the worker's descriptor can

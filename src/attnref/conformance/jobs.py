@@ -163,6 +163,10 @@ def outcome(reply: Any) -> Any:
         names = reply.get("names")
         listed = ", ".join(str(n) for n in names) if type(names) is list else "?"
         raise Raised(ModifiedInputs(f"the backend modified its inputs: {listed}"))
+    if status == "past":
+        names = reply.get("names")
+        listed = ", ".join(str(n) for n in names) if type(names) is list else "?"
+        raise Raised(ModifiedInputs(f"the backend wrote outside its arguments' memory: {listed}"))
     if status == "late":
         raise Raised(LateWrite(text["message"]))
     if status == "unaccepted":

@@ -38,8 +38,10 @@ from attnref.conformance.declarations import (
 from attnref.conformance.family import FAMILIES
 from attnref.conformance.jobs import error_reply
 from attnref.conformance.wire import (
+    GUARD,
     SHARED,
     Rejected,
+    broken_guards,
     decode,
     encode,
     map_shared,
@@ -139,6 +141,11 @@ def _encode_unsupported(obj: Any) -> Any:
     return obj
 
 
+#: the storages of the job at hand, whose guard bytes the worker reads after a call
+#: (`attnref.conformance.wire.decode`'s ``guards``: address, size)
+GUARDS: dict[int, int] = {}
+
+
 def _call(backend: Backend, job: dict[str, Any], buffers: tuple[Any, Any] | None = None) -> Any:
     """Run one call job in this (the worker's) process; a reply tree."""
     args, kwargs = buffers if buffers is not None else (tuple(job["args"]), dict(job["kwargs"]))
@@ -173,16 +180,32 @@ def _call(backend: Backend, job: dict[str, Any], buffers: tuple[Any, Any] | None
         value = snapshot(out)  # as it stood when the call returned
     except BaseException as e:
         return error_reply("raised", e)
+    family = FAMILIES.get(backend.api)
+    name_of = (lambda i: f"argument {i}") if family is None else family.argument_name
+
+    def named(n: str) -> str:
+        return name_of(int(n.split()[1])) if n.startswith("argument ") else n
+
+    every = [(f"argument {i}", t) for i, t in enumerate(args) if isinstance(t, Tensor)]
+    every += [(k, t) for k, t in kwargs.items() if isinstance(t, Tensor)]
+    past = []  # writable ones too: a cache appended past its end
+    for n, t in every:
+        side = (
+            broken_guards(GUARDS, t.untyped_storage().data_ptr())
+            if t.device.type == "cpu"
+            else None
+        )
+        if side is not None:
+            past.append(f"{named(n)} ({GUARD} guard bytes {side} changed)")
+    if past:
+        return {"status": "past", "names": past}
     changed = [
         name
         for (name, t), b in zip(tensors, before, strict=True)
         if not _same(_fingerprint(t, copy=False), b)
     ]
     if changed:
-        family = FAMILIES.get(backend.api)
-        name = (lambda i: f"argument {i}") if family is None else family.argument_name
-        named = [name(int(n.split()[1])) if n.startswith("argument ") else n for n in changed]
-        return {"status": "modified", "names": named}
+        return {"status": "modified", "names": [named(n) for n in changed]}
     left = [t for t in threading.enumerate() if t not in threads and t.is_alive()]
     if left or recheck > 0:
         late = _late_write(out, value, max(recheck, 0.05), left)
@@ -413,7 +436,8 @@ def serve(
                 message = message[len(SHARED) :]
         except EOFError:
             return
-        conn.send_bytes(handle(backend, decode(message, shared=shared)))
+        GUARDS.clear()
+        conn.send_bytes(handle(backend, decode(message, shared=shared, guards=GUARDS)))
         del shared  # unmapped once the job's tensors are gone
         sys.stdout.flush()
 

@@ -30,11 +30,14 @@ from attnref._checking import checked_internal
 
 __all__ = [
     "DTYPES",
+    "GUARD",
+    "GUARD_BYTE",
     "MAX_DEPTH",
     "SHARED",
     "SHARED_FROM",
     "Arena",
     "Rejected",
+    "broken_guards",
     "can_share",
     "decode",
     "encode",
@@ -156,15 +159,25 @@ SHARED_FROM = 2**20
 _SEALS = ("F_SEAL_SEAL", "F_SEAL_SHRINK", "F_SEAL_GROW", "F_SEAL_WRITE")
 
 
+#: bytes kept free before and after each tensor a job carries: the worker fills them
+#: with `GUARD_BYTE` and reads them back after the call (`guarded`, `broken_guards`), so
+#: that a backend that wrote past the end (or before the start) of an input, or of a
+#: cache it appends to, is told so, where the write would otherwise land unseen
+GUARD = 64
+#: what the guard bytes hold (not 0: a stray zero or a rounded 0.0 is the likeliest write)
+GUARD_BYTE = 0xA5
+
+
 def _aligned(lengths: list[int] | tuple[int, ...]) -> list[int]:
     """Where each tensor's bytes start in a shared file (each on a 64-byte boundary, as
-    kernels may need), and, last, where the file ends."""
+    kernels may need, with `GUARD` bytes before and after it), and, last, where the file
+    ends."""
     offsets, at = [], 0
     for n in lengths:
-        at = -(-at // 64) * 64
+        at = -(-(at + GUARD) // 64) * 64
         offsets.append(at)
         at += n
-    return [*offsets, at]
+    return [*offsets, at + GUARD]
 
 
 def can_share() -> bool:
@@ -292,13 +305,40 @@ def map_shared(fd: int) -> "mmap.mmap | bytes":
         os.close(fd)
 
 
+def _fill(address: int, size: int) -> None:
+    """Write `GUARD_BYTE` into the `GUARD` bytes before and after ``size`` bytes at
+    ``address`` (memory `decode` laid out with that room)."""
+    ctypes.memset(address - GUARD, GUARD_BYTE, GUARD)
+    ctypes.memset(address + size, GUARD_BYTE, GUARD)
+
+
+def broken_guards(guards: dict[int, int], address: int) -> str | None:
+    """Where a write outside the storage at ``address`` (one of ``guards``, `decode`'s)
+    changed its guard bytes: ``"after its end"``, ``"before its start"``, or None where
+    both sides hold `GUARD_BYTE` still (or ``address`` is not guarded)."""
+    size = guards.get(address)
+    if size is None:
+        return None
+    intact = bytes([GUARD_BYTE]) * GUARD
+    if ctypes.string_at(address + size, GUARD) != intact:
+        return "after its end"
+    if ctypes.string_at(address - GUARD, GUARD) != intact:
+        return "before its start"
+    return None
+
+
 def decode(
-    data: bytes | bytearray, device: str | None = None, shared: "mmap.mmap | bytes | None" = None
+    data: bytes | bytearray,
+    device: str | None = None,
+    shared: "mmap.mmap | bytes | None" = None,
+    guards: "dict[int, int] | None" = None,
 ) -> Any:
     """The tree ``data`` holds, built only of ``None``, ``bool``, ``int``, ``float``,
     ``str``, tuples, lists, dicts and plain strided tensors (on ``device`` if given).
     ``shared``: the tensors' bytes, where ``data`` came from `encode_shared` (its
-    `SHARED` prefix removed); the tensors are views of it.
+    `SHARED` prefix removed); the tensors are views of it. ``guards``: filled with each
+    CPU tensor's storage (its address: its size in bytes), whose `GUARD` bytes on each
+    side hold `GUARD_BYTE` (the worker's side; `broken_guards` reads them).
 
     Raises:
         Rejected: the message is malformed, or names something the audit does not accept.
@@ -354,10 +394,18 @@ def decode(
             flat = torch.empty(0, dtype=torch.uint8)
         elif shared is not None:  # a view of the mapping, copy-on-write
             flat = torch.frombuffer(shared, dtype=torch.uint8, count=size, offset=starts[index])
-        else:
+            if guards is not None and isinstance(shared, mmap.mmap):  # its own pages
+                _fill(flat.data_ptr(), size)
+                guards[flat.data_ptr()] = size
+        elif guards is None:
             flat = torch.frombuffer(
                 bytearray(view[starts[index] : starts[index + 1]]), dtype=torch.uint8
             )
+        else:  # the bytes between guards of their own
+            room = bytearray(GUARD) + view[starts[index] : starts[index + 1]] + bytearray(GUARD)
+            flat = torch.frombuffer(room, dtype=torch.uint8, count=size, offset=GUARD)
+            _fill(flat.data_ptr(), size)
+            guards[flat.data_ptr()] = size
         out = flat.view(dtype).as_strided(shape, stride, offset)
         where = device or x.get("device", "cpu")
         if not (where == "cpu" or (type(where) is str and _CUDA.fullmatch(where))):
