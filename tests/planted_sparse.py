@@ -235,6 +235,8 @@ indices_16_bit = _prefill("indices_16_bit")
 right_fp8 = _decode()
 tile_scale_off_by_one_fp8 = _decode("tile_scale_off_by_one_fp8")
 past_1024_dropped_fp8 = _decode("past_1024_dropped_fp8")
+#: a row index kept in 16 bits, in the FP8 decode kernel: rows past 2**16 wrap
+indices_16_bit_fp8 = _decode("indices_16_bit")
 right_model1_fp8 = _decode("model1")
 model1_per_token_fp8 = _decode("model1_per_token_fp8")
 
@@ -251,4 +253,5 @@ UNSEEN = {
     "tile_scale_off_by_one_fp8": "sparse-mla-fp8",
     "past_1024_dropped_fp8": "sparse-mla-fp8",
     "model1_per_token_fp8": "sparse-mla-fp8",
+    "indices_16_bit_fp8": "sparse-mla-fp8",
 }
