@@ -5,6 +5,8 @@ audits that broke it: one empty-row bug came out as 5 and 11 findings, a precisi
 met beside a semantic failure as a finding of its own.
 """
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -276,6 +278,45 @@ ONE_BUG = {
 }
 
 
+#: whole quick audits of every planted kernel, their failures kept by
+#: ``python tools/findings_count.py --planted --out DIR --keep tests/data/findings``
+RECORDED = Path(__file__).parent / "data" / "findings"
+
+
+def _planted() -> list[str]:
+    from tools.findings_count import planted
+
+    return sorted(spec.removeprefix("tests.").replace(":", "-") for spec in planted())
+
+
+def test_every_planted_kernel_s_whole_quick_audit_is_recorded() -> None:
+    recorded = sorted(p.name.removesuffix(".json.gz") for p in RECORDED.glob("*.json.gz"))
+    assert recorded == _planted(), (
+        "run python tools/findings_count.py --planted --out DIR --keep tests/data/findings"
+    )
+
+
+@pytest.mark.parametrize("name", _planted())
+def test_a_whole_quick_audit_of_a_planted_kernel_is_one_finding(name: str) -> None:
+    """Each planted kernel in tests/planted_*.py has one bug: its whole quick audit (seed
+    0, recorded in tests/data/findings by tools/findings_count.py: an audit is 30-190 s,
+    an hour for all of them) is one finding, two where the bug shows in rows that see
+    keys and in rows that see none, or as two symptoms. The audits' failures are grouped
+    again here, by this version's rules."""
+    import gzip
+    import json
+
+    from attnref.conformance.exports import load_report
+
+    path = RECORDED / f"{name}.json.gz"
+    if not path.exists():
+        pytest.fail(f"{name}: no recorded audit (see test_every_planted_kernel_s_...)")
+    report = load_report(json.loads(gzip.decompress(path.read_bytes())))
+    found = report.findings()
+    assert report.count("fail") >= 1
+    assert 1 <= len(found) <= 2, [title for title, _ in found]
+
+
 @pytest.mark.slow  # a whole quick audit each: 50-70 s
 @pytest.mark.parametrize(("mutant", "most"), ONE_BUG.items())
 def test_a_whole_quick_audit_of_one_bug_is_one_finding(mutant: str, most: int) -> None:
@@ -305,3 +346,30 @@ def test_triggers_are_compared_as_the_backend_got_the_call() -> None:
     assert title.endswith("(its smallest trigger needs a mask)")
     both = Capabilities(causal_alignments=("top_left", "bottom_right"))
     assert len(group(results, both)) == 2  # computed by the backend: two triggers
+
+
+def test_a_sparse_kernel_gets_every_hidden_key_as_an_index_left_out() -> None:
+    """A sparse kernel never sees a mask, the causal diagonal or a window: each reaches it
+    as keys left out of its indices. A planted kernel that read an invalid entry as row 0
+    needed "a mask" in one case, "causal" in another and "a window" in a third: one bug,
+    one finding, named by what the kernel got. A dense kernel keeps three triggers."""
+    from attnref.conformance.declarations import Capabilities
+
+    results = [
+        fail(
+            "masked_keys", WRONG.format(SEES_KEYS), needs=("a mask",), case=Case("m", mask="bool")
+        ),
+        fail(
+            "causality",
+            WRONG.format(SEES_KEYS),
+            needs=("causal",),
+            case=Case("c", causal="top_left"),
+        ),
+        fail(
+            "windows", WRONG.format(SEES_KEYS), needs=("a window",), case=Case("w", window=(2, 0))
+        ),
+    ]
+    assert len(group(results, Capabilities())) == 3
+    ((title, members),) = group(results, Capabilities(family="sparse-mla"))
+    assert title.endswith("(its smallest trigger needs keys left out of the indices)"), title
+    assert len(members) == 3

@@ -32,7 +32,7 @@ import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Generic, Protocol, TypeVar
+from typing import Generic, Protocol, TypeVar, overload
 
 from attnref.conformance.cases import Case
 from attnref.conformance.declarations import Capabilities
@@ -175,7 +175,8 @@ def group(results: list[R], caps: Capabilities | None = None) -> list[tuple[str,
 
     def present(case: Case) -> frozenset[str]:  # its features as the backend got them
         found = features_of(case)
-        return found | {"a mask"} if not _native(case, caps) else found
+        found = found | {"a mask"} if not _native(case, caps) else found
+        return _indexed(found, caps)
 
     def rank(r: R) -> tuple[int, int, int]:
         # named rows first (their trigger is known), then the most specific trigger
@@ -259,9 +260,37 @@ def as_called(needs: tuple[str, ...], case: Case, caps: Capabilities | None) -> 
     diagonal itself, the diagonal reached it as a mask, and "causal" is "a mask" (an
     inverted mask needed "causal" in one case and "a mask" in another: one trigger)."""
     if _native(case, caps) or not ({"causal", "causal with Tq != Tk"} & set(needs)):
-        return needs
+        return tuple(_indexed(needs, caps))
     kept = [n for n in needs if n not in ("causal", "causal with Tq != Tk")]
-    return tuple(dict.fromkeys(["a mask", *kept]))
+    return tuple(_indexed(("a mask", *kept), caps))
+
+
+#: the families whose kernels get masks, the causal diagonal and windows as the indices
+#: they leave out (`attnref.conformance.families.sparse_mla`: what a key hidden by any
+#: of them reaches the kernel as)
+INDEXED = ("sparse-mla", "sparse-mla-fp8")
+#: the features a key hidden from a query amounts to in an `INDEXED` family
+HIDING = ("causal", "causal with Tq != Tk", "a mask", "a window")
+#: what they reach such a kernel as
+LEFT_OUT = "keys left out of the indices"
+
+
+@overload
+def _indexed(needs: frozenset[str], caps: Capabilities | None) -> frozenset[str]: ...
+@overload
+def _indexed(needs: tuple[str, ...], caps: Capabilities | None) -> tuple[str, ...]: ...
+def _indexed(
+    needs: frozenset[str] | tuple[str, ...], caps: Capabilities | None
+) -> frozenset[str] | tuple[str, ...]:
+    """``needs`` as a kernel of an `INDEXED` family gets them: a mask, the causal diagonal
+    and a window are each keys left out of its indices (a planted kernel that read an
+    invalid entry as row 0 needed "a mask" in one case, "causal" in the next: one bug)."""
+    if caps is None or caps.family not in INDEXED or not set(HIDING) & set(needs):
+        return needs
+    kept = [LEFT_OUT if n in HIDING else n for n in needs]
+    if isinstance(needs, frozenset):
+        return frozenset(kept)
+    return tuple(dict.fromkeys(kept))
 
 
 def _size(r: _Result) -> int:
