@@ -167,8 +167,9 @@ def test_the_html_page_holds_the_grid_each_finding_s_heatmap_and_coverage(
     assert failed
     assert all(r.finding.errors for r in failed)  # type: ignore[union-attr]
     findings = report.findings()
-    # one heatmap and one reproducer a finding (not a failure), and one coverage plot
-    assert page.count("data:image/png;base64,") == len(findings) + 1
+    # one heatmap and one reproducer a finding (not a failure); coverage as bars
+    assert page.count("data:image/png;base64,") == len(findings)
+    assert page.count('<table class="bars">') >= 5
     assert page.count("check_case(") == len(findings)
     assert ("<details>" in page) == any(len(rs) > 1 for _, rs in findings)
     assert '<table class="coverage">' in page
