@@ -60,7 +60,7 @@ def _kernel(bug: str = "", claims: Any = CLAIMS) -> Any:
         head_of = torch.arange(h) // group
         if bug == "head_modulo":  # query head i read KV head i % g's scales
             head_of = torch.arange(h) % g
-        scale = softmax_scale if softmax_scale is not None else D**-0.5
+        scale = softmax_scale if softmax_scale is not None else D**-0.5 if D else 1.0
         out = torch.zeros(B, Tq, h, v_cache.shape[-1], dtype=torch.bfloat16, device=q.device)
         lse = torch.full((B, h, Tq), -math.inf, device=q.device)  # no key: -inf
         new = 0 if k is None or v is None else k.shape[1]
@@ -146,7 +146,11 @@ rounds_p_undeclared = _kernel("rounds_p_undeclared", replace(CLAIMS, fp8=("e4m3f
 q_descale_ignored = _kernel("q_descale_ignored")
 descale_transposed = _kernel("descale_transposed")
 head_modulo = _kernel("head_modulo")
-v_descale_on_scores = _kernel("v_descale_on_scores", replace(CLAIMS, fp8=("e4m3fn",)))
+#: FlashAttention 3's path (P rounded to e4m3, declared), v_descale folded into the
+#: scores where it belongs on the output: its one bug
+v_descale_on_scores = _kernel(
+    "v_descale_on_scores", replace(CLAIMS, fp8=("e4m3fn",), fp8_rounds_p=True)
+)
 lse_without_descale = _kernel("lse_without_descale")
 new_keys_undescaled = _kernel("new_keys_undescaled")
 append_not_stored = _kernel("append_not_stored")
