@@ -10,6 +10,9 @@ Each bug is a line of the kernel switched on by its ``BUG`` constant (`BUGS`):
 - ``no_rescale``: the running sum and output are not rescaled when a later key block
   raises the running max (a merge of blocks without its correction).
 
+``sums_in_bfloat16`` is right: its row sums are a ``tl.sum`` over bfloat16 P for
+bfloat16 inputs, which must pass (the interpreter's reductions are attnref's to fix).
+
 And attnref's split-KV decode kernel (`attnref.interpreted.triton_decode`), right
 (``decode_right``) and with its bugs, as backends of the ``flash-kvcache`` family:
 
@@ -46,7 +49,7 @@ CLAIMS = replace(
 )
 
 
-def _backend(bug: str) -> Any:
+def _backend(bug: str, sums_in_input: bool = False) -> Any:
     def call(
         q: Tensor,
         k: Tensor,
@@ -59,7 +62,7 @@ def _backend(bug: str) -> Any:
     ) -> Any:
         return flash_attn_func(
             q, k, v, dropout_p, softmax_scale, causal, window_size, return_attn_probs,
-            bug=BUGS[bug] if bug else 0,
+            bug=BUGS[bug] if bug else 0, sums_in_input=sums_in_input,
         )  # fmt: skip
 
     call.__doc__ = f"attnref's Triton flash kernel, interpreted{': ' + bug if bug else ''}"
@@ -68,6 +71,9 @@ def _backend(bug: str) -> Any:
 
 
 right = _backend("")
+#: right, its softmax's row sums taken over P in the inputs' dtype: a tl.sum over a
+#: bfloat16 tile, which Triton 3.9's interpreter summed as integers until attnref fixed it
+sums_in_bfloat16 = _backend("", sums_in_input=True)
 tail_dropped = _backend("tail_dropped")
 causal_top_left = _backend("causal_top_left")
 no_rescale = _backend("no_rescale")

@@ -188,11 +188,19 @@ def run():
         same = off.tolist() == list(range(4, 20))
     except Exception as e:
         same = type(e).__name__
+    from attnref.interpreted.triton_flash import reductions
+
+    rows = (torch.randn(8, 16, generator=g) * 4).bfloat16()
+    red, exact = reductions(rows).float(), rows.double()
     return {
         "mul": bool(torch.equal(mul, x * y)),
         "dot": float((dot - x.float() @ y.float()).abs().max()),
         "cast": bool(torch.equal(cast, (x.float() * 1.3).bfloat16())),
         "off": same,
+        "sum": float((red[0] - exact.sum(1)).abs().max()),
+        "max": float((red[1] - exact.max(1).values).abs().max()),
+        "cumsum": float((red[3] - exact.cumsum(1).sum(1)).abs().max() / 16),
+        "argmax": bool(torch.equal(red[4].long(), exact.argmax(1))),
     }
 
 before = run()
@@ -203,10 +211,11 @@ print(json.dumps({"before": before, "after": run()}))
 
 @pytest.mark.slow  # triton imported in a process of its own: 4 s
 def test_triton_s_interpreter_computes_bfloat16_as_a_device_once_fixed() -> None:
-    """Triton 3.9's interpreter multiplies, dots and casts bfloat16 wrong (and trips on a
-    module-level constexpr added to a tensor); after `triton_fixes.fix`, a product and
-    a cast equal torch's bfloat16 bit for bit, a dot is float32's, and the constexpr
-    sum is the tensor's."""
+    """Triton 3.9's interpreter multiplies, dots, casts and reduces bfloat16 wrong (and
+    trips on a module-level constexpr added to a tensor); after `triton_fixes.fix`, a
+    product and a cast equal torch's bfloat16 bit for bit, a dot is float32's, the
+    constexpr sum is the tensor's, and tl.sum, tl.max, tl.cumsum and tl.argmax over
+    bfloat16 rows are the values' (a sum was 2.4e34; an argmax cast to bfloat16, 0)."""
     pytest.importorskip("triton")
     import subprocess
     import sys
@@ -219,7 +228,14 @@ def test_triton_s_interpreter_computes_bfloat16_as_a_device_once_fixed() -> None
     assert not before["cast"], before
     assert before["off"] is not True, before
     assert before["dot"] > 1, before
+    assert before["sum"] > 1e3, before  # bfloat16 bits summed as integers
+    assert before["cumsum"] > 1e3, before
+    assert not before["argmax"], before  # an int32 index cast to bfloat16 as bits
     after = said["after"]
+    assert after["sum"] < 0.5, after  # sums of 16 values near 4: one rounding
+    assert after["max"] == 0.0, after
+    assert after["cumsum"] < 0.5, after
+    assert after["argmax"], after
     assert after["mul"], after
     assert after["cast"], after
     assert after["off"], after

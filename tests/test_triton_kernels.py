@@ -59,6 +59,36 @@ def test_the_right_flash_kernel_passes_interpreted() -> None:
     assert report.interpreted["sizes"].startswith("tiles")
 
 
+def test_a_module_that_sets_triton_interpret_itself_is_audited_as_interpreted() -> None:
+    """A module that sets TRITON_INTERPRET=1 at import and declares no interpreter got a
+    native kernel's production sizes and 60 s timeouts (35 properties failed for them,
+    with no hint): it is now audited as declared, after attnref set the interpreter up,
+    and the report says so."""
+    from attnref.conformance.sandboxed import UNDECLARED_TRITON
+
+    report = audit("tests.triton_undeclared:flash", api="flash", properties=["forward"],
+                   dtypes=(torch.float32,), profile=SMOKE, progress=False)  # fmt: skip
+    assert report.interpreted["interpreter"] == "triton"
+    assert "bfloat16" in report.interpreted["patched"]
+    assert report.interpreted["sizes"].startswith("tiles")
+    assert UNDECLARED_TRITON in report.judge_notes
+    assert f"note: {UNDECLARED_TRITON}" in report.format_table()
+    assert report.ok, report.format_table()
+
+
+def test_a_kernel_that_sums_a_bfloat16_tile_passes_in_bfloat16() -> None:
+    """The right kernel with its row sums over bfloat16 P (`tl.sum` of a bfloat16 tile):
+    bfloat16 is judged (the interpreter's check of itself runs the same sums) and it
+    passes. Before the reductions were fixed, every sum was the bits' and the kernel
+    took the blame, as vLLM's Triton MLA decode did for 9 failures."""
+    report = audit("tests.planted_triton:sums_in_bfloat16", api="flash",
+                   properties=["forward", "tails", "causality"], dtypes=(torch.bfloat16,),
+                   profile=SMOKE, progress=False)  # fmt: skip
+    assert report.interpreted["dtypes_out"] == {}
+    assert report.ok, report.format_table()
+    assert all(r.status == "pass" for r in report.results), report.format_table()
+
+
 def test_the_right_decode_kernel_passes_the_cache_properties_fp8_included() -> None:
     """FP8 calls return bfloat16 and are audited in the bfloat16 search (float32 and
     bfloat16 here, with fewer drawn cases (`SMOKE`), for time)."""

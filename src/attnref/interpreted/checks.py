@@ -56,7 +56,8 @@ def _verdicts(
 
 def triton_self_check() -> dict[str, Any]:
     """attnref's Triton flash kernel in every dtype, on a case that crosses its tiles
-    (37 queries against 50 keys, 16-row tiles, causal, two query heads per KV head)."""
+    (37 queries against 50 keys, 16-row tiles, causal, two query heads per KV head), and
+    the reductions of `triton_flash.reductions` (sum, max, min, cumsum, argmax)."""
     from attnref.interpreted.triton_flash import flash_attn_func
 
     errors: dict[str, float] = {}
@@ -64,12 +65,33 @@ def triton_self_check() -> dict[str, Any]:
     q, k, v = (torch.randn(1, n, h, 32, generator=g, dtype=torch.float64)
                for n, h in ((37, 4), (50, 2), (50, 2)))  # fmt: skip
     want = _attention(q, k, v, causal=True)
+    rows = torch.randn(8, 16, generator=g, dtype=torch.float64) * 4
     for name in BOUNDS:
         dtype = getattr(torch, name)
         got = flash_attn_func(q.to(dtype), k.to(dtype), v.to(dtype), causal=True)
         assert isinstance(got, Tensor)  # no LSE asked for
-        errors[name] = float((got.double() - want).abs().max())
+        # and the reductions kernels use, in each dtype (tl.sum over bfloat16 was summed
+        # as integers; a kernel took the blame for it)
+        errors[name] = max(float((got.double() - want).abs().max()),
+                           _reduction_error(rows.to(dtype)))  # fmt: skip
     return _verdicts(errors, "attnref's own Triton kernel, interpreted,")
+
+
+def _reduction_error(x: Tensor) -> float:
+    """How far Triton's reductions of ``x``'s rows (`triton_flash.reductions`: sum, max,
+    min, running sums, argmax) are from float64's of the same values, relative to the
+    size of each result (the interpreter once summed bfloat16 bits as integers)."""
+    from attnref.interpreted.triton_flash import reductions
+
+    exact = x.double()
+    want = torch.stack([exact.sum(1), exact.max(1).values, exact.min(1).values,
+                        exact.cumsum(1).sum(1), exact.argmax(1).double()])  # fmt: skip
+    got = reductions(x).double()
+    size = exact.abs().sum(1).clamp_min(1.0)  # what rounding each sum scales with
+    size = torch.stack([size, size, size, size * x.shape[1], torch.ones_like(size)])
+    if x.dtype != torch.float64:  # ties of rounded values may pick either index
+        got[4], want[4] = x.double()[torch.arange(x.shape[0]), got[4].long()], exact.max(1).values
+    return float(((got - want).abs() / size).nan_to_num(nan=float("inf")).max())
 
 
 def pallas_self_check() -> dict[str, Any]:

@@ -27,6 +27,7 @@ it is, where ``constexpr.__add__`` wraps the tensor ``128 + g`` in a ``constexpr
 indexing that fails. `fix` makes such arithmetic return the tensor, as compiling does.
 """
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -36,8 +37,9 @@ __all__ = ["PATCHED", "fix", "to_bfloat16_bits", "to_float32"]
 #: what `fix` changes, as the report says it
 PATCHED = (
     "bfloat16 computed as on a device (Triton's interpreter works on the raw bits): "
-    "operations in float32 rounded once, dots accumulated in float32, casts rounded "
-    "to nearest even; a module-level constexpr combined with a tensor gives the tensor"
+    "operations in float32 rounded once, dots accumulated in float32, casts by value "
+    "rounded to nearest even, sums, cumulative sums and min/max over the values in "
+    "float32 rounded once; a module-level constexpr combined with a tensor gives the tensor"
 )
 
 #: the arithmetic of ``tl.constexpr`` that `fix` lets return a tensor
@@ -109,14 +111,72 @@ def fix() -> bool:
             return handle(to_bfloat16_bits(src.data), target)
         if source == tl.bfloat16 and target == tl.float32:
             return handle(to_float32(src.data), target)
+        if target == tl.bfloat16 and source != tl.bfloat16:  # an index, a half: by value
+            return handle(to_bfloat16_bits(np.asarray(src.data, dtype=np.float32)), target)
+        if source == tl.bfloat16 and target != tl.bfloat16 and not dst_type.is_ptr():
+            return cast(self, handle(to_float32(src.data), tl.float32), dst_type)
         return cast(self, src, dst_type)
 
     builder.binary_op = binary_op
     builder.unary_op = unary_op
     builder.create_dot = create_dot
     builder.cast_impl = cast_impl
+    _fix_reductions(interpreter, is_bf16)
     builder._attnref_bfloat16 = True
     return True
+
+
+def _fix_reductions(interpreter: Any, is_bf16: Callable[[Any], bool]) -> None:
+    """``tl.sum``, ``tl.cumsum``, ``tl.cumprod`` and the min/max/argmin/argmax fast paths
+    over bfloat16: the interpreter ran NumPy's reductions on the raw bits (a sum of
+    -35.3 came out as 2.4e34, or 0.0): each now reduces the values in float32 and rounds
+    the result to bfloat16 once (a GPU rounds each step of its tree; the difference is
+    within the bfloat16 rounding the oracle's bound allows for the kernel's sums)."""
+    reduce_ops, scan_ops = interpreter.ReduceOps, interpreter.ScanOps
+
+    def in_float32(fn: Callable[..., Any]) -> Callable[..., Any]:
+        def apply(data: Any, *args: Any, **kwargs: Any) -> Any:
+            return to_bfloat16_bits(np.asarray(fn(to_float32(data), *args, **kwargs)))
+
+        return apply
+
+    reduce_sum, min_max = reduce_ops.sum, reduce_ops.min_max
+    cumsum, cumprod = scan_ops.cumsum, scan_ops.cumprod
+
+    def sum_(self: Any, input: Any) -> Any:
+        if not is_bf16(input):
+            return reduce_sum(self, input)
+        total = in_float32(np.sum)(input.handle.data, axis=self.axis, keepdims=self.keep_dims)
+        return self.to_tensor(total, input.dtype)
+
+    def min_max_(self: Any, input: Any, val_reduce_op: Any, idx_reduce_op: Any = None) -> Any:
+        data = input[0] if isinstance(input, tuple) else input
+        if not is_bf16(data):
+            return min_max(self, input, val_reduce_op, idx_reduce_op)
+        values = to_float32(data.handle.data)
+        val = idx = None
+        if val_reduce_op:
+            bits = to_bfloat16_bits(
+                np.asarray(val_reduce_op(values, axis=self.axis, keepdims=self.keep_dims))
+            )
+            val = self.to_tensor(bits, data.dtype)
+        if idx_reduce_op:
+            found = idx_reduce_op(values, axis=self.axis, keepdims=self.keep_dims)
+            idx = self.to_tensor(found, interpreter.tl.int32)
+        if val is not None and idx is not None:
+            return val, idx
+        return val if val is not None else idx
+
+    def scan(original: Any, op: Any) -> Any:
+        def method(self: Any, input: Any) -> Any:
+            if not is_bf16(input):
+                return original(self, input)
+            return [self.to_tensor(in_float32(op)(input.handle.data, axis=self.axis), input.dtype)]
+
+        return method
+
+    reduce_ops.sum, reduce_ops.min_max = sum_, min_max_
+    scan_ops.cumsum, scan_ops.cumprod = scan(cumsum, np.cumsum), scan(cumprod, np.cumprod)
 
 
 def _fix_constexpr(tl: Any) -> None:

@@ -22,7 +22,7 @@ from torch import Tensor
 
 from attnref._checking import checked
 
-__all__ = ["BUGS", "flash_attn_func"]
+__all__ = ["BUGS", "flash_attn_func", "reductions"]
 
 #: the planted bugs ``BUG`` switches on (0: none)
 BUGS = {
@@ -47,6 +47,7 @@ def _flash_fwd(
     BLOCK_DQK: tl.constexpr,
     BLOCK_DV: tl.constexpr,
     BUG: tl.constexpr,
+    SUMS_IN_INPUT: tl.constexpr = False,
 ):  # fmt: skip
     pid_m = tl.program_id(0)
     bh = tl.program_id(1)
@@ -93,7 +94,10 @@ def _flash_fwd(
         alpha = tl.exp(m_i - base)
         if BUG == 3:
             alpha = tl.full([BLOCK_M], 1.0, tl.float32)
-        l_i = l_i * alpha + tl.sum(p, 1)
+        if SUMS_IN_INPUT:  # the row sums over P as P V reads it (bfloat16 for bfloat16)
+            l_i = l_i * alpha + tl.sum(p.to(V.dtype.element_ty), 1)
+        else:
+            l_i = l_i * alpha + tl.sum(p, 1)
         v_ptrs = V + b * svb + hk * svh + kn[:, None] * svt + offs_dv[None, :] * svd
         v = tl.load(v_ptrs, mask=(kn[:, None] < Tk) & (offs_dv[None, :] < DV), other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
@@ -125,12 +129,15 @@ def flash_attn_func(
     block_m: int = 16,
     block_n: int = 16,
     bug: int = 0,
+    sums_in_input: bool = False,
 ) -> Float[Tensor, "B Tq h Dv"] | tuple[Float[Tensor, "B Tq h Dv"], Float[Tensor, "B h Tq"], None]:
     """FlashAttention 2's ``flash_attn_func`` on ``(B, T, h, D)`` tensors, by the Triton
     kernel above; ``return_attn_probs=True`` returns ``(out, lse, None)``, ``lse``
     ``(B, h, Tq)`` in float32 (float64 for float64 inputs). ``block_m``, ``block_n``: its
-    tiles; ``bug``: a planted
-    bug of `BUGS` (0: none)."""
+    tiles; ``bug``: a planted bug of `BUGS` (0: none); ``sums_in_input``: the softmax's
+    row sums taken over P rounded to the inputs' dtype, as ``P V`` reads it (a
+    ``tl.sum`` over a bfloat16 tile for bfloat16 inputs: right, and what the
+    interpreter's unfixed reductions got wrong)."""
     if dropout_p != 0.0:
         raise ValueError(f"dropout_p={dropout_p}: this kernel has no dropout")
     B, Tq, H, DQK = q.shape
@@ -153,5 +160,29 @@ def flash_attn_func(
             CAUSAL=causal, WINDOW=(left, right) != (-1, -1),
             BLOCK_M=block_m, BLOCK_N=block_n,
             BLOCK_DQK=_block(DQK), BLOCK_DV=_block(DV), BUG=bug,
+            SUMS_IN_INPUT=sums_in_input,
         )  # fmt: skip
     return (out, lse, None) if return_attn_probs else out
+
+
+@triton.jit
+def _reduce_rows(X, Out, M: tl.constexpr, N: tl.constexpr):
+    rows = tl.arange(0, M)[:, None]
+    cols = tl.arange(0, N)[None, :]
+    x = tl.load(X + rows * N + cols)
+    at = tl.arange(0, M)
+    tl.store(Out + 0 * M + at, tl.sum(x, 1))
+    tl.store(Out + 1 * M + at, tl.max(x, 1))
+    tl.store(Out + 2 * M + at, tl.min(x, 1))
+    tl.store(Out + 3 * M + at, tl.sum(tl.cumsum(x, 1), 1))
+    tl.store(Out + 4 * M + at, tl.argmax(x, 1).to(Out.dtype.element_ty))
+
+
+@checked
+def reductions(x: Float[Tensor, "M N"]) -> Float[Tensor, "5 M"]:
+    """Each row of ``x`` (``M``, ``N`` powers of two) reduced by Triton in ``x``'s dtype:
+    its sum, max, min, the sum of its running sums (``tl.cumsum``) and its argmax: the
+    reductions the interpreter's check of itself runs (`attnref.interpreted.checks`)."""
+    out = torch.empty(5, x.shape[0], dtype=x.dtype)
+    _reduce_rows[(1,)](x.contiguous(), out, M=x.shape[0], N=x.shape[1])
+    return out
