@@ -277,6 +277,8 @@ class Supervised:
         self._process: multiprocessing.process.BaseProcess | None = None
         self._conn: multiprocessing.connection.Connection | None = None
         self._arena = Arena()  # the file large jobs' tensors cross in, reused
+        #: what the worker said of the backend's declaration (`sandboxed.UNDECLARED_TRITON`)
+        self.notes: list[str] = []
         #: bytes the backend wrote to its stdout and stderr, and the last of them
         self.output_bytes = 0
         self._tail = b""
@@ -349,7 +351,10 @@ class Supervised:
             self._stop()
             raise
         try:
-            return from_declaration(read_reply(first))
+            said = read_reply(first)
+            if isinstance(said, dict) and isinstance(said.get("note"), str):
+                self.notes.append(said.pop("note")[:500])
+            return from_declaration(said)
         except Raised as e:
             self._stop()
             error = e.error

@@ -461,6 +461,9 @@ def audit(
     )
     report.trusted = executor.trusted
     report.interpreted = interpreted
+    for note in getattr(executor, "notes", ()):
+        if note not in report.judge_notes:
+            report.judge_notes.append(note)
     report.dtypes = [dtype_name(d) for d in dtype_list]
     report.sandbox = dict(getattr(executor, "sandbox", {}))
     report.world_size = getattr(executor, "world_size", None)

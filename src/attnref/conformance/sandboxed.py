@@ -141,6 +141,31 @@ def _encode_unsupported(obj: Any) -> Any:
     return obj
 
 
+#: what a module that sets up Triton's interpreter itself, undeclared, is told
+UNDECLARED_TRITON = (
+    "its module sets TRITON_INTERPRET=1 but does not declare interpreter='triton': audited "
+    "as declared (imported again after attnref set the interpreter up, at the sizes and "
+    "timeouts of an interpreted kernel); declare it to say so"
+)
+
+
+def _declared(backend: Backend, interpreter: str | None) -> dict[str, Any]:
+    """``backend``'s declaration as the worker sends it. A kernel run through an
+    interpreter declares it: where its module set ``TRITON_INTERPRET=1`` at import
+    without declaring ``interpreter="triton"`` (it was given a native kernel's sizes and
+    60 s timeouts, and failed 35 properties for them), the declaration says "triton"
+    and a note says why; where the worker set an interpreter up, the declaration names
+    it."""
+    said = declaration(backend)
+    caps = said["capabilities"]
+    if not caps["interpreter"] and interpreter:
+        caps["interpreter"] = interpreter
+    elif not caps["interpreter"] and os.environ.get("TRITON_INTERPRET") == "1":
+        caps["interpreter"] = "triton"
+        said["note"] = UNDECLARED_TRITON
+    return said
+
+
 #: the storages of the job at hand, whose guard bytes the worker reads after a call
 #: (`attnref.conformance.wire.decode`'s ``guards``: address, size)
 GUARDS: dict[int, int] = {}
@@ -423,7 +448,7 @@ def serve(
         for module in jobs:
             importlib.import_module(module)
         backend = load(spec, api)
-        conn.send_bytes(encode({"status": "ok", "value": declaration(backend)}))
+        conn.send_bytes(encode({"status": "ok", "value": _declared(backend, interpreter)}))
     except BaseException as e:
         conn.send_bytes(encode(error_reply("raised", e)))
         return
