@@ -1087,6 +1087,47 @@ def test_an_assertion_with_no_message_is_shown_with_its_source_line() -> None:
     assert result.message.endswith("assert q.shape[-1] == 12345  # the planted bug")
 
 
+#: what Triton 3.9's interpreter raises for a kernel's failed ``tl.static_assert`` (the
+#: traceback as the worker sends it, paths shortened)
+_TRITON_ASSERT = """Traceback (most recent call last):
+  File "/venv/site-packages/triton/runtime/interpreter.py", line 1511, in __call__
+    self.fn(**args)
+  File "/src/kernels/decode.py", line 61, in _fwd_kernel
+    tl.static_assert(BLOCK_N >= 32)
+  File "/venv/site-packages/triton/runtime/interpreter.py", line 1316, in _new_static_assert
+    assert cond, msg
+AssertionError
+
+The above exception was the direct cause of the following exception:
+
+Traceback (most recent call last):
+  File "/src/kernels/decode.py", line 140, in decode
+    _fwd_kernel[grid](q, k, v, o, BLOCK_N=16)
+  File "/venv/site-packages/triton/runtime/interpreter.py", line 1515, in __call__
+    raise InterpreterError(repr(e)) from e
+triton.runtime.errors.InterpreterError: AssertionError('')
+"""
+
+
+def test_a_kernel_s_assertion_wrapped_by_its_interpreter_is_shown_with_its_line() -> None:
+    """A kernel's failed (compile-time) assertion reached the report as
+    ``InterpreterError: AssertionError('')``: the interpreter wraps it. The message now
+    names the kernel's own line, the innermost frame outside the runtimes (Triton's,
+    torch's, JAX's) of the first exception in the chain, not the call site."""
+    from attnref.conformance.jobs import RemoteError
+    from attnref.conformance.verdicts import one_line
+
+    said = one_line(RemoteError("InterpreterError", "AssertionError('')", _TRITON_ASSERT))
+    assert said == (
+        "InterpreterError: AssertionError(''), raised at decode.py, line 61: "
+        "tl.static_assert(BLOCK_N >= 32)"
+    )
+    # a message that says something is kept as it is
+    assert one_line(RemoteError("ValueError", "BLOCK_N too small", _TRITON_ASSERT)) == (
+        "ValueError: BLOCK_N too small"
+    )
+
+
 def test_the_head_hint_is_given_on_unbatched_outputs_too() -> None:
     """A row that sees keys next to a head that sees none, in an output with no batch
     dimension (``(h, Tq, Dv)``): the hint that heads may be mixed is given, as for a

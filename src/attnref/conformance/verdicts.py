@@ -132,10 +132,24 @@ def one_line(e: BaseException) -> str:
     ``assert`` in a library), where it was raised: its file, line and source."""
     text = str(e).strip().splitlines()
     name = getattr(e, "type_name", type(e).__name__)  # a RemoteError: the backend's type
-    if text:
+    if text and not _EMPTY.fullmatch(re.sub(r"[()'\"\s]", "", text[0])):
         return f"{name}: {text[0]}"
     where = _raised_at(e)
-    return f"{name} with no message" + (f", raised at {where}" if where else "")
+    said = f"{name}: {text[0]}" if text else f"{name} with no message"
+    return said + (f", raised at {where}" if where else "")
+
+
+#: a message that only names an empty exception (Triton's interpreter wraps a kernel's
+#: failed ``assert`` as ``InterpreterError("AssertionError('')")``), its brackets and
+#: quotes removed
+_EMPTY = re.compile(r"(\w+(Error|Exception))?")
+#: where a chained traceback's text starts its next exception
+_CHAINED = re.compile(
+    r"\n\s*(?:The above exception was the direct cause of the following exception:"
+    r"|During handling of the above exception, another exception occurred:)"
+)
+#: frames of the runtimes a kernel runs in, not of its own code
+_RUNTIME = re.compile(r"[/\\](?:triton|torch|jax|jaxlib|numpy|attnref)[/\\]")
 
 
 #: a frame of a traceback's text: its file, its line and the source line under it
@@ -146,9 +160,12 @@ def _raised_at(e: BaseException) -> str:
     """``file, line N: source`` of the frame that raised ``e`` (from the traceback's
     text for an exception that crossed from the worker: the backend's word), or ""."""
     text = getattr(e, "traceback_text", "")
-    frames = _FRAME.findall(text) if text else []
+    # the first exception of a chain is where it started (an interpreter's wrapper is
+    # raised from it); there, the innermost frame of the kernel's own code
+    frames = _FRAME.findall(_CHAINED.split(text)[0]) if text else []
+    own = [f for f in frames if not _RUNTIME.search(f[0])]
     if frames:
-        path, line, source = frames[-1]
+        path, line, source = (own or frames)[-1]
     elif e.__traceback__ is not None:
         last = traceback.extract_tb(e.__traceback__)[-1]
         path, line, source = last.filename, str(last.lineno), (last.line or "").strip()
