@@ -440,3 +440,17 @@ def test_unread_rows_hold_nan_only_where_the_declaration_contains_it() -> None:
                latent=True, seed=2, options=(("topk", 64), ("valid", "all")))  # fmt: skip
     raw = build_sparse_fp8(fp8, "cpu", replace(fp8_caps, masked_nan="propagates")).k_cache
     assert bool((raw.view(torch.uint8)[0] == 60).all())  # the unused page: finite bytes
+
+
+@SLOW  # fresh_values in two dtypes: 20 s
+def test_a_wrong_empty_row_is_not_called_a_replay() -> None:
+    """A kernel that reads an invalid index as row 0 gives a query that sees no key
+    ``V[0]``: bytes an earlier case's right output held, for a V that differed only in
+    rows no query saw. fresh_values called it "the backend returned an earlier call's
+    result"; where only rows that see no key are wrong, it names the wrong values."""
+    report = run(resolve_backend("tests.planted_sparse:invalid_read_as_zero", api="sparse-mla"),
+                 properties=["fresh_values"], dtypes=(torch.float32,))  # fmt: skip
+    (result,) = report.results
+    assert result.status == "fail", report.format_table()
+    assert "earlier call's result" not in result.message, result.message
+    assert result.message.startswith("call 1 of 6"), result.message

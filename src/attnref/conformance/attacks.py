@@ -72,6 +72,22 @@ def _agrees(ctx: Context, out: Tensor, inputs: Inputs) -> Failure | None:
     return None
 
 
+def _only_empty_rows_wrong(ctx: Context, out: Tensor, inputs: Inputs) -> bool:
+    """Whether ``out`` agrees with the oracle on every row that sees a key, so that only
+    rows that see none are wrong. A kernel that read an invalid index as row 0 gave an
+    empty row ``V[0]``, and an earlier case's right output, for a V that differed only in
+    rows no query saw, was the same bytes: "returned an earlier call's result" named
+    a replay for a policy bug."""
+    if inputs.key.shape[-2] == 0 or out.shape != ctx.expect(inputs).value.shape:
+        return False
+    seen = inputs.visible().any(-1)  # (*batch, h, Tq)
+    if bool(seen.all()) or seen.shape != out.shape[:-1]:
+        return False
+    want = ctx.expect(inputs).value
+    kept = torch.where(seen[..., None], out.to(want.dtype), want)
+    return _agrees(ctx, kept, inputs) is None
+
+
 def fresh_values(ctx: Context, case: Case) -> None:
     """Every call of `SERIES` must give the output of its own values.
 
@@ -136,9 +152,15 @@ def fresh_values(ctx: Context, case: Case) -> None:
             raise verdict
         out, failure = wrong, verdict
         own = v_digest(i)
-        if not bool(torch.isfinite(out).all()) or _distinct(out) < _DISTINCT:
+        if (
+            not bool(torch.isfinite(out).all())
+            or _distinct(out) < _DISTINCT
+            or _only_empty_rows_wrong(ctx, out, inputs)
+        ):
             # NaN equals nothing, and an output of a few values (zeros, one policy's
-            # value everywhere) may equal another call's by itself: no replay to name
+            # value everywhere) may equal another call's by itself: no replay to name;
+            # nor where only rows that see no key are wrong (a policy, or keys read
+            # where none are seen: a replay is wrong where keys are seen too)
             raise failure.reworded(f"call {i + 1} of {len(calls)} ({what}): {failure}")
         for j, (earlier, right) in enumerate(outs[:i]):
             other = sets[SERIES[j][0]]
