@@ -373,3 +373,18 @@ def test_a_sparse_kernel_gets_every_hidden_key_as_an_index_left_out() -> None:
     ((title, members),) = group(results, Capabilities(family="sparse-mla"))
     assert title.endswith("(its smallest trigger needs keys left out of the indices)"), title
     assert len(members) == 3
+
+
+def test_rows_that_see_no_key_are_one_finding_whatever_they_hold() -> None:
+    """A kernel that read an invalid index as row 0 put NaN in some rows that see no key
+    (row 0 NaN there) and wrong finite values in others: one decision of the kernel's
+    about such rows, one finding (it came out as two)."""
+    results = [
+        fail("empty_rows", WRONG.format(SEES_NONE), case=Case("e", mask="bool")),
+        fail("masked_keys", NAN.format(SEES_NONE), kind="nan", case=Case("m", mask="bool")),
+    ]
+    causes = [r.finding.cause for r in results if r.finding is not None]
+    assert causes[0].startswith("wrong values"), causes
+    assert causes[1].startswith("NaN"), causes
+    assert all("in rows that see no key" in c for c in causes), causes
+    assert len(group(results)) == 1, [t for t, _ in group(results)]

@@ -97,6 +97,8 @@ def features_of(case: Case) -> frozenset[str]:
 
 #: how `cause_of` names the failing rows
 _ROWS = re.compile(r" in rows that see (no key(?: \(declared policy '\w+'\))?|keys)")
+#: the key of every failure in rows that see no key, whatever its symptom
+NO_KEY = "in rows that see no key"
 #: how `cause_of` names a precision loss
 PRECISION = "precision loss"
 
@@ -148,6 +150,8 @@ class _Group(Generic[R]):
     #: them is a variation)
     needs: tuple[str, ...]
     members: list[R] = field(default_factory=list)
+    #: its members' symptoms (`cause_key`): a `NO_KEY` group's hold several
+    kinds: set[str] = field(default_factory=set)
 
     def explains(self, rows: str, features: frozenset[str]) -> bool:
         if rows and self.rows and rows != self.rows:
@@ -187,10 +191,18 @@ def group(results: list[R], caps: Capabilities | None = None) -> list[tuple[str,
     for r in sorted(failed, key=rank):
         cause = _cause(r)
         symptom, rows = symptom_of(cause)
-        key = cause_key(symptom)
+        # rows that see no key are one decision of the kernel's, whatever it put there
+        # (NaN in some, wrong finite values in others: one planted kernel, two findings)
+        key = NO_KEY if rows == "no key" else cause_key(symptom)
         needs = needs_of(r)
         features = frozenset() if r.finding is None else present(r.finding.case)
-        same = [g for g in groups if g.key == key and g.explains(rows, features)]
+        kind = cause_key(symptom)
+        same = [
+            g
+            for g in groups
+            if (g.key == key or (not rows and g.key == NO_KEY and kind in g.kinds))
+            and g.explains(rows, features)
+        ]
         if not same and key.startswith(PRECISION):
             # the same property wrong in another dtype: that bug, rounded more coarsely
             same = [g for g in groups if _is_wrong(g.key) and _has(g, r.property)]
@@ -198,10 +210,11 @@ def group(results: list[R], caps: Capabilities | None = None) -> list[tuple[str,
             best = max(same, key=lambda g: len(g.needs))
             if not _has(best, r.property, r.dtype):
                 best.members.append(r)
+            best.kinds.add(kind)
             if not best.rows:
                 best.rows = rows
             continue
-        groups.append(_Group(key, rows, () if rows == "no key" else needs, [r]))
+        groups.append(_Group(key, rows, () if rows == "no key" else needs, [r], {kind}))
     groups = _absorbed(groups)
     found = []
     for g in groups:  # the head first (the smallest trigger), the variations in audit order
