@@ -138,6 +138,7 @@ def test_flashinfer_mla_csr_layout_is_the_block_table_in_csr_form() -> None:
     assert indices.tolist() == [5, 2, 0]
 
 
+@pytest.mark.slow  # 20-32 s on a loaded machine: the default tier ran 240 s of its 180
 @pytest.mark.usefixtures("unchecked")
 def test_flashinfer_style_mla_through_the_adapter_passes_and_a_base2_lse_fails() -> None:
     """The MLA adapter on FlashInfer's convention written in plain torch (split query and

@@ -77,9 +77,13 @@ RUNS = (
             (1, ALL, (SLOW,), "seed1"),
             (2, ALL, (SLOW,), "seed2"),
         )
-        # seed 2 for torch's SDPA only; seed 0 in the default tier is float32 (bfloat16
-        # in the slow tier; CI's main job audits torch's SDPA in every dtype)
-        if not (name != "torch-sdpa" and seed >= 2) and not (seed == 0 and dtypes == F32_BF16)
+        # seed 2 for torch's SDPA only, seed 1 not for naive (an independent copy of the
+        # reference's math: seed 0 in every dtype holds it; CI's time); seed 0 in the
+        # default tier is float32 (bfloat16 in the slow tier; CI's main job audits
+        # torch's SDPA in every dtype)
+        if not (name != "torch-sdpa" and seed >= 2)
+        and not (name == "naive" and seed == 1)
+        and not (seed == 0 and dtypes == F32_BF16)
     ]
     # torch's SDPA at seed 0 in float32 is not here: it is README's main job (`attnref
     # audit`, every dtype), which CI runs first
@@ -258,6 +262,7 @@ def test_kill_matrix_in_docs_covers_every_mutant_and_property() -> None:
         assert kills, f"{pid} caught no mutant"
 
 
+@pytest.mark.slow  # 20-32 s on a loaded machine: the default tier ran 240 s of its 180
 def test_a_failure_is_shrunk_and_its_reproducer_runs(tmp_path: Path) -> None:
     report = run("mutant.gqa_tiled", properties=["gqa"], dtypes=(torch.float32,))
     (result,) = report.results
@@ -356,6 +361,7 @@ def test_a_law_s_finding_names_the_wrong_call(spec: str, wrong: str) -> None:
     assert result.finding.cause.startswith("wrong values"), result.finding.cause
 
 
+@pytest.mark.slow  # 20-32 s on a loaded machine: the default tier ran 240 s of its 180
 def test_same_seed_same_search_other_seed_other_cases() -> None:
     a = run("mutant.scale_ignored", properties=["scale"], dtypes=(torch.float32,), seed=3)
     b = run("mutant.scale_ignored", properties=["scale"], dtypes=(torch.float32,), seed=3)
@@ -387,6 +393,7 @@ def test_no_grad_leaves_out_the_gradient_property() -> None:
 # ---------------------------------------------------------------- declared semantics
 
 
+@pytest.mark.slow  # 20-32 s on a loaded machine: the default tier ran 240 s of its 180
 def test_declared_empty_row_policies_are_held_to() -> None:
     props = ["empty_rows", "forward"]
     nan = Backend(
@@ -469,6 +476,7 @@ def test_three_right_behaviours_are_not_failed() -> None:
     assert not ignored.ok
 
 
+@pytest.mark.slow  # 20-32 s on a loaded machine: the default tier ran 240 s of its 180
 def test_empty_row_policies_may_be_declared_per_cause() -> None:
     # zeros under a bool mask, NaN under a -inf float mask, the mean of V under its own
     # causal diagonal: declared as such, it passes every property that meets empty rows

@@ -47,6 +47,7 @@ def test_one_test_per_property_and_dtype_with_junit(pytester: pytest.Pytester) -
     )
 
 
+@pytest.mark.slow  # 20-32 s on a loaded machine: the default tier ran 240 s of its 180
 def test_a_user_module_passes_and_undeclared_is_a_skip(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(
         mykernel="""

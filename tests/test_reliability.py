@@ -171,6 +171,7 @@ def test_a_deadline_ends_the_audit_incomplete_and_not_ok() -> None:
     assert "INCOMPLETE: the deadline of 0.5 s passed" in report.format_table()
 
 
+@pytest.mark.slow  # 20-32 s on a loaded machine: the default tier ran 240 s of its 180
 def test_a_reproducer_exits_1_while_the_failure_reproduces(tmp_path: Path) -> None:
     import subprocess
     import sys
@@ -431,6 +432,7 @@ def test_a_workers_reused_memory_file_is_sealed_against_it_and_carries_each_job(
         arena.close()
 
 
+@pytest.mark.slow  # 20-32 s on a loaded machine: the default tier ran 240 s of its 180
 def test_a_kernel_that_writes_its_large_inputs_is_still_caught() -> None:
     """Through a sealed file, an input the kernel changes in place changes in the
     worker's copy-on-write pages, which the worker's input check reads (the worker's
