@@ -126,7 +126,8 @@ def _kernel(bug: str = "", claims: Any = CLAIMS) -> Any:
             lse[b] = (m + total.log()).squeeze(-1)
             if bug == "lse_without_descale":  # the LSE written from the raw scores
                 lse[b] = unfolded.masked_fill(~seen, -math.inf).logsumexp(-1)
-            if bug in ("rounds_p", "rounds_p_undeclared", "v_descale_on_scores"):
+            fp8_call = k_cache.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+            if fp8_call and bug in ("rounds_p", "rounds_p_undeclared", "v_descale_on_scores"):
                 p = p.to(torch.float8_e4m3fn).float()  # P rounded to FP8 before P V
             o = torch.einsum("htn,nhd->thd", p, vv) / total.transpose(0, 1).clamp(min=1e-30)
             if bug in ("rounds_p", "rounds_p_undeclared", "lse_without_descale"):

@@ -388,3 +388,30 @@ def test_rows_that_see_no_key_are_one_finding_whatever_they_hold() -> None:
     assert causes[1].startswith("NaN"), causes
     assert all("in rows that see no key" in c for c in causes), causes
     assert len(group(results)) == 1, [t for t, _ in group(results)]
+
+
+def test_a_precision_loss_with_a_wrong_values_trigger_is_that_bug() -> None:
+    """A kernel that scales by the wrong head dim where Dv != Dqk is far off in most
+    cases and off by a rounding's size in a few bfloat16 ones: both need Dv != Dqk, one
+    bug (two findings before). A precision loss with no trigger stays apart."""
+    prec = (
+        "output: max error 0.02 (bound 0.0125); worst at (0, 0, 0, 1): got 0.52, expected 0.5; {}"
+    )
+    dv = Case("d", Dh=8, Dv=4)
+    results = [
+        fail("forward", WRONG.format(SEES_KEYS), needs=("Dv != Dqk",), case=dv),
+        fail(
+            "tails",
+            prec.format(SEES_KEYS),
+            needs=("Dv != Dqk",),
+            case=dv,
+            dtype=torch.bfloat16,
+            small=True,
+        ),
+        fail("hot", prec.format(SEES_KEYS), case=Case("h"), dtype=torch.bfloat16, small=True),
+    ]
+    assert results[1].finding is not None
+    assert results[1].finding.cause.startswith("precision loss"), results[1].finding.cause
+    found = group(results)
+    assert len(found) == 2, [t for t, _ in found]
+    assert {m.property for m in found[0][1]} == {"forward", "tails"}
