@@ -72,7 +72,8 @@ def _agrees(ctx: Context, out: Tensor, inputs: Inputs) -> Failure | None:
     return None
 
 
-def _only_empty_rows_wrong(ctx: Context, out: Tensor, inputs: Inputs) -> bool:
+@checked_internal
+def _only_empty_rows_wrong(ctx: Context, out: Float[Tensor, "..."], inputs: Inputs) -> bool:
     """Whether ``out`` agrees with the oracle on every row that sees a key, so that only
     rows that see none are wrong. A kernel that read an invalid index as row 0 gave an
     empty row ``V[0]``, and an earlier case's right output, for a V that differed only in

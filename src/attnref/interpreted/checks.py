@@ -77,7 +77,8 @@ def triton_self_check() -> dict[str, Any]:
     return _verdicts(errors, "attnref's own Triton kernel, interpreted,")
 
 
-def _reduction_error(x: Tensor) -> float:
+@checked_internal
+def _reduction_error(x: Float[Tensor, "M N"]) -> float:
     """How far Triton's reductions of ``x``'s rows (`triton_flash.reductions`: sum, max,
     min, running sums, argmax) are from float64's of the same values, relative to the
     size of each result (the interpreter once summed bfloat16 bits as integers)."""
