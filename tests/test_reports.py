@@ -303,3 +303,18 @@ def test_a_reproducer_saves_the_inputs_each_call_got_and_the_oracle(tmp_path: Pa
     got = call["returned"].to(torch.float64)
     assert float((got - oracle["output"]).abs().max()) > oracle["bound"][0]
     assert "--save" in reproducer("b", "forward", case, torch.float32, "cpu", "m")
+
+
+@pytest.mark.parametrize("rows", [1, 2])
+def test_a_heatmap_of_infinite_errors_is_drawn_with_them_marked(rows: int) -> None:
+    """An error map keeps an infinite error as the largest float: the page of a sparse
+    FP8 kernel's audit raised OverflowError in matplotlib's tick layout (errors of
+    1.8e308 over a bound of 1.28), and no page was written. They are marked off the
+    scale now, one query's map and a grid alike."""
+    pytest.importorskip("matplotlib")
+    from attnref.conformance.html import heatmap
+
+    big = 1.7976931348623157e308
+    grid = [[big, big, 0.5, 2.0], [0.1, big, 1.0, 3.0]][:rows]
+    errors = {"map": grid, "bound": 1.2826, "columns": "keys", "rows": "queries"}
+    assert heatmap(errors, "sparse_fp8 [bfloat16]").startswith('<img alt="plot"')

@@ -89,9 +89,13 @@ def heatmap(errors: dict[str, Any], title: str) -> str:
     raw = np.array(
         [[np.nan if x is None else x for x in row] for row in errors["map"]], dtype=float
     )
-    ratio = raw / bound
-    top = float(np.nanmax(ratio)) if np.isfinite(ratio).any() else 1.0
-    shown = np.where(np.isnan(ratio), max(top, 1.0) * 1.1, ratio)
+    with np.errstate(over="ignore", invalid="ignore"):
+        ratio = raw / bound
+    # an infinite error (the map keeps it as the largest float): marked x, off the scale
+    ratio = np.where(np.isfinite(ratio) & (np.abs(raw) < 1e300), ratio, np.nan)
+    finite = np.isfinite(ratio)
+    top = float(ratio[finite].max()) if finite.any() else 1.0
+    shown = np.where(finite, ratio, max(top, 1.0) * 1.1)
     rows, cols = shown.shape
     if rows == 1 and cols > 1:  # one query: its error against its columns, not one strip
         return _line(ratio[0], errors, title)
