@@ -84,14 +84,20 @@ def main() -> int:
 
 def keep(report: Path, to: Path) -> None:
     """``report``'s document with only what grouping reads (its failed results, without
-    their per-case times and coverage), gzipped at ``to``: a few kB a report."""
+    their per-case times, coverage, error maps, logs and reproducers), gzipped at ``to``:
+    a few kB a report."""
     import gzip
     import json
 
     data = json.loads(report.read_text())
     data["planned"] = data.get("planned", len(data["results"]))
+    bulky = ("errors", "output", "reproducer")  # a finding's map, log and script
     data["results"] = [
-        {k: v for k, v in r.items() if k not in ("case_seconds", "coverage")}
+        {
+            k: ({x: y for x, y in v.items() if x not in bulky} if isinstance(v, dict) else v)
+            for k, v in r.items()
+            if k not in ("case_seconds", "coverage")
+        }
         for r in data["results"]
         if r["status"] == "fail"
     ]
