@@ -95,18 +95,18 @@ def keep(report: Path, to: Path) -> None:
 
     data = json.loads(report.read_text())
     data["planned"] = data.get("planned", len(data["results"]))
-    bulky = ("errors", "output", "reproducer")  # a finding's map, log and script
+    per_case = ("errors", "output", "reproducer")  # a finding's map, log and script
     data["results"] = [
         {
-            k: ({x: y for x, y in v.items() if x not in bulky} if isinstance(v, dict) else v)
+            k: ({x: y for x, y in v.items() if x not in per_case} if isinstance(v, dict) else v)
             for k, v in r.items()
             if k not in ("case_seconds", "coverage")
         }
         for r in data["results"]
         if r["status"] == "fail"
     ]
-    for bulky in ("findings", "not_tested"):
-        data.pop(bulky, None)
+    for whole in ("findings", "not_tested"):
+        data.pop(whole, None)
     to.write_bytes(gzip.compress(json.dumps(data, sort_keys=True).encode(), mtime=0))
 
 
