@@ -90,6 +90,10 @@ class Convention:
     #: cannot hold a dense case's keys as they are (a quantized cache) is audited by its
     #: own properties alone
     dense: bool = True
+    #: whether its calls name the keys each query sees by indices (DeepSeek's sparse
+    #: attention): a mask, the causal diagonal and a window all reach its kernel as keys
+    #: left out of the indices, one trigger of a finding (`attnref.conformance.findings`)
+    indexed: bool = False
     #: what to declare when a backend raised ``error`` (its one line) on a call of these
     #: keywords that a default declaration makes (a combination some libraries refuse),
     #: or ""

@@ -28,6 +28,7 @@ The rules, in the order `group` applies them:
 """
 
 import builtins
+import importlib
 import math
 import re
 from collections.abc import Callable
@@ -308,11 +309,9 @@ def as_called(needs: tuple[str, ...], case: Case, caps: Capabilities | None) -> 
     return tuple(_indexed(("a mask", *kept), caps))
 
 
-#: the families whose kernels get masks, the causal diagonal and windows as the indices
-#: they leave out (`attnref.conformance.families.sparse_mla`: what a key hidden by any
-#: of them reaches the kernel as)
-INDEXED = ("sparse-mla", "sparse-mla-fp8")
-#: the features a key hidden from a query amounts to in an `INDEXED` family
+#: the features a key hidden from a query amounts to in an indexed family (one whose
+#: `attnref.conformance.family.Convention.indexed` is set: its kernels get masks, the
+#: causal diagonal and windows as the indices they leave out)
 HIDING = ("causal", "causal with Tq != Tk", "a mask", "a window")
 #: what they reach such a kernel as
 LEFT_OUT = "keys left out of the indices"
@@ -325,15 +324,27 @@ def _indexed(needs: tuple[str, ...], caps: Capabilities | None) -> tuple[str, ..
 def _indexed(
     needs: frozenset[str] | tuple[str, ...], caps: Capabilities | None
 ) -> frozenset[str] | tuple[str, ...]:
-    """``needs`` as a kernel of an `INDEXED` family gets them: a mask, the causal diagonal
+    """``needs`` as a kernel of an indexed family gets them: a mask, the causal diagonal
     and a window are each keys left out of its indices (a planted kernel that read an
     invalid entry as row 0 needed "a mask" in one case, "causal" in the next: one bug)."""
-    if caps is None or caps.family not in INDEXED or not set(HIDING) & set(needs):
+    if caps is None or not set(HIDING) & set(needs) or not _is_indexed(caps.family):
         return needs
     kept = [LEFT_OUT if n in HIDING else n for n in needs]
     if isinstance(needs, frozenset):
         return frozenset(kept)
     return tuple(dict.fromkeys(kept))
+
+
+def _is_indexed(name: str) -> bool:
+    """Whether the family called ``name`` names the keys of each query by indices (an
+    unknown name: not). The families are installed here, not imported at the top: the
+    engine imports no family, and a report read back from JSON is grouped with none
+    installed yet."""
+    importlib.import_module("attnref.conformance.backends")  # installs the families
+    from attnref.conformance.family import FAMILIES
+
+    family = FAMILIES.get(name)
+    return family is not None and family.indexed
 
 
 def _size(r: _Result) -> int:

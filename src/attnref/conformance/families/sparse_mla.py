@@ -847,6 +847,7 @@ FAMILY = ApiFamily(
     from_layout=flash_back,
     native_causal=_native_causal,
     dropout=False,
+    indexed=True,
     builtins=_builtins,
     properties=PROPERTIES,
     mutants=MUTANTS,

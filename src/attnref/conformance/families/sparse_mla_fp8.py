@@ -655,6 +655,7 @@ FAMILY = ApiFamily(
     from_layout=flash_back,
     native_causal=flash_native_causal,
     dropout=False,
+    indexed=True,
     dense=False,
     invoke=_invoke,
     builtins=_builtins,
