@@ -1,6 +1,7 @@
 """``attnref audit`` on the command line: exit codes, messages, reports."""
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -274,6 +275,26 @@ def test_a_property_budget_an_estimate_and_the_start_up_in_the_time(
         assert 1 <= r["checked"] < 67
     assert 0 < data["startup_seconds"] < data["seconds"]
     assert main([*args[:-2], "--property-budget", "0"]) == 2
+
+
+def test_a_log_hears_of_a_long_search_while_it_runs(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Without a terminal (a CI log) the audit says how it goes every PROGRESS_EVERY
+    seconds, within a search too: an interpreted kernel's search can take minutes, and
+    its log went silent until the search ended."""
+    import attnref.cli
+
+    monkeypatch.setattr(attnref.cli, "PROGRESS_EVERY", 0.3)
+    assert main(["audit", "--dtype", "float64", "--property", "forward", "--jobs", "1"]) == 0
+    err = capsys.readouterr().err
+    within = re.findall(
+        r"attnref audit: 0 of 1 \(property, dtype\) searches done, 0 failed, [0-9.]+ min "
+        r"so far; forward \[float64\]: (\d+) cases checked in \d+ s",
+        err,
+    )
+    assert within, err
+    assert int(within[-1]) > int(within[0]) > 0  # counted as it went
 
 
 def test_the_estimate_rests_on_several_searches_and_says_how_sure_it_is() -> None:

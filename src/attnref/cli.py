@@ -363,17 +363,14 @@ def _audit(args: argparse.Namespace) -> int:
 
     quiet = args.no_progress
     bar = not quiet and sys.stderr.isatty()
-    said = [time.perf_counter()]
+    # no terminal for a bar (a CI log, a pipe): a line every PROGRESS_EVERY seconds
+    # instead, within a search too (an interpreted kernel's can take minutes)
+    ticker = _Ticker(report, every=PROGRESS_EVERY, on=not bar and not quiet)
 
     def save(partial: AuditReport) -> None:  # after every property: a crash loses nothing
-        now = time.perf_counter()
+        ticker.current = ""  # the search it named has ended
         if len(partial.results) in _checkpoints(partial.planned):
-            print(_estimate(partial), file=sys.stderr, flush=True)
-            said[0] = now
-        elif not bar and not quiet and now - said[0] >= PROGRESS_EVERY:
-            # no terminal for a bar (a CI log, a pipe): a line now and then instead
-            print(_progress(partial), file=sys.stderr, flush=True)
-            said[0] = now
+            ticker.say(_estimate(partial))
         if json_path is None:
             return
         reason = partial.incomplete
@@ -385,6 +382,7 @@ def _audit(args: argparse.Namespace) -> int:
             partial.incomplete = reason
 
     try:
+        ticker.start()
         audit(
             backend,
             **settings.audit_kwargs(),
@@ -395,6 +393,7 @@ def _audit(args: argparse.Namespace) -> int:
             report=report,
             jobs=jobs,
             shard=shard,
+            on_case=ticker.case,
         )
     except KeyboardInterrupt as e:
         executor.close()
@@ -403,6 +402,7 @@ def _audit(args: argparse.Namespace) -> int:
         print(f"attnref audit: {how}{where}", file=sys.stderr)
         return 143 if isinstance(e, Terminated) else 130
     finally:
+        ticker.stop()
         executor.close()  # no backend code runs while the final report is written
     print(report.format_table(verbose=args.verbose))
     if json_path is not None:
@@ -485,13 +485,52 @@ def _checkpoints(planned: int) -> set[int]:
 PROGRESS_EVERY = 30.0
 
 
-def _progress(report: "AuditReport") -> str:
-    """One line on an audit under way, for a log with no terminal to draw a bar on."""
+def _progress(report: "AuditReport", seconds: float, current: str = "") -> str:
+    """One line on an audit under way, for a log with no terminal to draw a bar on
+    (``seconds``: since it began; ``current``: the search under way, and how far)."""
     failed = report.count("fail")
+    now = f"; {current}" if current else ""
     return (
         f"attnref audit: {len(report.results)} of {report.planned} (property, dtype) "
-        f"searches done, {failed} failed, {report.seconds / 60:.1f} min so far"
+        f"searches done, {failed} failed, {seconds / 60:.1f} min so far{now}"
     )
+
+
+class _Ticker(threading.Thread):
+    """Says how an audit goes every ``every`` seconds that nothing else was said, from
+    a thread of its own: after each search, and within one (the judge's own search:
+    its cases so far), so that a log never goes silent for minutes. ``on=False``
+    prints only what `say` is given (the estimates)."""
+
+    def __init__(self, report: "AuditReport", *, every: float, on: bool) -> None:
+        super().__init__(name="attnref-progress", daemon=True)
+        self.report, self.every, self.on = report, every, on
+        self.began = self.said = time.perf_counter()
+        self.current = ""
+        self.ended = threading.Event()
+        self.lock = threading.Lock()
+
+    def case(self, search: str, cases: int, seconds: float) -> None:
+        """`attnref.conformance.runner.audit`'s ``on_case``."""
+        self.current = f"{search}: {cases} cases checked in {seconds:.0f} s"
+
+    def say(self, line: str) -> None:
+        with self.lock:
+            print(line, file=sys.stderr, flush=True)
+            self.said = time.perf_counter()
+
+    def run(self) -> None:
+        if not self.on:
+            return
+        while not self.ended.wait(min(1.0, self.every)):
+            now = time.perf_counter()
+            if now - self.said >= self.every:
+                self.say(_progress(self.report, now - self.began, self.current))
+
+    def stop(self) -> None:
+        self.ended.set()
+        if self.is_alive():
+            self.join()
 
 
 def _estimate(report: "AuditReport") -> str:

@@ -98,6 +98,7 @@ def run_property(
     executor: Executor | None = None,
     stop_at: float | None = None,
     budget: float | None = None,
+    on_case: Callable[[int], None] | None = None,
 ) -> PropertyResult:
     """Search for a case on which ``backend`` breaks ``prop`` in ``dtype``; shrink it.
 
@@ -107,6 +108,8 @@ def run_property(
     then is a skip, not a pass. ``budget``: seconds this property may search for a
     failure; after them (and one judged case) it passes on the cases it judged (thin,
     maybe: see `AuditReport.mark_thin`), while a failure found in time is still shrunk.
+    ``on_case`` is called with the count of cases checked so far after each one (a
+    progress line within a long search).
     """
     start = time.perf_counter()
     caps = backend.capabilities
@@ -194,6 +197,8 @@ def run_property(
             raise _Found from None
         finally:
             search.case_seconds.append(time.perf_counter() - t0)
+            if on_case is not None:
+                on_case(search.checks)
 
     def searched() -> None:
         test = given(narrowed(prop.cases(profile, caps), caps, profile, chunks))(body)
@@ -358,6 +363,7 @@ def audit(
     require_sandbox: bool = False,
     jobs: int = 1,
     shard: tuple[int, int] | None = None,
+    on_case: Callable[[str, int, float], None] | None = None,
 ) -> AuditReport:
     """Audit ``backend`` against the float64 oracle: every property in every dtype.
 
@@ -389,7 +395,10 @@ def audit(
     (property, dtype), for a partial report on disk, and once more if Ctrl-C
     interrupts the audit (which then raises ``KeyboardInterrupt``, the report marked
     incomplete). ``report``: an empty report to fill (default: a new one), so that a
-    caller keeps what was found when the audit is interrupted.
+    caller keeps what was found when the audit is interrupted. ``on_case`` is called
+    after each case this judge checks with its search ("forward [float32]"), the cases
+    checked in it so far and the seconds since it began: progress within a search, which
+    on an interpreted kernel can take minutes.
 
     A pass judged on fewer cases than a floor (`FLOOR_SHARE` of the profile's examples,
     at least one) is *thin*, shown as such; ``min_judged`` sets the floor, and a thin
@@ -591,6 +600,7 @@ def audit(
                 executor=executor,
                 stop_at=stop_at,
                 budget=property_budget,
+                on_case=_case_counter(f"{prop.id} [{dtype_name(dtype)}]", bar, on_case),
             )
             if result.message.startswith(TIMED_OUT) and wait == timeout:
                 wait = wait_after_timeout(timeout, executor.slowest)
@@ -621,6 +631,26 @@ def audit(
         torch.set_num_threads(threads_before)
         report.finish()
     return report
+
+
+def _case_counter(
+    label: str, bar: Any, on_case: Callable[[str, int, float], None] | None
+) -> Callable[[int], None]:
+    """What `run_property` calls after each case of the search ``label``: the progress
+    bar's note says how many cases it has checked (at most every half second), and
+    ``on_case`` hears of each."""
+    start = time.perf_counter()
+    shown = [0.0]
+
+    def counted(cases: int) -> None:
+        now = time.perf_counter()
+        if now - shown[0] >= 0.5:
+            shown[0] = now
+            bar.set_postfix_str(f"{label}: {cases} cases", refresh=False)
+        if on_case is not None:
+            on_case(label, cases, now - start)
+
+    return counted
 
 
 def _fitted(prof: Profile, caps: Capabilities, interpreter: str) -> tuple[Profile, str]:
