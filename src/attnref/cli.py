@@ -98,7 +98,8 @@ def _parser() -> argparse.ArgumentParser:
     a.add_argument(
         "--no-progress",
         action="store_true",
-        help="no progress bar (without a terminal: no line every 30 s)",
+        help="no progress bar (without a terminal: no line every 30 s, which names the "
+        "search under way and its cases so far)",
     )
     a.add_argument(
         "--interpreter",
