@@ -18,6 +18,7 @@ from attnref.conformance.backends import Backend, Capabilities, declaration, fro
 from attnref.conformance.families.flash import FLASH_ATTN_2
 from attnref.conformance.profiles import fitted, get_profile
 from attnref.conformance.properties import PROPERTIES
+from attnref.conformance.report import interpreted_lines
 from attnref.conformance.strategies import narrowed, work
 from attnref.interpreted import INTERPRETERS, record
 
@@ -44,14 +45,21 @@ def test_the_interpreter_and_tiles_cross_as_data() -> None:
 
 
 def test_the_interpreter_record_is_checked_field_by_field() -> None:
+    tuned = {"kernel": "_fwd", "configs": 12, "first": "BLOCK_M: 64", "pruned": True}
     good = {"interpreter": "triton", "version": "3.9.0", "not_judged": "races",
-            "dtypes_out": {"bfloat16": "off"}, "checked": {"float32": 1e-7}}  # fmt: skip
+            "dtypes_out": {"bfloat16": "off"}, "checked": {"float32": 1e-7},
+            "autotuned": [tuned]}  # fmt: skip
     assert record(good) == good
     bad: list[object] = [{"dtypes_out": {"bfloat16": 1}}, {"checked": {"float32": "x"}},
-                         {"x": "y"}, []]  # fmt: skip
+                         {"x": "y"}, [], {"autotuned": [{**tuned, "configs": "12"}]},
+                         {"autotuned": [{**tuned, "pruned": 1}]}, {"autotuned": [tuned] * 51},
+                         {"autotuned": [{**tuned, "extra": ""}]}]  # fmt: skip
     for value in bad:
-        with pytest.raises(ValueError, match=r"field|a dict"):
+        with pytest.raises(ValueError, match=r"field|a dict|an autotuned kernel"):
             record(value)
+    lines = interpreted_lines({"interpreter": "triton", "autotuned": [tuned]})
+    said = "  autotuned: _fwd, 12 configurations: each call runs the first its"
+    assert f"{said} prune_configs_by keeps (the first listed: BLOCK_M: 64)" in lines
 
 
 def test_fitted_lengths_sit_on_each_side_of_every_tile_and_split_boundary() -> None:

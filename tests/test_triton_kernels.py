@@ -100,3 +100,20 @@ def test_the_right_decode_kernel_passes_the_cache_properties_fp8_included() -> N
     fp8 = [r for r in report.results if "fp8" in r.property and r.status == "pass"]
     assert fp8, report.format_table()
     assert {r.dtype for r in fp8} == {torch.bfloat16}
+
+
+def test_an_autotuned_kernel_runs_the_configuration_its_pruning_keeps() -> None:
+    """Each call runs the first configuration the kernel's own ``prune_configs_by``
+    keeps for it, and the report names the kernel and its configurations: pinned to the
+    first listed (16 keys a row), a kernel whose pruning drops it past 16 keys was
+    blamed for every longer row. Without its pruning, the same kernel fails so."""
+    kw = {"api": "sdpa", "properties": ["forward"], "profile": SMOKE, "progress": False}
+    pruned = audit("tests.triton_autotuned:attention", **kw)  # type: ignore[arg-type]
+    assert pruned.ok, pruned.format_table()
+    tuned = {t["kernel"]: t for t in pruned.interpreted["autotuned"] if t["pruned"]}
+    assert tuned["_softmax_rows"]["configs"] == 6
+    assert "BLOCK_N: 16" in tuned["_softmax_rows"]["first"]
+    assert "autotuned: _softmax_rows, 6 configurations: each call runs the first its " \
+        "prune_configs_by keeps" in pruned.format_table()  # fmt: skip
+    unpruned = audit("tests.triton_autotuned:unpruned", fail_fast=True, **kw)  # type: ignore[arg-type]
+    assert not unpruned.ok, unpruned.format_table()

@@ -354,6 +354,9 @@ class Supervised:
             said = read_reply(first)
             if isinstance(said, dict) and isinstance(said.get("note"), str):
                 self.notes.append(said.pop("note")[:500])
+            if isinstance(said, dict) and "autotuned" in said:  # the worker's word, checked
+                tuned = record({"autotuned": said.pop("autotuned")})
+                self.interpreted = {**self.interpreted, **tuned}
             return from_declaration(said)
         except Raised as e:
             self._stop()

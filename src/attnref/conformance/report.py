@@ -31,7 +31,11 @@ JSON schema (``schema_version`` 13; 3 added ``api``, 4 ``trusted``, 5 ``checked`
         "patched": str,            # what attnref changed in the interpreter (Triton's bf16)
         "dtypes_out": {dtype: why},  # left out: the interpreter's own check failed there
         "checked": {dtype: float},   # its check's error in each dtype
-        "sizes": str               # the tiles and cost bound the cases were fitted to
+        "sizes": str,              # the tiles and cost bound the cases were fitted to
+        "autotuned": [{"kernel": str, "configs": int, "first": str, "pruned": bool}]
+                                   # @triton.autotune's kernels: each call runs the first
+                                   # configuration its prune_configs_by keeps (the worker's
+                                   # word)
       },
       "shard": null | [K, N],      # shard K of N of one audit (--shard; attnref merge)
       "planned": int,              # the (property, dtype) searches it set out to run
@@ -662,6 +666,13 @@ def interpreted_lines(interpreted: dict[str, Any]) -> list[str]:
         lines.append(f"  {dtype} left out: {why}")
     if interpreted.get("sizes"):
         lines.append(f"  sizes: {interpreted['sizes']}")
+    for tuned in interpreted.get("autotuned") or ():
+        which = "the first its prune_configs_by keeps" if tuned["pruned"] else "the first"
+        first = ", ".join(x for x in tuned["first"].split(", ") if not x.endswith(": None"))
+        lines.append(
+            f"  autotuned: {tuned['kernel']}, {tuned['configs']} configurations: each call "
+            f"runs {which} (the first listed: {first})"
+        )
     return lines
 
 

@@ -163,6 +163,10 @@ def _declared(backend: Backend, interpreter: str | None) -> dict[str, Any]:
     elif not caps["interpreter"] and os.environ.get("TRITON_INTERPRET") == "1":
         caps["interpreter"] = "triton"
         said["note"] = UNDECLARED_TRITON
+    if interpreter == "triton":  # its autotuned kernels, defined as its module imported
+        from attnref.interpreted import autotuned
+
+        said["autotuned"] = autotuned()
     return said
 
 
