@@ -171,6 +171,24 @@ def test_a_deadline_ends_the_audit_incomplete_and_not_ok() -> None:
     assert "INCOMPLETE: the deadline of 0.5 s passed" in report.format_table()
 
 
+def test_under_a_deadline_a_family_s_own_properties_are_not_left_for_last() -> None:
+    """In the registry's order a family's own properties come after every dense one: a
+    deadline reached among those left them all unrun. With a deadline or a budget they
+    take turns with the rest, after ``forward``."""
+    from attnref.conformance.runner import family_first
+
+    chosen = [p for p in PROPERTIES.values() if p.applies_to("flash-varlen")]
+    assert chosen[0].id == "forward"
+    assert not chosen[1].families
+    ordered = family_first(chosen)
+    assert sorted(p.id for p in ordered) == sorted(p.id for p in chosen)
+    assert [p.id for p in ordered[:4]] == ["forward", "varlen", chosen[1].id, "varlen_alone"]
+    report = audit("varlen-reference", dtypes=(torch.float32,),
+                   device="cpu", progress=False, property_budget=0.01,
+                   properties=["forward", "masked_keys", "varlen"])  # fmt: skip
+    assert [r.property for r in report.results][:2] == ["forward", "varlen"]
+
+
 @pytest.mark.slow  # 20-32 s on a loaded machine: the default tier ran 240 s of its 180
 def test_a_reproducer_exits_1_while_the_failure_reproduces(tmp_path: Path) -> None:
     import subprocess

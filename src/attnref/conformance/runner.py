@@ -16,6 +16,7 @@ import time
 import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
+from itertools import zip_longest
 from pathlib import Path
 from typing import Any
 
@@ -446,6 +447,8 @@ def audit(
         chosen = [p for p in PROPERTIES.values() if p.applies_to(backend.api)]
     if not gradients:
         chosen = [p for p in chosen if not p.gradient]
+    if deadline is not None or property_budget is not None:
+        chosen = family_first(chosen)
     dtype_list = list(dtypes) if dtypes is not None else list(backend.capabilities.dtypes)
     interpreted = dict(getattr(executor, "interpreted", {}) or {})
     prof, sizes = _fitted(prof, backend.capabilities, interpreted.get("interpreter", ""))
@@ -631,6 +634,19 @@ def audit(
         torch.set_num_threads(threads_before)
         report.finish()
     return report
+
+
+def family_first(chosen: list[Property]) -> list[Property]:
+    """``chosen`` in the order an audit with a deadline or a budget runs them: the first
+    (``forward``, the widest), then the family's own properties taking turns with the
+    rest. In the registry's order a family's own come last, and a deadline reached among
+    the dense properties left every one of them unrun (varlen's, the MLA properties,
+    extend's log-sum-exp and sinks)."""
+    head, tail = chosen[:1], chosen[1:]
+    own = [p for p in tail if p.families]
+    rest = [p for p in tail if not p.families]
+    turns = [p for pair in zip_longest(own, rest) for p in pair if p is not None]
+    return head + turns
 
 
 def _case_counter(
