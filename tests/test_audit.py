@@ -273,6 +273,21 @@ def test_kill_matrix_in_docs_covers_every_mutant_and_property() -> None:
         assert kills, f"{pid} caught no mutant"
 
 
+def test_a_shrink_cut_short_by_its_time_tries_the_smallest_shapes() -> None:
+    """A slow kernel's shrink ran out of time at cases such as ``batch (2,), Tq 26, Tk 7,
+    Dh 96`` where ``Tq 2, Tk 1, Dh 1`` fails the same way: after a shrink cut short,
+    each size is taken to its least in turn, kept where the case still fails so. With
+    no shrink time at all (the first failing case drawn), the finding's case is the
+    smallest (a size the bug needs is kept: `mutant.scale_by_d`'s, 1/d, is right at
+    d = 1, and its finding keeps d = 2: docs/conformance.md)."""
+    quick = PROFILES["quick"]
+    at_once = replace(quick, name="no-shrink", shrink_seconds=0.0)
+    report = run("mutant.causal_excludes_self", properties=["forward"], profile=at_once,
+                 dtypes=(torch.float32,))  # fmt: skip
+    case = report.results[0].finding.case  # type: ignore[union-attr]
+    assert (case.batch, case.h, case.Tq, case.Tk, case.Dh) == ((1, 1), 1, 1, 1, 1), case
+
+
 @pytest.mark.slow  # 20-32 s on a loaded machine: the default tier ran 240 s of its 180
 def test_a_failure_is_shrunk_and_its_reproducer_runs(tmp_path: Path) -> None:
     report = run("mutant.gqa_tiled", properties=["gqa"], dtypes=(torch.float32,))

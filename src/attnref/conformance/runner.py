@@ -44,7 +44,7 @@ from attnref.conformance.report import (
     reproducer,
 )
 from attnref.conformance.strategies import inside, narrowed, work
-from attnref.conformance.verdicts import Failure, Skip, cause_of, shorten
+from attnref.conformance.verdicts import Failure, Skip, cause_key, cause_of, shorten
 from attnref.conformance.worker import Executor, start_executor
 from attnref.devices import best_device, dtype_name
 from attnref.interpreted import INTERPRETERS
@@ -264,6 +264,14 @@ def run_property(
         )
 
     searched()
+    cut = search.shrink_until is not None and time.perf_counter() > search.shrink_until
+    if search.failure is not None and cut and not search.late:
+        # the shrinker ran out of time (a slow backend: minutes of small steps left a
+        # case of 26 queries, 7 keys and 96 dims that 2, 1 and 1 fail the same way)
+        budget = max(profile.shrink_seconds, SMALLEST_FIRST_SECONDS)
+        search.failure = _smallest_first(
+            prop, ctx, search, caps, chunks, dtype_name(dtype), budget, stop_at
+        )
     if search.failure is None and search.imprecise is not None and not search.stop:
         # only precision misses: searched again, the same cases in the same order, with
         # a miss a failure to shrink to its smallest case
@@ -298,6 +306,77 @@ def run_property(
         note = "; ".join(x for x in (spent, ", ".join(counts)) if x)
         return done("pass", f"{note}, the last: {search.skip_reason}")
     return done("pass", spent)
+
+
+#: the least time the smallest shapes are tried in after a shrink cut short (each is a
+#: call of the smallest sizes: fast even interpreted)
+SMALLEST_FIRST_SECONDS = 10.0
+
+
+def _least(case: Case) -> list[list[dict[str, Any]]]:
+    """For each of ``case``'s sizes in turn (head dims, batch, heads, queries, keys),
+    the changes that make it smaller, the least first: the first that fails the same
+    way is kept. Packed and cached cases keep their lengths (each sequence's are part
+    of what they test)."""
+    dims = [d for d in (1, 2, 4) if d < max(case.Dh, case.Dv)]
+    sizes: list[list[dict[str, Any]]] = [
+        [{"Dh": d, "Dv": d} for d in dims],
+        [{"batch": (1,) * len(case.batch)}],
+        [{"h": case.h // case.g, "g": 1}, {"h": 1, "g": 1}],
+    ]
+    if not case.seqlens and not case.cached:
+        sizes += [[{"Tq": n} for n in (1, 2) if n < case.Tq]]
+        sizes += [[{"Tk": n} for n in (1, 2) if n < case.Tk]]
+    return sizes
+
+
+def _smallest_first(
+    prop: Property,
+    ctx: Context,
+    search: _Search,
+    caps: Capabilities,
+    chunks: int,
+    dtype: str,
+    budget: float,
+    stop_at: float | None,
+) -> tuple[Case, Failure]:
+    """The search's failure with its case made smaller where it fails the same way (one
+    cause): each size taken to its least in turn (`_least`), each change kept where the
+    case still fails so, within ``budget`` seconds (at least one try) and the audit's
+    deadline. For the shrinker cut short by its time: smallest shapes are cheap to run,
+    and a reader takes in 2 queries and 1 key at once."""
+    assert search.failure is not None
+    case, failure = search.failure
+    same = cause_key(cause_of(failure, dtype))
+    until = time.perf_counter() + budget
+    tried = 0
+    for changes in _least(case):
+        for change in changes:
+            now = time.perf_counter()
+            if (tried and now > until) or (stop_at is not None and now > stop_at):
+                return case, failure
+            try:
+                smaller = inside(replace(case, **change), caps, chunks=chunks)
+            except (ValueError, TypeError):  # not a case: a size another field needs
+                continue
+            if smaller == case or _size(smaller) > _size(case):
+                continue
+            tried += 1
+            search.checks += 1
+            try:
+                prop.check(ctx, smaller)
+            except Failure as f:
+                if cause_key(cause_of(f, dtype)) == same:
+                    case, failure = smaller, f
+                    break  # this size is at its least that fails so
+            except Skip:
+                search.checks -= 1  # not judged
+    return case, failure
+
+
+def _size(case: Case) -> int:
+    """How large ``case`` is to a reader: its batch, heads, queries, keys and dims."""
+    return math.prod(case.batch) * case.h * case.Tq * case.Tk * max(1, case.Dh + case.Dv)
 
 
 #: what a crash that its shrunk case does not repeat alone says of itself
