@@ -248,3 +248,46 @@ def test_triton_s_interpreter_computes_bfloat16_as_a_device_once_fixed() -> None
     assert after["cast"], after
     assert after["off"], after
     assert after["dot"] < 1e-5, after
+
+
+def test_the_launch_model_counts_programs_and_key_tiles_and_is_calibrated_on_the_kernel() -> None:
+    """An interpreted call costs what its programs do: a program a query tile, head,
+    sequence and split, each stepping over its keys a tile at a time. Three timed
+    shapes give the model back (a kernel here whose seconds are exactly linear), and a
+    case past the per-call budget is cut until it fits (vLLM's 65 one-token sequences on
+    16 splits: 1,040 programs, 64 s a call against a 60 s timeout)."""
+    from attnref.conformance.cases import Case
+    from attnref.conformance.launch import Launch, calibrate, launch_shape
+
+    case = Case("c", batch=(2,), h=4, g=2, Tq=33, Tk=100)
+    # 3 query tiles x 4 heads x 2 rows = 24 programs, each over ceil(100 / 16) = 7 tiles
+    assert launch_shape(case, 16, 16, 1) == (24, 168)
+    # 4 splits: 96 programs, each over ceil(ceil(100 / 4) / 16) = 2 tiles
+    assert launch_shape(case, 16, 16, 4) == (96, 192)
+    packed = Case("p", batch=(1,), h=1, g=1, Tq=1, Tk=1, seqlens=((1, 1),) * 65)
+    assert launch_shape(packed, 16, 16, 16) == (65 * 16, 65 * 16)
+
+    def kernel(c: Case) -> float:
+        programs, steps = launch_shape(c, 16, 32, 2)
+        return 0.002 + 0.019 * programs + 0.007 * steps
+
+    model = calibrate(kernel, 16, 32, 2, Case("base", Dh=8, Dv=8))
+    assert model is not None
+    assert (model.tile_queries, model.tile_keys, model.splits) == (16, 32, 2)
+    assert (model.fixed, model.per_program, model.per_step) == pytest.approx((0.002, 0.019, 0.007))
+    assert model.predict(case) == pytest.approx(kernel(case))
+    assert calibrate(lambda c: None, 16, 32, 2, Case("base")) is None  # refused: no model
+
+    vllm = Launch(16, 16, 16, fixed=0.002, per_program=0.04, per_step=0.02)
+    assert vllm.predict(packed) > 60
+    cut = vllm.fit(packed)
+    assert vllm.predict(cut) <= vllm.budget
+    assert 1 <= len(cut.seqlens) < 65
+    one = replace(packed, seqlens=((1, 1),))
+    assert vllm.timeout(one, 60.0) == 60.0  # a quick case waits the audit's timeout...
+    assert vllm.timeout(cut, 60.0) == pytest.approx(10 * vllm.predict(cut))  # or 10 times
+    wide = Case("w", batch=(4,), h=8, g=2, Tq=4096, Tk=4096, Dh=64, Dv=64)
+    small = vllm.fit(wide)
+    assert vllm.predict(small) <= vllm.budget
+    assert (small.batch, small.g) == ((1,), 1)
+    assert "launch model: 2 ms a call + 40 ms a program + 20 ms a key tile" in vllm.said()

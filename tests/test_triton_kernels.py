@@ -57,6 +57,7 @@ def test_the_right_flash_kernel_passes_interpreted() -> None:
     assert report.interpreted["checked"]["bfloat16"] < 0.1
     assert "bfloat16" in report.interpreted["patched"]
     assert report.interpreted["sizes"].startswith("tiles")
+    assert report.interpreted["launch"].startswith("launch model: ")  # timed on the kernel
 
 
 def test_a_module_that_sets_triton_interpret_itself_is_audited_as_interpreted() -> None:

@@ -14,6 +14,10 @@ does not grow with it.
 """
 
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from attnref.conformance.launch import Launch
 
 __all__ = ["PROFILES", "Profile", "fitted", "get_profile"]
 
@@ -91,6 +95,10 @@ class Profile:
     #: fitted to a kernel's tiles and cost bound (`fitted`): the properties' fixed
     #: cases past its bound (production sizes: 4097 keys, 1028 programs) are not run
     fitted: bool = False
+    #: the kernel's launch cost model, calibrated at the audit's start where it runs
+    #: interpreted (`attnref.conformance.launch`): each case is cut to its per-call
+    #: budget and waits ten times its prediction or more
+    launch: "Launch | None" = None
 
     def within(self, batch_heads: int, case_work: int) -> bool:
         """Whether a fixed case of ``batch_heads`` programs' worth of batch and heads

@@ -32,6 +32,7 @@ JSON schema (``schema_version`` 13; 3 added ``api``, 4 ``trusted``, 5 ``checked`
         "dtypes_out": {dtype: why},  # left out: the interpreter's own check failed there
         "checked": {dtype: float},   # its check's error in each dtype
         "sizes": str,              # the tiles and cost bound the cases were fitted to
+        "launch": str,             # its launch cost model, calibrated on it (launch.py)
         "autotuned": [{"kernel": str, "configs": int, "first": str, "pruned": bool}]
                                    # @triton.autotune's kernels: each call runs the first
                                    # configuration its prune_configs_by keeps (the worker's
@@ -666,6 +667,8 @@ def interpreted_lines(interpreted: dict[str, Any]) -> list[str]:
         lines.append(f"  {dtype} left out: {why}")
     if interpreted.get("sizes"):
         lines.append(f"  sizes: {interpreted['sizes']}")
+    if interpreted.get("launch"):
+        lines.append(f"  {interpreted['launch']}")
     for tuned in interpreted.get("autotuned") or ():
         which = "the first its prune_configs_by keeps" if tuned["pruned"] else "the first"
         first = ", ".join(x for x in tuned["first"].split(", ") if not x.endswith(": None"))

@@ -32,6 +32,7 @@ from attnref.conformance.coverage import add as add_coverage
 from attnref.conformance.declarations import Backend, BackendError, Capabilities
 from attnref.conformance.family import get_family
 from attnref.conformance.judges import Judges, Setup, wait_after_timeout
+from attnref.conformance.launch import Launch, calibrate
 from attnref.conformance.needs import needs
 from attnref.conformance.profiles import Profile, fitted, get_profile
 from attnref.conformance.properties import PROPERTIES, Context, Property, get_property
@@ -140,7 +141,7 @@ def run_property(
     if reason is not None:
         return done("skip", reason)
     # equal shards only: lengths that cut into as many equal chunks as zigzag needs
-    chunks = 2 * int(getattr(executor, "world_size", 1))
+    chunks = chunks_of(executor)
     # the sample of a long case's rows is drawn with a secret of this search's own
     ctx = Context(backend, dtype, device, timeout, executor, secret=secrets.randbits(62))
 
@@ -155,6 +156,13 @@ def run_property(
         if search.stop:
             return  # out of shrink budget (or the backend hangs): keep what we have
         search.checks += 1
+        # an interpreted kernel's case cut to its per-call budget, waited on for what its
+        # launch predicts (`attnref.conformance.launch`)
+        launch = profile.launch
+        patience = timeout
+        if launch is not None:
+            case = launch.fit(case)
+            patience = launch.timeout(case, timeout)
         # a budget or deadline holds within a case too: a call still running when it
         # passes is stopped (its worker ended), and the search ends there, not failed
         judged = search.checks - 1 - search.skipped - search.refused
@@ -162,7 +170,7 @@ def run_property(
         if budget_at is not None and search.failure is None and judged:
             ends.append(budget_at)  # as between cases: after one judged case
         left = min(ends) - time.perf_counter() if ends else None
-        wait = timeout if left is None else max(1.0, min(timeout, left))
+        wait = patience if left is None else max(1.0, min(patience, left))
         t0 = time.perf_counter()
         try:
             prop.check(ctx if wait == timeout else replace(ctx, timeout=wait), case)
@@ -175,7 +183,7 @@ def run_property(
             search.skip_reason = str(s)
             return
         except Failure as f:
-            if wait < timeout and str(f).startswith(TIMED_OUT):
+            if wait < patience and str(f).startswith(TIMED_OUT):
                 search.checks -= 1  # stopped, not judged
                 search.stop = True
                 if stop_at is not None and time.perf_counter() >= stop_at - 1.0:
@@ -183,6 +191,12 @@ def run_property(
                 else:
                     search.over_budget = True
                 return
+            if launch is not None and str(f).startswith(TIMED_OUT):
+                programs, steps = launch.shape(case)
+                f = f.reworded(
+                    f"{f}; its launch model predicted {launch.predict(case):.3g} s for "
+                    f"{programs} programs stepping over {steps} key tiles"
+                )
             if not search.strict and _precision_miss(f):
                 # judged apart: the search goes on for a semantic failure, which a
                 # precision miss met first would otherwise hide (and shrink away)
@@ -628,6 +642,12 @@ def audit(
             ]
             bar.update(len(work))
             work = []
+        if work and interpreted.get("interpreter"):  # its launch, timed on itself
+            chunks = chunks_of(executor)
+            launch = _calibrated(backend, executor, device, dtype_list, timeout, chunks)
+            if launch is not None:
+                prof = replace(prof, launch=launch)
+                report.interpreted["launch"] = launch.said()
         helpers = _helpers_for(jobs, len(work), executor)
         if jobs > 1 and len(work) > 1 and not helpers:
             report.judge_notes.append(
@@ -713,6 +733,45 @@ def audit(
         torch.set_num_threads(threads_before)
         report.finish()
     return report
+
+
+def chunks_of(executor: Executor | None) -> int:
+    """The equal chunks a context-parallel case's length must cut into (2 a rank)."""
+    return 2 * int(getattr(executor, "world_size", 1) or 1)
+
+
+def _calibrated(
+    backend: Backend,
+    executor: Executor,
+    device: str,
+    dtypes: list[torch.dtype],
+    timeout: float,
+    chunks: int,
+) -> Launch | None:
+    """The launch model of an interpreted kernel (`attnref.conformance.launch.calibrate`),
+    timed on calls of its own (float32 where it is audited in it): None where one of
+    them was refused or failed (a kernel that cannot run the calibration's shapes keeps
+    the fitted profile's bounds alone)."""
+    if not dtypes:
+        return None
+    caps = backend.capabilities
+    dtype = torch.float32 if torch.float32 in dtypes else dtypes[0]
+    ctx = Context(backend, dtype, device, timeout, executor, secret=0)
+    dims = caps.head_dims[0] if caps.head_dims else 16
+
+    def time_call(case: Case) -> float | None:
+        try:
+            inputs = ctx.build(inside(case, caps, chunks=chunks))
+            start = time.perf_counter()
+            ctx.run(inputs, oracle=False)
+            return time.perf_counter() - start
+        except (Skip, Failure):
+            return None
+        except Exception:  # our own building of a case its family cannot take
+            return None
+
+    base = Case("launch", Dh=dims, Dv=dims)
+    return calibrate(time_call, caps.tile_queries, caps.tile_keys, caps.kv_splits, base)
 
 
 def family_first(chosen: list[Property]) -> list[Property]:
