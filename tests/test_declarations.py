@@ -760,3 +760,35 @@ def test_merge_and_decode_are_drawn_at_the_declared_length_multiples() -> None:
     assert all(r.judged >= 20 for r in report.results), report.format_table()
     base2 = audit("tests.planted:tiled_lse_base2", **kwargs)  # type: ignore[arg-type]
     assert {r.property for r in base2.results if r.status == "fail"} == {"merge"}
+
+
+def test_a_backend_that_compiles_each_shape_is_called_with_few() -> None:
+    """JAX and Pallas in interpret mode compile every new shape (2-3 s; a repeated one
+    costs 0.01 s): a backend declaring ``distinct_shapes`` is called with at most that
+    many shapes a search, its cases' values, masks and variants still drawn, and the
+    report says so. Undeclared, the same search calls it with many."""
+    seen: list[tuple[object, ...]] = []
+
+    def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args: object,
+             **kwargs: object) -> torch.Tensor:  # fmt: skip
+        seen.append((tuple(q.shape), tuple(k.shape), tuple(v.shape)))
+        out: torch.Tensor = torch.nn.functional.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            *args,
+            **kwargs,  # type: ignore[arg-type]
+        )
+        return out
+
+    caps = Capabilities(causal_with_mask=False)
+    kw = {"properties": ["forward"], "dtypes": (torch.float32,), "progress": False,
+          "isolate": False}  # fmt: skip
+    few = audit(Backend("few", sdpa, "", replace(caps, distinct_shapes=2)), **kw)  # type: ignore[arg-type]
+    assert few.ok, few.format_table()
+    assert few.results[0].checks > 10
+    assert len(set(seen)) <= 2, set(seen)
+    assert any("at most 2 distinct shapes (declared" in n for n in few.judge_notes)
+    seen.clear()
+    audit(Backend("many", sdpa, "", caps), **kw)  # type: ignore[arg-type]
+    assert len(set(seen)) > 10

@@ -301,6 +301,12 @@ class Capabilities:
     #: profile's): an interpreted call costs milliseconds per program and tile, and the
     #: profile's production sizes would take minutes a case
     max_call_work: int = 0
+    #: the most distinct shapes (batch, heads, lengths, head dims) one (property, dtype)
+    #: search calls it with (0: any): a backend whose first call of a shape compiles for
+    #: seconds (JAX, Pallas in interpret mode: 2-3 s a new shape, 0.01 s a repeated one)
+    #: declares a few, and the cases past them take one of the shapes already drawn,
+    #: their values, masks and variants still drawn. Pallas kernels get 4 undeclared
+    distinct_shapes: int = 0
 
     #: sparse attention (the ``sparse-mla`` families, docs/sparse.md): the invalid
     #: index forms the kernel ignores, ``"-1"`` (any negative index) and ``"past_end"``
@@ -376,7 +382,7 @@ class Capabilities:
             raise ValueError(
                 f"Capabilities.topk_multiple must be an int >= 1, got {self.topk_multiple!r}"
             )
-        for name in ("tile_queries", "tile_keys", "kv_splits", "max_call_work"):
+        for name in ("tile_queries", "tile_keys", "kv_splits", "max_call_work", "distinct_shapes"):
             value = getattr(self, name)
             if type(value) is not int or value < 0:
                 raise ValueError(f"Capabilities.{name} must be an int >= 0, got {value!r}")

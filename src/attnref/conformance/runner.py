@@ -76,6 +76,8 @@ class _Search:
     case_seconds: list[float] = field(default_factory=list)
     #: what the judged cases covered (`attnref.conformance.coverage`)
     coverage: dict[str, dict[str, int]] = field(default_factory=dict)
+    #: the shapes called so far, where the backend declares few (`distinct_shapes`)
+    shapes: list[tuple[Any, ...]] = field(default_factory=list)
 
 
 def _precision_miss(f: Failure) -> bool:
@@ -146,6 +148,9 @@ def run_property(
     ctx = Context(backend, dtype, device, timeout, executor, secret=secrets.randbits(62))
 
     budget_at = None if budget is None else start + budget
+    shapes = few_shapes(
+        caps, interpreter=str(getattr(executor, "interpreted", {}).get("interpreter", ""))
+    )
 
     def body(case: Case) -> None:
         if stop_at is not None and time.perf_counter() > stop_at:
@@ -163,6 +168,8 @@ def run_property(
         if launch is not None:
             case = launch.fit(case)
             patience = launch.timeout(case, timeout)
+        if shapes:  # a backend that compiles each new shape: one it has seen, past a few
+            case = _seen_shape(case, search.shapes, shapes, caps, chunks)
         # a budget or deadline holds within a case too: a call still running when it
         # passes is stopped (its worker ended), and the search ends there, not failed
         judged = search.checks - 1 - search.skipped - search.refused
@@ -569,6 +576,14 @@ def audit(
     for note in getattr(executor, "notes", ()):
         if note not in report.judge_notes:
             report.judge_notes.append(note)
+    few = few_shapes(backend.capabilities, str(interpreted.get("interpreter", "")))
+    if few:
+        why = "declared" if backend.capabilities.distinct_shapes else "a Pallas kernel"
+        report.judge_notes.append(
+            f"each (property, dtype) search calls it with at most {few} distinct shapes "
+            f"({why}: its first call of a shape compiles); the cases past them take one "
+            "of those, their values, masks and variants their own"
+        )
     report.dtypes = [dtype_name(d) for d in dtype_list]
     report.sandbox = dict(getattr(executor, "sandbox", {}))
     report.world_size = getattr(executor, "world_size", None)
@@ -733,6 +748,43 @@ def audit(
         torch.set_num_threads(threads_before)
         report.finish()
     return report
+
+
+#: the distinct shapes a search of a Pallas kernel calls it with, undeclared
+PALLAS_SHAPES = 4
+#: a case's shape: what a backend that compiles per shape compiles for
+SHAPE_FIELDS = ("batch", "h", "g", "Tq", "Tk", "Dh", "Dv")
+
+
+def few_shapes(caps: Capabilities, interpreter: str = "") -> int:
+    """The distinct shapes one search may call ``caps``'s backend with (0: any): its
+    declaration's `distinct_shapes`, else `PALLAS_SHAPES` for a Pallas kernel."""
+    if caps.distinct_shapes:
+        return caps.distinct_shapes
+    return PALLAS_SHAPES if (caps.interpreter or interpreter) == "pallas" else 0
+
+
+def _seen_shape(
+    case: Case, seen: list[tuple[Any, ...]], limit: int, caps: Capabilities, chunks: int
+) -> Case:
+    """``case`` with a shape the search has called already, once ``limit`` shapes have
+    been (its values, masks and variants its own); the first ``limit`` shapes are the
+    ones drawn. Packed and cached cases keep theirs (their lengths are each sequence's)."""
+    if case.seqlens or case.cached:
+        return case
+    shape = tuple(getattr(case, f) for f in SHAPE_FIELDS)
+    if shape in seen:
+        return case
+    if len(seen) < limit:
+        seen.append(shape)
+        return case
+    pick = seen[case.seed % len(seen)]
+    try:
+        moved = inside(replace(case, **dict(zip(SHAPE_FIELDS, pick, strict=True))), caps,
+                       chunks=chunks)  # fmt: skip
+    except (ValueError, TypeError):  # a shape this case's other fields cannot take
+        return case
+    return moved
 
 
 def chunks_of(executor: Executor | None) -> int:
