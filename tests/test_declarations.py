@@ -3,6 +3,7 @@ culprit, and reports that never mix runs (docs/conformance.md, "Declare your ker
 
 import math
 from dataclasses import replace
+from typing import Any
 
 import pytest
 import torch
@@ -769,15 +770,11 @@ def test_a_backend_that_compiles_each_shape_is_called_with_few() -> None:
     report says so. Undeclared, the same search calls it with many."""
     seen: list[tuple[object, ...]] = []
 
-    def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args: object,
-             **kwargs: object) -> torch.Tensor:  # fmt: skip
+    def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args: Any,
+             **kwargs: Any) -> torch.Tensor:  # fmt: skip
         seen.append((tuple(q.shape), tuple(k.shape), tuple(v.shape)))
         out: torch.Tensor = torch.nn.functional.scaled_dot_product_attention(
-            q,
-            k,
-            v,
-            *args,
-            **kwargs,  # type: ignore[arg-type]
+            q, k, v, *args, **kwargs
         )
         return out
 
