@@ -6,8 +6,10 @@
 shrinking, for tools/property_mutations.py, which asks only whether a test fails.
 """
 
+import json
 import os
 from collections.abc import Iterator
+from pathlib import Path
 
 # Before anything imports attnref: check the private helpers' shape contracts too.
 os.environ.setdefault("ATTNREF_CHECK_INTERNALS", "1")
@@ -62,3 +64,47 @@ def unchecked() -> Iterator[None]:
         yield
     finally:
         set_checking(True)
+
+
+#: each long test's seconds (setup, call and teardown), as last recorded: pytest-xdist
+#: hands tests out in collection order, and a 5-minute test handed out last ran alone
+#: while the other core idled. ``ATTNREF_DURATIONS=record`` records a run's (merged
+#: into the file); tests/README.md says when.
+DURATIONS = Path(__file__).parent / "data" / "durations.json"
+#: a test recorded at least this long is run first, the longest first; the rest keep
+#: their order (and a module's tests their module-scoped fixtures)
+LONG = 2.0
+_took: dict[str, float] = {}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The long tests first, longest first (the same order on every worker)."""
+    try:
+        known = json.loads(DURATIONS.read_text())
+    except (OSError, ValueError):
+        return
+    long = sorted(
+        (item for item in items if known.get(item.nodeid, 0.0) >= LONG),
+        key=lambda item: -known[item.nodeid],
+    )
+    first = {id(item) for item in long}
+    items[:] = long + [item for item in items if id(item) not in first]
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if os.environ.get("ATTNREF_DURATIONS") == "record":
+        _took[report.nodeid] = _took.get(report.nodeid, 0.0) + report.duration
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """With ``ATTNREF_DURATIONS=record``, the run's times merged into `DURATIONS` (on the
+    controller, which hears every worker's reports; each rounded to 0.1 s)."""
+    if os.environ.get("ATTNREF_DURATIONS") != "record" or hasattr(session.config, "workerinput"):
+        return
+    try:
+        known = json.loads(DURATIONS.read_text())
+    except (OSError, ValueError):
+        known = {}
+    known.update({k: round(v, 1) for k, v in _took.items()})
+    long = {k: v for k, v in sorted(known.items()) if v >= LONG / 2}
+    DURATIONS.write_text(json.dumps(long, indent=0, sort_keys=True) + "\n")

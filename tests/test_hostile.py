@@ -476,3 +476,48 @@ def test_a_hung_worker_ends_with_a_judge_that_is_killed(how: str, jobs: int) -> 
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+@pytest.mark.slow  # a judge waiting on a hung worker: 5-8 s
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="tgkill is Linux's")
+def test_ctrl_c_handed_to_another_thread_of_the_judge_still_ends_it() -> None:
+    """The kernel hands a signal sent to a process to any of its threads: one that went
+    to tqdm's monitor thread ran its handler only when the main thread woke, and a judge
+    waiting on a hung worker outlived SIGINT by 30 s and more (the slow tier's flake).
+    Every wait of the judge wakes every half second: SIGINT sent to another thread ends
+    it at once, exit 130."""
+    import ctypes
+    import select
+    import shutil
+    import signal
+    import tempfile
+    import time
+
+    tmp = Path(tempfile.mkdtemp(prefix="k-"))  # a short path: the forkserver's socket
+    cmd = [sys.executable, "-m", "attnref", "audit", "--backend", "tests.hostile.sleeps:kernel",
+           "--property", "forward", "--dtype", "float32", "--no-progress"]  # fmt: skip
+    judge = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                             text=True, env={**os.environ, "TMPDIR": str(tmp),
+                                             "ATTNREF_BACKEND_OUTPUT": "show"})  # fmt: skip
+    try:
+        assert judge.stdout is not None
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:  # the worker hangs in the kernel's call
+            ready = select.select([judge.stdout], [], [], 1.0)[0]
+            if ready and judge.stdout.readline().startswith("MARK "):
+                break
+        time.sleep(0.5)
+        others = [int(t) for t in os.listdir(f"/proc/{judge.pid}/task") if int(t) != judge.pid]
+        assert others, "the judge has no other thread to hand the signal to"
+        libc = ctypes.CDLL(None, use_errno=True)
+        tgkill = 234 if os.uname().machine == "x86_64" else 131  # (aarch64's number)
+        assert libc.syscall(tgkill, judge.pid, others[0], signal.SIGINT) == 0
+        start = time.monotonic()
+        assert judge.wait(20) == 130
+        assert time.monotonic() - start < 5
+    finally:
+        judge.kill()
+        judge.wait(30)
+        if judge.stdout is not None:
+            judge.stdout.close()
+        shutil.rmtree(tmp, ignore_errors=True)

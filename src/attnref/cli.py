@@ -523,6 +523,8 @@ class _Ticker(threading.Thread):
     def run(self) -> None:
         if not self.on:
             return
+        if hasattr(signal, "pthread_sigmask"):  # Ctrl-C and SIGTERM go to the main thread
+            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
         while not self.ended.wait(min(1.0, self.every)):
             now = time.perf_counter()
             if now - self.said >= self.every:

@@ -155,6 +155,25 @@ def _widen(*conns: multiprocessing.connection.Connection) -> None:
                 sock.close()
 
 
+#: the longest the judge blocks in one wait: the kernel hands a signal sent to the
+#: judge's process (Ctrl-C, SIGTERM) to any of its threads, and one that went to
+#: another (tqdm's monitor) runs its handler only when the main thread wakes: a judge
+#: waiting on a hung worker outlived SIGINT by 30 s
+WAKE = 0.5
+
+
+def wake_poll(conn: Any, seconds: float) -> bool:
+    """``conn.poll(seconds)``, waking every `WAKE` seconds so that a signal's handler
+    runs (a KeyboardInterrupt raised) within that much of its arrival."""
+    end = time.perf_counter() + seconds
+    while True:
+        left = end - time.perf_counter()
+        if conn.poll(max(0.0, min(WAKE, left))):
+            return True
+        if left <= WAKE:
+            return False
+
+
 def _describe_exit(code: int | None) -> str:
     if code is None:
         return "the worker process stopped answering"
@@ -324,14 +343,14 @@ class Supervised:
         child.close()
         self._process, self._conn = process, parent
         try:
-            if not parent.poll(self.start_timeout):
+            if not wake_poll(parent, self.start_timeout):
                 raise BackendError(f"{self.spec}: its worker did not start in time")
             self.sandbox, self.interpreted = _read_sandbox(
                 receive_frame(parent, time.perf_counter(), DECLARATION_LIMIT), self.policy
             )
             if "error" in self.interpreted:
                 raise BackendError(f"{self.spec}: {self.interpreted['error']}")
-            if not parent.poll(self.start_timeout):
+            if not wake_poll(parent, self.start_timeout):
                 raise BackendError(
                     f"{self.spec}: its worker did not finish importing it within "
                     f"{self.start_timeout:g} s"
@@ -470,7 +489,7 @@ class Supervised:
                 self._stop()
                 raise
         try:
-            if not conn.poll(max(0.0, timeout - (time.perf_counter() - t0))):
+            if not wake_poll(conn, max(0.0, timeout - (time.perf_counter() - t0))):
                 self._stop()
                 self.restarts += 1
                 raise TimeoutError(f"no answer within {timeout:g} s (the worker was killed)")
@@ -759,8 +778,10 @@ def _exactly(fd: int, n: int, until: float, what: str) -> bytearray:
     got = 0
     while got < n:
         left = until - time.perf_counter()
-        if left <= 0 or not select.select([fd], [], [], left)[0]:
+        if left <= 0:
             raise FrameError(f"its worker sent {got:,} bytes of {what}, then nothing", True)
+        if not select.select([fd], [], [], min(left, WAKE))[0]:
+            continue  # awake every WAKE seconds, for a signal's handler
         read = os.readv(fd, [view[got:]])
         if read == 0:
             raise EOFError

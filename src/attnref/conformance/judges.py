@@ -31,6 +31,7 @@ import torch
 from attnref._checking import audit_checking, set_checking
 from attnref._dies_with_parent import die_with_parent
 from attnref.conformance.calls import TIMED_OUT
+from attnref.conformance.executors import WAKE
 from attnref.conformance.profiles import Profile
 from attnref.conformance.properties import get_property
 from attnref.conformance.report import PropertyResult
@@ -209,9 +210,13 @@ class Judges:
         helper has said something. Called once more before `close`, so that a result
         that came in time is kept."""
         got: list[tuple[int, PropertyResult, str | None]] = []
-        timeout = None if block else 0
+        # blocking, it wakes every WAKE seconds: a signal handed to another thread of
+        # the judge's runs its handler only when this one wakes
+        timeout = WAKE if block else 0
         while live := {c: (p, c, now) for p, c, now in self._helpers if not c.closed}:
             ready = multiprocessing.connection.wait(list(live), timeout=timeout)
+            if not ready and block and not got:
+                continue
             if not ready:
                 break
             for conn in ready:
