@@ -213,12 +213,14 @@ class Judges:
         # blocking, it wakes every WAKE seconds: a signal handed to another thread of
         # the judge's runs its handler only when this one wakes
         timeout = WAKE if block else 0
+        heard = False
         while live := {c: (p, c, now) for p, c, now in self._helpers if not c.closed}:
             ready = multiprocessing.connection.wait(list(live), timeout=timeout)
-            if not ready and block and not got:
+            if not ready and block and not heard:
                 continue
             if not ready:
                 break
+            heard = True
             for conn in ready:
                 self._read(*live[conn], got)
             timeout = 0
