@@ -296,6 +296,27 @@ def test_every_planted_kernel_s_whole_quick_audit_is_recorded() -> None:
     )
 
 
+def test_a_report_of_an_earlier_attnref_reads_a_field_it_lacks_as_its_default() -> None:
+    """A report records the whole declaration: one written before a field was added
+    lacks it (these recorded audits lacked ``distinct_shapes``), and reads as that
+    attnref audited, the field at its default; a field this attnref does not know (a
+    later attnref's report) is still refused."""
+    import gzip
+    import json
+
+    from attnref.conformance.exports import load_report
+
+    path = sorted(RECORDED.glob("*.json.gz"))[0]
+    data = json.loads(gzip.decompress(path.read_bytes()))
+    data["capabilities"].pop("distinct_shapes", None)
+    data["capabilities"].pop("tile_keys")
+    report = load_report(data)
+    assert (report.capabilities.distinct_shapes, report.capabilities.tile_keys) == (0, 0)
+    data["capabilities"]["from_the_future"] = 1
+    with pytest.raises(ValueError, match="unknown from_the_future"):
+        load_report(data)
+
+
 #: recorded audits that still give more than two findings, and why
 MORE = {
     "planted_sparse-invalid_read_as_zero": "3 findings: rows that see no key, rows that "

@@ -25,7 +25,12 @@ from pathlib import Path
 from typing import Any
 
 from attnref.conformance.cases import Case
-from attnref.conformance.declarations import Capabilities, from_declaration
+from attnref.conformance.declarations import (
+    Backend,
+    Capabilities,
+    declaration,
+    from_declaration,
+)
 from attnref.conformance.report import SCHEMA_VERSION, AuditReport, Finding, PropertyResult
 from attnref.devices import DTYPES, dtype_name
 
@@ -68,13 +73,21 @@ def _finding(data: dict[str, Any] | None) -> Finding | None:
 
 
 def _capabilities(data: dict[str, Any], api: str) -> Capabilities:
-    """The declaration a report records, through the judge's own check of declarations."""
-    caps = dict(data)
+    """The declaration a report records, through the judge's own check of declarations.
+    A field the report lacks (written by an attnref before the field was added) reads as
+    its default: what that attnref audited without it (a field it does not know still
+    fails: a report of a later attnref)."""
+    defaults = declaration(Backend("report", _no_code, "", Capabilities()))["capabilities"]
+    caps = {**defaults, **data}
     caps["sink_values"] = [repr(float(v)) for v in caps.get("sink_values", ())]
     backend = from_declaration({"name": "report", "description": "", "api": api,
                                 "probe": False, "needs": None, "spec": "report",
                                 "capabilities": caps})  # fmt: skip
     return backend.capabilities
+
+
+def _no_code(*args: Any, **kwargs: Any) -> Any:
+    raise RuntimeError("a report's backend is its record: no code of it runs")
 
 
 def load_report(source: str | Path | dict[str, Any]) -> AuditReport:
