@@ -25,6 +25,7 @@ from attnref.conformance import (
 from attnref.conformance.declarations import EmptyRow
 from attnref.conformance.families import MATRIX_PROPERTIES, MUTANTS
 from attnref.conformance.properties import JUDGE_CLASS
+from attnref.devices import DTYPES
 from attnref.masks import Alignment
 from tests.planted_flash import UNSEEN
 from tests.planted_serving import UNSEEN as SERVING_UNSEEN
@@ -165,14 +166,6 @@ def test_flex_attention_passes() -> None:
     assert skipped <= {"gradient", "lse", "merge", "sinks"}, report.format_table()
 
 
-@pytest.mark.parametrize(
-    "name", ["reference-chunked", "torch-sdpa-math", "torch-sdpa-flash", "torch-sdpa-bias"]
-)
-def test_other_builtins_agree_with_the_oracle(name: str) -> None:
-    report = run(name, properties=["forward", "variants"], dtypes=(torch.float32,))
-    assert report.ok, report.format_table()
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "name", ["reference-chunked", "torch-sdpa-math", "torch-sdpa-flash", "torch-sdpa-bias"]
@@ -223,10 +216,12 @@ def kill_matrix() -> dict[str, dict[str, str]]:
 
 
 #: the properties the kill matrix records killing each mutant
+MATRIX = kill_matrix()
 KILLERS = {
     name: {pid for pid, cell in cells.items() if cell not in (".", "n/a")}
-    for name, cells in kill_matrix().items()
+    for name, cells in MATRIX.items()
 }
+SHORT = {"f64": "float64", "f32": "float32", "f16": "float16", "bf16": "bfloat16"}
 
 #: the first mutant of each bug class (the default tier); the slow tier audits the rest
 FIRST_OF_CLASS = {m.bug_class: name for name, m in reversed(list(MUTANTS.items()))}
@@ -246,11 +241,17 @@ def test_mutant_is_caught_by_a_property_aimed_at_its_class(name: str) -> None:
         for p in PROPERTIES.values()
         if mutant.bug_class in p.classes and p.applies_to(mutant.api)
     ]
-    # the properties docs/kill-matrix.md records killing it first (the rest after: the
-    # kill may come from any aimed property), then its family's own
+    # the properties docs/kill-matrix.md records killing it first, in the dtypes it
+    # records (the rest after: the kill may come from any aimed property, in any dtype),
+    # then its family's own
     killers = KILLERS.get(name, set())
     aimed.sort(key=lambda pid: (pid not in killers, not PROPERTIES[pid].families))
-    report = run(mutant.backend(), properties=aimed, fail_fast=True, profile=KILL)
+    backend = mutant.backend()
+    killer = next((pid for pid in aimed if pid in killers), None)
+    cell = MATRIX[name][killer].split() if killer is not None else []
+    first = [DTYPES[SHORT[d]] for d in cell]
+    dtypes = first + [d for d in backend.capabilities.dtypes if d not in first]
+    report = run(backend, properties=aimed, fail_fast=True, profile=KILL, dtypes=dtypes)
     assert not report.ok, report.format_table()
     (failed,) = [r for r in report.results if r.status == "fail"]
     assert failed.property in aimed
@@ -845,8 +846,10 @@ SERVING_PROPS = [p.id for p in PROPERTIES.values() if p.families]
 @pytest.mark.parametrize(
     ("name", "dtypes"),
     [
-        ("varlen-reference", (torch.float32,)),
-        ("kvcache-reference", (torch.float32,)),
+        # the slow tier: the default tier runs their families' mutants and planted
+        # kernels, and the slow tier audits both references whole in float64 and bfloat16
+        pytest.param("varlen-reference", (torch.float32,), marks=pytest.mark.slow),
+        pytest.param("kvcache-reference", (torch.float32,), marks=pytest.mark.slow),
         pytest.param("varlen-naive", (torch.bfloat16,), marks=pytest.mark.slow),
         pytest.param("kvcache-naive", (torch.bfloat16,), marks=pytest.mark.slow),
         pytest.param("varlen-sdpa", (torch.float64,), marks=pytest.mark.slow),

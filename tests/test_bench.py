@@ -561,7 +561,10 @@ def test_the_decoding_floor_decodes_what_generate_decodes() -> None:
             ["kvcache-reference", "kvcache-naive"],
             marks=pytest.mark.slow,
         ),
-        ("flash-varlen", [], ["varlen-reference", "varlen-sdpa"]),
+        # the slow tier too (6 s): the default tier runs the MLA decode bench's rows
+        pytest.param(
+            "flash-varlen", [], ["varlen-reference", "varlen-sdpa"], marks=pytest.mark.slow
+        ),
     ],
 )
 def test_the_packed_and_paged_benchmarks_write_tokens_per_second(

@@ -306,6 +306,7 @@ def test_correct_backends_pass_the_thorough_profile(backend: str, seed: int) -> 
     assert not failures, failures
 
 
+@pytest.mark.slow  # 4 s, as the dense bench's attacks beside it
 def test_no_attack_on_the_serving_bench_is_listed_ok() -> None:
     from attnref.bench.serving import ServingCase, run_serving
 

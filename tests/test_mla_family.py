@@ -164,6 +164,7 @@ def test_the_mla_built_ins_pass_the_fp8_properties(name: str) -> None:
     assert {r.status for r in report.results} == {"pass"}, report.format_table()
 
 
+@pytest.mark.slow  # 5 s: the default tier fails the FP8 MLA mutants, and passes the built-ins
 def test_the_independent_fp8_mla_kernel_passes() -> None:
     """Descales folded into float32 scores (FlashAttention 3's way), written apart."""
     backend = resolve_backend("tests.planted_mla_fp8:correct_mla_fp8", api="mla")

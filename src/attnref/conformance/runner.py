@@ -57,6 +57,13 @@ class _Found(Exception):  # noqa: N818 (a signal to Hypothesis)
     """Raised from one place for every failure, so Hypothesis treats them as one bug."""
 
 
+class _Stop(BaseException):
+    """Raised once the search is over (its shrink time, budget or deadline spent, or a
+    fatal failure): a BaseException, which Hypothesis does not take for a failure but
+    lets through at once. Returning instead let it go on drawing and shrinking cases it
+    was not given: 2.9 s of a 3.6 s kill went to a shrink whose every try was not run."""
+
+
 @dataclass
 class _Search:
     checks: int = 0
@@ -159,7 +166,7 @@ def run_property(
         if spent and search.checks and search.failure is None:  # at least one case judged
             search.stop = search.over_budget = True
         if search.stop:
-            return  # out of shrink budget (or the backend hangs): keep what we have
+            raise _Stop  # out of shrink budget (or the backend hangs): keep what we have
         search.checks += 1
         # an interpreted kernel's case cut to its per-call budget, waited on for what its
         # launch predicts (`attnref.conformance.launch`)
@@ -238,6 +245,8 @@ def run_property(
         test = hypothesis_seed(property_seed(seed, prop.id, dtype))(test)
         try:
             test()
+        except _Stop:
+            pass  # what was found stands
         except Exception:
             # _Found, or Hypothesis' own complaint when a shrink budget made the final
             # replay pass: either way the failure recorded is the smallest one found
@@ -254,7 +263,7 @@ def run_property(
                 case = inside(case, caps, chunks=chunks)
                 try:
                     body(case)
-                except _Found:
+                except (_Found, _Stop):
                     break
 
     def finding_of(case: Case, failure: Failure, isolate: bool = True) -> Finding:
