@@ -314,7 +314,7 @@ def test_the_estimate_rests_on_several_searches_and_says_how_sure_it_is() -> Non
     skewed = estimate([10.0] * 6 + [0.1] * 3, planned=100, judges=1)
     assert "about 15.2 min left (9 s to 15.2 min;" in skewed
     assert "under 1 s left (a rough guess" in estimate([0.01, 0.02, 0.01], planned=4, judges=2)
-    assert _checkpoints(100) == {3, 25, 50, 75}
+    assert _checkpoints(100) == {3, 10, 25, 50, 75}
     assert _checkpoints(2) == set()
 
 

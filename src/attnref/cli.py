@@ -478,8 +478,10 @@ def _process_age() -> float:
 
 def _checkpoints(planned: int) -> set[int]:
     """After how many finished searches the estimate is said: three (the first alone is
-    the slowest, `forward`), then a quarter, a half and three quarters of them."""
-    return {n for n in (3, planned // 4, planned // 2, 3 * planned // 4) if 3 <= n < planned}
+    the slowest, `forward`), then a tenth (where a user decides whether to wait), a
+    quarter, a half and three quarters of them."""
+    marks = (3, planned // 10, planned // 4, planned // 2, 3 * planned // 4)
+    return {n for n in marks if 3 <= n < planned}
 
 
 #: seconds between two progress lines of an audit printed without a terminal
