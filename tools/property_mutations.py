@@ -32,6 +32,8 @@ CACHE = "src/attnref/cache.py"
 ROTARY = "src/attnref/rotary.py"
 VARLEN = "src/attnref/varlen.py"
 SERVING = "tests/test_serving.py"
+LINEAR = "src/attnref/linear.py"
+LINEAR_PROPS = "tests/property/test_linear_props.py"
 
 
 @dataclass(frozen=True)
@@ -267,6 +269,20 @@ MUTATIONS = [
         '        causal_alignment="bottom_right",',
         '        causal_alignment="top_left",',
         (f"{SERVING}::test_varlen_equals_each_sequence_alone_with_empty_and_one_token_sequences",),
+    ),
+    Mutation(
+        "chunk_end_state_not_decayed",
+        LINEAR,
+        "            to_end = (run[:, -1:, :] - run).exp()  # (HV, C, K): from token j to the end",
+        "            to_end = (run[:, -1:, :] - run).exp() * 0 + 1",
+        (f"{LINEAR_PROPS}::test_the_chunked_form_equals_the_recurrence",),
+    ),
+    Mutation(
+        "correction_reads_the_undecayed_state",
+        LINEAR,
+        "            if g is not None:\n                S = S * g[b, t].exp()[:, None, None]",
+        "            if False:\n                S = S * g[b, t].exp()[:, None, None]",
+        (f"{LINEAR_PROPS}::test_a_hand_worked_two_token_example",),
     ),
 ]
 
