@@ -318,3 +318,42 @@ def test_a_heatmap_of_infinite_errors_is_drawn_with_them_marked(rows: int) -> No
     grid = [[big, big, 0.5, 2.0], [0.1, big, 1.0, 3.0]][:rows]
     errors = {"map": grid, "bound": 1.2826, "columns": "keys", "rows": "queries"}
     assert heatmap(errors, "sparse_fp8 [bfloat16]").startswith('<img alt="plot"')
+
+
+@pytest.mark.slow  # an audit, a bug report and two runs of its script: 15 s
+def test_a_bug_report_runs_without_attnref_and_passes_on_the_reference(tmp_path: Path) -> None:
+    """``attnref report --bug-reports DIR`` writes, per finding, the inputs, the float64
+    answer, REPORT.md and a repro.py that imports only torch and the backend's module:
+    with attnref not importable it exits 1 on the kernel, 0 with torch's SDPA swapped in."""
+    import subprocess
+    import sys
+
+    from attnref.cli import main
+
+    path = tmp_path / "r.json"
+    args = ["--property", "forward", "--dtype", "float32", "--no-progress", "--json", str(path)]
+    assert main(["audit", "--backend", "tests.plain_kernels:scale_off_by_two", *args]) == 1
+    out = tmp_path / "bugs"
+    assert main(["report", str(path), "--bug-reports", str(out)]) == 1
+    (folder,) = sorted(out.iterdir())
+    assert {p.name for p in folder.iterdir()} == {"inputs.pt", "expected.pt", "repro.py",
+                                                   "REPORT.md"}  # fmt: skip
+    report = (folder / "REPORT.md").read_text()
+    assert "**What is wrong.** output: max error" in report
+    assert f"torch\n{torch.__version__}" in report
+    root = Path(__file__).resolve().parents[1]
+    blocked = (
+        "import sys, runpy; sys.modules['attnref'] = None; sys.argv = ['repro.py', *sys.argv[1:]]; "
+    )
+    run = blocked + "runpy.run_path('repro.py', run_name='__main__')"
+    env = {"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin"}
+    bug = subprocess.run([sys.executable, "-c", run], cwd=folder, env=env, capture_output=True,
+                         text=True, timeout=120)  # fmt: skip
+    assert bug.returncode == 1, bug.stdout + bug.stderr
+    assert "FAIL: the bug shows" in bug.stdout
+    assert "the float64 answer again in plain torch: 0 from expected.pt" in bug.stdout
+    fixed = subprocess.run([sys.executable, "-c", run, "--backend",
+                            "torch.nn.functional:scaled_dot_product_attention"], cwd=folder,
+                           env=env, capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert fixed.returncode == 0, fixed.stdout + fixed.stderr
+    assert "pass: within the bound" in fixed.stdout

@@ -80,6 +80,12 @@ def _parser() -> argparse.ArgumentParser:
         "coverage tables and a plot",
     )
     a.add_argument(
+        "--bug-reports",
+        metavar="DIR",
+        help="also write a bug report a maintainer runs without attnref for each finding "
+        "(its inputs, the float64 answer, repro.py, REPORT.md: docs/reports.md)",
+    )
+    a.add_argument(
         "--shard",
         metavar="K/N",
         help="run shard K of N: every N-th (property, dtype) search from the K-th; the "
@@ -147,6 +153,12 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("report", metavar="REPORT.json")
     r.add_argument("--junit", metavar="PATH", help="write it as JUnit XML")
     r.add_argument("--html", metavar="PATH", help="write it as an HTML page")
+    r.add_argument(
+        "--bug-reports",
+        metavar="DIR",
+        help="write a bug report for each finding, runnable without attnref (the backend "
+        "runs once more per finding, in a fresh worker)",
+    )
     r.add_argument("--verbose", "-v", action="store_true", help="skip reasons, all reproducers")
     d = sub.add_parser(
         "demo",
@@ -421,7 +433,17 @@ def _audit(args: argparse.Namespace) -> int:
 
         write_html(report, html_path)
         print(f"HTML report written to {html_path}")
+    if args.bug_reports:
+        _bug_reports(report, Path(args.bug_reports))
     return 0 if report.ok else 1
+
+
+def _bug_reports(report: "AuditReport", folder: Path) -> None:
+    """``--bug-reports``: a folder per finding (`attnref.conformance.bugreports`)."""
+    from attnref.conformance.bugreports import write_bug_reports
+
+    written = write_bug_reports(report, folder)
+    print(f"{len(written)} bug reports written to {folder}/ (repro.py runs without attnref)")
 
 
 def _saved(args: argparse.Namespace) -> int:
@@ -461,6 +483,8 @@ def _saved(args: argparse.Namespace) -> int:
 
         write_html(report, args.html)
         print(f"HTML report written to {args.html}")
+    if getattr(args, "bug_reports", None):
+        _bug_reports(report, Path(args.bug_reports))
     return 0 if report.ok else 1
 
 
