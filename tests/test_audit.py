@@ -78,12 +78,13 @@ RUNS = (
             (1, ALL, (SLOW,), "seed1"),
             (2, ALL, (SLOW,), "seed2"),
         )
-        # seed 2 for torch's SDPA only, seed 1 not for naive (an independent copy of the
-        # reference's math: seed 0 in every dtype holds it; CI's time); seed 0 in the
-        # default tier is float32 (bfloat16 in the slow tier; CI's main job audits
-        # torch's SDPA in every dtype)
-        if not (name != "torch-sdpa" and seed >= 2)
-        and not (name == "naive" and seed == 1)
+        # seed 1 for torch's SDPA only: the reference is the oracle's own arithmetic,
+        # and naive an independent copy of it (seed 0 in every dtype holds both; seed 2
+        # searched what seed 1 did, CI's time: 76 s); seed 0 in the default tier is
+        # float32 (bfloat16 in the slow tier; CI's main job audits torch's SDPA in every
+        # dtype)
+        if not seed >= 2
+        and not (name != "torch-sdpa" and seed == 1)
         and not (seed == 0 and dtypes == F32_BF16)
     ]
     # torch's SDPA at seed 0 in float32 is not here: it is README's main job (`attnref
@@ -171,7 +172,9 @@ def test_flex_attention_passes() -> None:
     "name", ["reference-chunked", "torch-sdpa-math", "torch-sdpa-flash", "torch-sdpa-bias"]
 )
 def test_other_builtins_pass(name: str) -> None:
-    report = run(name, dtypes=(torch.float32, torch.float16))
+    # the chunked reference in float32 only, for CI's time (127 s with float16)
+    dtypes = (torch.float32,) if name == "reference-chunked" else (torch.float32, torch.float16)
+    report = run(name, dtypes=dtypes)
     assert report.ok, report.format_table()
 
 
@@ -734,12 +737,12 @@ def test_flash_convention_builtins_pass(name: str, dtypes: tuple[torch.dtype, ..
 
 @pytest.mark.slow
 def test_flex_attention_in_the_flash_convention_passes() -> None:
-    """`forward` (every causal alignment, GQA and scale) and the variant properties in
-    float32, at seed 1: the cases `torch-flex`'s full audit at seed 0 did not draw
-    (compiled for the CPU, FlexAttention refuses float64; the flash convention's wrapper
-    builds the same score_mods and masks as `torch-flex`'s in every dtype). One search
-    of them, not one per convention: each compiles for minutes on the CPU."""
-    report = run("flash-flex", seed=1, properties=["forward", *FLASH_VARIANT_PROPS],
+    """The flash convention's wrapper of FlexAttention (its layout, causal alignments,
+    GQA, tails) in float32 at seed 1: the variants' score_mods and masks are the ones
+    `torch-flex` builds, audited whole in bfloat16 above (compiled for the CPU,
+    FlexAttention refuses float64). Each search compiles for minutes on the CPU: the
+    variants here took 226 s of CI's slow tier for what the whole audit holds."""
+    report = run("flash-flex", seed=1, properties=["forward", "tails", "gqa"],
                  dtypes=(torch.float32,))  # fmt: skip
     _only_the_compile_bug(report)
 

@@ -273,7 +273,8 @@ def test_the_key_set_one_off_is_found_on_the_oracle_alone() -> None:
 #: and in rows that see none (empty_row_uniform's 11, one now, are held by the HTML
 #: page's test in tests/test_reports.py, on the same audit)
 ONE_BUG = {
-    "causal_alignment_ignored": 2,
+    # the one live check that recorded grouping still holds (tests/data/findings holds
+    # 59 whole audits; causal_alignment_ignored's, 99 s of CI, is among them)
     "strides_ignored": 1,
 }
 

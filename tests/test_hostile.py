@@ -283,8 +283,7 @@ def test_no_attack_on_the_bench_is_listed_ok() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("seed", [1, 3])
-@pytest.mark.parametrize("backend", ["torch-sdpa", "reference"])
+@pytest.mark.parametrize(("backend", "seed"), [("torch-sdpa", 1), ("reference", 3)])
 def test_correct_backends_pass_the_thorough_profile(backend: str, seed: int) -> None:
     """The judge's own code is a suspect too: correct backends at the thorough profile,
     on the properties whose cases reach the worker's input check and snapshot with every

@@ -46,12 +46,20 @@ def test_a_bug_planted_in_triton_code_fails_the_quick_audit(
     assert report.count("fail"), report.format_table()
 
 
+#: the properties whose cases cross the kernel's tiles, masks and alignments (every
+#: property took 200 s of CI's slow tier; the whole quick audit is measured in
+#: docs/interpreted.md)
+TILE_PROPERTIES = ["forward", "tails", "causality", "gqa", "masked_keys", "decode",
+                   "degenerate", "variants", "lse", "merge", "layouts", "empty_rows"]  # fmt: skip
+
+
 def test_the_right_flash_kernel_passes_interpreted() -> None:
-    """Every property in float32 here, with fewer drawn cases (`SMOKE`); bfloat16 passes
+    """The tile-crossing properties in float32 here (`TILE_PROPERTIES`), with fewer
+    drawn cases (`SMOKE`); bfloat16 passes
     the interpreter's own check once attnref has fixed its bfloat16 arithmetic
     (`attnref.interpreted.triton_fixes`)."""
     report = audit("tests.planted_triton:right", api="flash", dtypes=(torch.float32,),
-                   profile=SMOKE, progress=False)  # fmt: skip
+                   properties=TILE_PROPERTIES, profile=SMOKE, progress=False)  # fmt: skip
     assert report.ok, report.format_table()
     assert report.interpreted["dtypes_out"] == {}
     assert report.interpreted["checked"]["bfloat16"] < 0.1
