@@ -33,10 +33,6 @@ from attnref.devices import dtype_name
 
 __all__ = ["REPRO", "write_bug_reports"]
 
-#: the families whose calls repro.py reads in layouts it knows: the output as the oracle
-#: lays it out (sdpa), or its token and head dims swapped (flash)
-LAYOUTS = {"sdpa": False, "flash": True}
-
 
 def write_bug_reports(report: AuditReport, folder: Path, *, timeout: float = 60.0) -> list[Path]:
     """One folder per finding of ``report`` under ``folder`` (``finding-1-property-dtype``),
@@ -135,8 +131,10 @@ by attnref {report.versions[0]} (`attnref audit`, profile {report.profile}, seed
 
 def _repro(spec: str, api: str, title: str) -> str:
     """repro.py's text: plain torch and the standard library, and the backend's module."""
-    transposed = LAYOUTS.get(api)
-    layout = "None" if transposed is None else repr(transposed)
+    from attnref.conformance.family import get_family
+
+    known = get_family(api).repro_layout  # its family's (Convention.repro_layout)
+    layout = {"bhtd": "False", "bthd": "True"}.get(known, "None")
     return REPRO.format(title=json.dumps(title), spec=json.dumps(spec), api=json.dumps(api),
                         transposed=layout)  # fmt: skip
 

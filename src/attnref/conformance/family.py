@@ -94,6 +94,11 @@ class Convention:
     #: attention): a mask, the causal diagonal and a window all reach its kernel as keys
     #: left out of the indices, one trigger of a finding (`attnref.conformance.findings`)
     indexed: bool = False
+    #: how a call's first argument and first output lie against the oracle's (B, h, T,
+    #: D), for a bug report's repro.py, which reads them without attnref
+    #: (`attnref.conformance.bugreports`): "bhtd" as they are, "bthd" their token and
+    #: head dims swapped, "" a convention repro.py does not read (packed, paged, ranks)
+    repro_layout: str = ""
     #: what to declare when a backend raised ``error`` (its one line) on a call of these
     #: keywords that a default declaration makes (a combination some libraries refuse),
     #: or ""
