@@ -86,6 +86,10 @@ RUNS = (
         if not seed >= 2
         and not (name != "torch-sdpa" and seed == 1)
         and not (seed == 0 and dtypes == F32_BF16)
+        # the reference in float32 only: it is the oracle's own arithmetic in the
+        # worker, and torch's SDPA and naive hold the harness in the other dtypes (CI's
+        # time: 111 s)
+        and name != "reference"
     ]
     # torch's SDPA at seed 0 in float32 is not here: it is README's main job (`attnref
     # audit`, every dtype), which CI runs first
@@ -95,7 +99,7 @@ RUNS = (
     ]
     + [
         pytest.param(name, 0, (torch.bfloat16,), marks=SLOW, id=f"{name}-seed0-bf16")
-        for name in ("reference", "torch-sdpa", "naive")
+        for name in ("torch-sdpa", "naive")
     ]
 )
 
