@@ -210,19 +210,11 @@ def test_every_bug_class_has_a_mutant_and_a_property() -> None:
 def kill_matrix() -> dict[str, dict[str, str]]:
     """docs/kill-matrix.md's rows: each mutant's cell for each property ("." for no kill,
     "n/a" where the property does not apply, else the dtypes it killed in)."""
-    lines = (DOCS / "kill-matrix.md").read_text().splitlines()
-    header = next(x for x in lines if x.startswith("| mutant |"))
-    columns = [c.strip().strip("`") for c in header.strip("|").split("|")][2:]
-    rows = {}
-    for line in lines:
-        m = re.match(r"^\| `(\w+)` \|", line)
-        if m:
-            cells = [c.strip() for c in line.strip("|").split("|")][2:]
-            rows[m.group(1)] = dict(zip(columns, cells, strict=True))
-    return rows
+    from tools.kill_matrix import _existing
+
+    return _existing(DOCS / "kill-matrix.md")
 
 
-#: the properties the kill matrix records killing each mutant
 MATRIX = kill_matrix()
 KILLERS = {
     name: {pid for pid, cell in cells.items() if cell not in (".", "n/a")}
