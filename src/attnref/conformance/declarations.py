@@ -326,6 +326,21 @@ class Capabilities:
     attn_sink: bool = False
     sparse_caches: tuple[str, ...] = ("V32",)
 
+    #: linear attention (the ``gated-delta`` families, docs/linear.md): whether it takes
+    #: fla's ``use_qk_l2norm_in_kernel=True`` (False: it is never passed; keys are drawn
+    #: near unit norm, as a model that normalizes them first passes them); a log decay of
+    #: ``-inf`` (a gate that forgets everything: drawn only where declared); packed
+    #: sequences (``cu_seqlens``); the chunk its prefill cuts a sequence into (the tails
+    #: are drawn around it); and, for the serving form, a pool of states read and written
+    #: at each request's slot (``ssm_state_indices``) and speculative decoding (a state a
+    #: drafted token, ``num_accepted_tokens``)
+    qk_l2norm: bool = True
+    gate_neg_inf: bool = False
+    linear_packed: bool = True
+    linear_chunk: int = 64
+    state_pool: bool = True
+    speculative: bool = True
+
     def __post_init__(self) -> None:
         by_dtype: object = self.empty_row_by_dtype
         if isinstance(by_dtype, dict):

@@ -14,6 +14,8 @@ from attnref.conformance.families import (
     flash,
     flash_kvcache,
     flash_varlen,
+    gated_delta,
+    gated_delta_decode,
     mla,
     sdpa,
     sparse_mla,
@@ -59,6 +61,8 @@ install(
     mla.FAMILY,
     sparse_mla.FAMILY,
     sparse_mla_fp8.FAMILY,
+    gated_delta.FAMILY,
+    gated_delta_decode.FAMILY,
 )
 
 #: the properties of the kill matrix (docs/kill-matrix.md): those aimed at attention bugs

@@ -1,0 +1,115 @@
+"""The gated delta rule's families (``gated-delta``, ``gated-delta-decode``): attnref's own
+kernels pass, planted kernels written apart from the reference fail where their bug is,
+and bad input to a property is reported, not a crash (docs/linear.md)."""
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from attnref.conformance import PROFILES
+from attnref.conformance import audit as run
+from attnref.conformance.cases import Case
+from attnref.conformance.families import FAMILIES, MUTANTS
+from attnref.conformance.families.gated_delta import FLA_CHUNK, build_call, expected
+from attnref.conformance.profiles import Profile
+from attnref.conformance.report import AuditReport
+
+QUICK = PROFILES["quick"]
+FEW = replace(QUICK, name="few", examples=6)
+SLOW = pytest.mark.slow
+
+
+def _audit(backend: str, api: str, properties: list[str], dtypes: tuple[torch.dtype, ...],
+           profile: Profile = FEW) -> AuditReport:  # fmt: skip
+    return run(backend, api=api, properties=properties, dtypes=dtypes, profile=profile,
+               progress=False)  # fmt: skip
+
+
+def test_the_families_are_installed_with_their_own_properties_only() -> None:
+    for name in ("gated-delta", "gated-delta-decode"):
+        family = FAMILIES[name]
+        assert not family.dense
+        assert family.properties
+        assert all(p.families == (name,) for p in family.properties)
+        assert family.mutants
+
+
+@pytest.mark.parametrize(
+    ("backend", "api", "props"),
+    [
+        ("gated-delta-reference", "gated-delta", ["gdn_tails", "gdn_packed", "gdn_continuation"]),
+        ("gated-delta-recurrent", "gated-delta", ["gdn_gates", "gdn_gva"]),
+        ("gated-delta-decode-reference", "gated-delta-decode",
+         ["gdn_decode_pool", "gdn_speculative", "gdn_decode_steps"]),
+    ],
+)  # fmt: skip
+def test_attnref_s_own_kernels_pass(backend: str, api: str, props: list[str]) -> None:
+    report = _audit(backend, api, props, (torch.float32, torch.bfloat16))
+    assert report.ok, report.format_table()
+
+
+def test_a_kernel_that_rounds_its_matmuls_as_fla_s_chunk_kernels_do_passes() -> None:
+    """The planted chunked kernel, written apart from attnref (the WY form, each matmul's
+    operands rounded to the inputs' dtype, its state rounded before the output's dot, as
+    fla's Triton kernels do): inside the bound in half precision, every property."""
+    props = [p.id for p in FAMILIES["gated-delta"].properties]
+    report = _audit("tests.planted_linear:right", "gated-delta", props,
+                    (torch.bfloat16, torch.float16))  # fmt: skip
+    assert report.ok, report.format_table()
+
+
+@pytest.mark.parametrize(
+    ("bug", "caught_by"),
+    [
+        ("gate_sum_crosses_sequences", "gdn_packed"),
+        pytest.param("tail_decay_skipped", "gdn_tails", marks=SLOW),
+        pytest.param("underflowing_ratio", "gdn_gates", marks=SLOW),
+    ],
+)
+def test_planted_chunk_kernels_fail_where_their_bug_is(bug: str, caught_by: str) -> None:
+    report = _audit(f"tests.planted_linear:{bug}", "gated-delta", [caught_by], (torch.float32,),
+                    QUICK)  # fmt: skip
+    assert not report.ok
+    (result,) = report.results
+    assert result.status == "fail", result.message
+
+
+def test_the_pool_mutants_fail_the_pool_properties_only_where_their_bug_shows() -> None:
+    """A speculative-only bug passes plain decode (its trigger is num_accepted_tokens),
+    and fails the speculative property."""
+    mutant = MUTANTS["gdn_pool_accepted_off_by_one"]
+    report = _audit(f"mutant.{mutant.name}", "gated-delta-decode",
+                    ["gdn_decode_pool", "gdn_speculative"], (torch.float32,))  # fmt: skip
+    status = {r.property: r.status for r in report.results}
+    assert status == {"gdn_decode_pool": "pass", "gdn_speculative": "fail"}
+
+
+def test_a_slot_no_request_names_written_is_its_own_finding() -> None:
+    mutant = MUTANTS["gdn_pool_neighbour_written"]
+    report = _audit(f"mutant.{mutant.name}", "gated-delta-decode", ["gdn_decode_pool"],
+                    (torch.float32,))  # fmt: skip
+    (result,) = report.results
+    assert result.status == "fail"
+    assert "a pool slot no request names was written" in result.message
+
+
+def test_the_bound_covers_a_chunk_s_running_sum_of_far_decays() -> None:
+    """A chunked kernel forms its decays from running sums in float32: with a decay of
+    -1e4 in a chunk, exp(G_i - G_j) is off by about u |G| relative, and the floor says
+    so (attnref's own chunked reference failed float32 gdn_gates at 3.1e-5 against a
+    floor of 1.2e-5 before it did)."""
+    case = Case("far", batch=(1,), h=1, g=1, Tq=4, Tk=4, Dh=8, Dv=8,
+                options=(("gate", "far"), ("beta", "edges"), ("initial", False)))  # fmt: skip
+    calm = replace(case, options=(("gate", "normal"), ("initial", False)))
+    far = expected(build_call(case, torch.float32, "cpu", FLA_CHUNK))
+    near = expected(build_call(calm, torch.float32, "cpu", FLA_CHUNK))
+    assert far.state.floor > 10 * near.state.floor
+
+
+def test_a_wrong_return_is_reported_not_a_crash() -> None:
+    report = _audit("tests.planted_linear:returns_output_only", "gated-delta", ["gdn_forward"],
+                    (torch.float32,))  # fmt: skip
+    (result,) = report.results
+    assert result.status == "fail"
+    assert "returns (o, final_state)" in result.message
