@@ -39,9 +39,10 @@ def test_the_families_are_installed_with_their_own_properties_only() -> None:
     ("backend", "api", "props"),
     [
         ("gated-delta-reference", "gated-delta", ["gdn_tails", "gdn_packed", "gdn_continuation"]),
-        ("gated-delta-recurrent", "gated-delta", ["gdn_gates", "gdn_gva"]),
-        ("gated-delta-decode-reference", "gated-delta-decode",
-         ["gdn_decode_pool", "gdn_speculative", "gdn_decode_steps"]),
+        pytest.param("gated-delta-recurrent", "gated-delta", ["gdn_gates", "gdn_gva"],
+                     marks=SLOW),
+        pytest.param("gated-delta-decode-reference", "gated-delta-decode",
+                     ["gdn_decode_pool", "gdn_speculative", "gdn_decode_steps"], marks=SLOW),
     ],
 )  # fmt: skip
 def test_attnref_s_own_kernels_pass(backend: str, api: str, props: list[str]) -> None:
@@ -49,6 +50,7 @@ def test_attnref_s_own_kernels_pass(backend: str, api: str, props: list[str]) ->
     assert report.ok, report.format_table()
 
 
+@SLOW  # 20 s: every property in two dtypes
 def test_a_kernel_that_rounds_its_matmuls_as_fla_s_chunk_kernels_do_passes() -> None:
     """The planted chunked kernel, written apart from attnref (the WY form, each matmul's
     operands rounded to the inputs' dtype, its state rounded before the output's dot, as
@@ -113,3 +115,18 @@ def test_a_wrong_return_is_reported_not_a_crash() -> None:
     (result,) = report.results
     assert result.status == "fail"
     assert "returns (o, final_state)" in result.message
+
+
+def test_a_declared_cost_bound_keeps_the_lengths_and_cuts_the_programs() -> None:
+    """An interpreted kernel declares ``max_call_work``: a drawn case keeps its tokens
+    (the tails and packs are what it tests) and gives up batch rows, GVA, heads and then
+    head dims, in that order."""
+    from attnref.conformance.families.gated_delta import fit_work, linear_work
+
+    case = Case("c", batch=(2,), h=12, g=3, Tq=129, Tk=129, Dh=64, Dv=64)
+    assert fit_work(case, 0) == case
+    fitted = fit_work(case, 2**19)
+    assert (fitted.Tq, fitted.batch) == (129, (1,))
+    assert linear_work(fitted) <= 2**19
+    assert fit_work(case, 2**23) == replace(case, batch=(1,))
+    assert fit_work(case, 2**22) == replace(case, batch=(1,), h=3)

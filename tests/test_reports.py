@@ -357,3 +357,45 @@ def test_a_bug_report_runs_without_attnref_and_passes_on_the_reference(tmp_path:
                            env=env, capture_output=True, text=True, timeout=120)  # fmt: skip
     assert fixed.returncode == 0, fixed.stdout + fixed.stderr
     assert "pass: within the bound" in fixed.stdout
+
+
+@pytest.mark.slow  # an audit, a bug report and two runs of its script: 15 s
+def test_a_gated_delta_bug_report_recomputes_the_recurrence_without_attnref(
+    tmp_path: Path,
+) -> None:
+    """A finding of the ``gated-delta`` family: repro.py calls the kernel as fla's
+    convention is called, computes the recurrence again in plain torch, compares the
+    output and the final states with expected.pt, and exits 1 on the planted kernel, 0
+    on the correct one, attnref not importable."""
+    import subprocess
+    import sys
+
+    from attnref.cli import main
+
+    out = tmp_path / "bugs"
+    args = ["--api", "gated-delta", "--property", "gdn_tails", "--dtype", "float32",
+            "--no-progress", "--bug-reports", str(out)]  # fmt: skip
+    assert main(["audit", "--backend", "tests.planted_linear:tail_decay_skipped", *args]) == 1
+    (folder,) = sorted(out.iterdir())
+    report = (folder / "REPORT.md").read_text()
+    assert "query/key head(s)" in report
+    root = Path(__file__).resolve().parents[1]
+    run = (
+        "import sys, runpy; sys.modules['attnref'] = None; sys.argv = ['repro.py', *sys.argv[1:]]; "
+        "runpy.run_path('repro.py', run_name='__main__')"
+    )
+    env = {"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin"}
+    bug = subprocess.run([sys.executable, "-c", run], cwd=folder, env=env, capture_output=True,
+                         text=True, timeout=120)  # fmt: skip
+    assert bug.returncode == 1, bug.stdout + bug.stderr
+    assert "FAIL: the bug shows" in bug.stdout
+    assert "final state: worst element" in bug.stdout
+    gaps = [float(line.split(" is ")[1].split()[0]) for line in bug.stdout.splitlines()
+            if "the recurrence again in plain torch is" in line]  # fmt: skip
+    assert gaps, bug.stdout
+    assert max(gaps) < 1e-12, bug.stdout
+    right = [sys.executable, "-c", run, "--backend", "tests.planted_linear:right"]
+    fixed = subprocess.run(right, cwd=folder, env=env, capture_output=True, text=True,
+                           timeout=120)  # fmt: skip
+    assert fixed.returncode == 0, fixed.stdout + fixed.stderr
+    assert "pass: within the bound" in fixed.stdout

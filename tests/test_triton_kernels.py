@@ -126,3 +126,27 @@ def test_an_autotuned_kernel_runs_the_configuration_its_pruning_keeps() -> None:
         "prune_configs_by keeps" in pruned.format_table()  # fmt: skip
     unpruned = audit("tests.triton_autotuned:unpruned", fail_fast=True, **kw)  # type: ignore[arg-type]
     assert not unpruned.ok, unpruned.format_table()
+
+
+@pytest.mark.parametrize(
+    ("spec", "ok", "properties"),
+    [
+        ("tests.planted_linear_triton:right", True, ["gdn_packed"]),
+        ("tests.planted_linear_triton:gva_modulo", False, ["gdn_gva"]),
+        ("tests.planted_linear_triton:last_token_unwritten", False, ["gdn_tails"]),
+    ],
+)
+def test_a_gated_delta_kernel_in_triton_is_audited_interpreted(
+    spec: str, ok: bool, properties: list[str]
+) -> None:
+    """A plain Triton fused-recurrent kernel (tests/planted_linear_triton.py) whose loop
+    variable is used as a tensor (``i.to(tl.int64)``) and whose autotuner is built as a
+    class, as fla's kernels are: it runs through the interpreter (without attnref's
+    fixes it raised in every call, a blame on the kernel for its interpreter), the
+    correct one passes and each planted bug fails the property aimed at it."""
+    report = audit(spec, api="gated-delta", properties=properties, dtypes=(torch.float32,),
+                   profile=SMOKE, progress=False, fail_fast=not ok)  # fmt: skip
+    assert report.ok == ok, report.format_table()
+    if ok:
+        tuned = {t["kernel"] for t in report.interpreted["autotuned"]}
+        assert "_recurrent" in tuned, report.interpreted

@@ -92,6 +92,9 @@ class Context:
     _oracles: dict[int, tuple[Inputs, Expected]] = field(
         default_factory=dict, repr=False, compare=False
     )
+    #: the answers a family's own check judged that are not an `Inputs`' oracle (a
+    #: recurrent state): each a dict naming the call it judged (`answer`)
+    _answers: list[dict[str, Any]] = field(default_factory=list, repr=False, compare=False)
     #: judge a long case on a sample of its rows (`rows`); False (what a reproducer
     #: does) compares every row
     sample: bool = True
@@ -203,6 +206,18 @@ class Context:
                 }
             )
         return found
+
+    def answer(self, **record: Any) -> None:
+        """Keep what a family's own check judged the backend's last call against (its
+        float64 values and bounds, by name), for `check_case`'s ``save``: ``call`` is
+        that call's index among those the executor recorded (None where it records
+        none)."""
+        calls = getattr(self.executor, "calls", None)
+        self._answers.append({"call": None if calls is None else len(calls) - 1, **record})
+
+    def answers(self) -> list[dict[str, Any]]:
+        """What `answer` kept."""
+        return list(self._answers)
 
     def keep(self, inputs: Inputs, expected: Expected) -> None:
         """Make ``expected`` the oracle of ``inputs`` for the rest of the check (a

@@ -97,7 +97,9 @@ class Convention:
     #: how a call's first argument and first output lie against the oracle's (B, h, T,
     #: D), for a bug report's repro.py, which reads them without attnref
     #: (`attnref.conformance.bugreports`): "bhtd" as they are, "bthd" their token and
-    #: head dims swapped, "" a convention repro.py does not read (packed, paged, ranks)
+    #: head dims swapped, "gated-delta" fla's gated delta rule (the output and final
+    #: states, recomputed by the recurrence in plain torch), "" a convention repro.py
+    #: does not read (packed, paged, ranks)
     repro_layout: str = ""
     #: what to declare when a backend raised ``error`` (its one line) on a call of these
     #: keywords that a default declaration makes (a combination some libraries refuse),

@@ -961,7 +961,7 @@ def check_case(
     finally:
         executor.close()
         if save is not None:
-            _save(Path(save), executor.calls, ctx.oracles())
+            _save(Path(save), executor.calls, ctx.oracles(), ctx.answers())
     return "pass"
 
 
@@ -986,7 +986,9 @@ class Recording:
         return getattr(self.inner, name)
 
 
-def _save(folder: Path, calls: list[tuple[Any, Any]], oracles: list[Any]) -> None:
+def _save(
+    folder: Path, calls: list[tuple[Any, Any]], oracles: list[Any], answers: list[Any]
+) -> None:
     """``inputs.pt`` and ``expected.pt`` in ``folder`` (`check_case`'s ``save``)."""
     folder.mkdir(parents=True, exist_ok=True)
     kept = [
@@ -999,7 +1001,7 @@ def _save(folder: Path, calls: list[tuple[Any, Any]], oracles: list[Any]) -> Non
         for job, out in calls
     ]
     torch.save({"calls": kept}, folder / "inputs.pt")
-    torch.save({"oracles": oracles}, folder / "expected.pt")
+    torch.save({"oracles": oracles, "answers": answers}, folder / "expected.pt")
 
 
 def property_seed(seed: int, pid: str, dtype: torch.dtype) -> int:

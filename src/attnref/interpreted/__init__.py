@@ -130,41 +130,37 @@ PINNED: list[dict[str, Any]] = []
 
 
 def _pin_autotune() -> None:
-    """``triton.autotune`` runs, for each key, the first of its configurations that
+    """Every Triton ``Autotuner`` runs, for each key, the first of its configurations that
     the kernel's own ``prune_configs_by`` keeps for that call: the interpreter cannot
     time them (Triton 3.9: no benchmarker), and the tile decides what a kernel does on
     short or odd lengths, so the one a device would never pick for a short sequence is
-    not the one audited. `PINNED` records each kernel, its configurations and the first;
-    `autotuned` says them for the report."""
-    import triton
+    not the one audited. The pin is made where every autotuner is built, the class's
+    ``__init__``: a library that builds its own subclass without ``triton.autotune``
+    (fla's ``CachedAutotuner``) is pinned too. `PINNED` records each kernel, its
+    configurations and the first; `autotuned` says them for the report."""
     import triton.runtime.autotuner as autotuner
 
-    original = autotuner.autotune
-    if getattr(original, "_attnref_pinned", False):
+    cls = autotuner.Autotuner
+    if getattr(cls, "_attnref_pinned", False):
         return
+    original = cls.__init__
 
-    def autotune(configs: list[Any], *args: Any, **kwargs: Any) -> Any:
-        decorate = original(list(configs), *args, **kwargs)
-        prunes = kwargs.get("prune_configs_by", args[1] if len(args) > 1 else None)
+    def __init__(self: Any, fn: Any, *args: Any, **kwargs: Any) -> None:  # noqa: N807
+        original(self, fn, *args, **kwargs)
+        _first_kept(self)
+        prunes = kwargs.get("prune_configs_by", args[7] if len(args) > 7 else None)
+        base = getattr(fn, "fn", fn)  # a heuristics or jit wrapper: the kernel it wraps
+        PINNED.append(
+            {
+                "kernel": str(getattr(base, "__name__", repr(base)))[:100],
+                "configs": len(self.configs),
+                "first": str(self.configs[0])[:300] if self.configs else "",
+                "pruned": bool(prunes),
+            }
+        )
 
-        def pinned(fn: Any) -> Any:
-            tuner = decorate(fn)
-            _first_kept(tuner)
-            PINNED.append(
-                {
-                    "kernel": str(getattr(fn, "__name__", repr(fn)))[:100],
-                    "configs": len(configs),
-                    "first": str(configs[0])[:300] if configs else "",
-                    "pruned": bool(prunes),
-                }
-            )
-            return tuner
-
-        return pinned
-
-    autotune._attnref_pinned = True  # type: ignore[attr-defined]
-    autotuner.autotune = autotune
-    triton.autotune = autotune
+    cls.__init__ = __init__
+    cls._attnref_pinned = True
 
 
 def _first_kept(tuner: Any) -> None:
@@ -185,10 +181,17 @@ def _first_kept(tuner: Any) -> None:
     tuner.prune_configs = pruned
 
 
+#: the most autotuned kernels the worker names to the judge (fla imports more than 50)
+AUTOTUNED_NAMED = 50
+
+
 def autotuned() -> list[dict[str, Any]]:
-    """The autotuned kernels this process imported (`PINNED`): each one's name, its
-    configurations' count, the first, and whether it prunes them per call."""
-    return [dict(x) for x in PINNED]
+    """The autotuned kernels this process imported (`PINNED`), the first
+    `AUTOTUNED_NAMED` of them: each one's name, its configurations' count, the first,
+    and whether it prunes them per call. A library that imports more (fla-core 0.6.0
+    imports over 50 autotuned kernels with its gated delta rule) is still audited: the
+    report names the first ones."""
+    return [dict(x) for x in PINNED[:AUTOTUNED_NAMED]]
 
 
 def _configure_jax() -> None:
@@ -262,7 +265,7 @@ def record(value: object) -> dict[str, Any]:
             and all(isinstance(k, str) and isinstance(v, float) for k, v in item.items())
         ):
             out[key] = dict(item)
-        elif key == "autotuned" and isinstance(item, list) and len(item) <= 50:
+        elif key == "autotuned" and isinstance(item, list) and len(item) <= AUTOTUNED_NAMED:
             out[key] = [_autotuned_entry(x) for x in item]
         else:
             raise ValueError(f"field {key!r}: {str(item)[:80]}")

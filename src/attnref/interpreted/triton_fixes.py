@@ -25,8 +25,17 @@ tl.constexpr(128)`` at module level and ``(_G + g)[None, :]`` inside (SGLang's s
 kernels) is compiled with ``_G`` a constant; the interpreter runs the Python function as
 it is, where ``constexpr.__add__`` wraps the tensor ``128 + g`` in a ``constexpr``, and
 indexing that fails. `fix` makes such arithmetic return the tensor, as compiling does.
+
+**A loop's variable.** In ``for i in range(n)`` (or ``tl.range``) the compiled kernel's
+``i`` is a tensor (an ``scf.for`` induction variable), so ``i.to(tl.int64)`` is valid
+Triton (fla's ``chunk_gated_delta_rule_fwd_kernel_h``); the interpreter runs the Python
+loop, where ``i`` is an ``int`` without ``.to``, and the kernel would fail with an
+``AttributeError`` a device never raises. `fix` rewrites such a loop, as the interpreter
+already rewrites assignments, to give its variable as a tensor; ``tl.static_range``'s,
+a constant when compiled, stays an ``int``.
 """
 
+import ast
 from collections.abc import Callable
 from typing import Any
 
@@ -39,7 +48,8 @@ PATCHED = (
     "bfloat16 computed as on a device (Triton's interpreter works on the raw bits): "
     "operations in float32 rounded once, dots accumulated in float32, casts by value "
     "rounded to nearest even, sums, cumulative sums and min/max over the values in "
-    "float32 rounded once; a module-level constexpr combined with a tensor gives the tensor"
+    "float32 rounded once; a module-level constexpr combined with a tensor gives the tensor; "
+    "a range loop's variable is a tensor"
 )
 
 #: the arithmetic of ``tl.constexpr`` that `fix` lets return a tensor
@@ -69,6 +79,7 @@ def fix() -> bool:
     from triton.runtime import interpreter
 
     _fix_constexpr(tl)
+    _fix_loop_variables(interpreter)
 
     builder: Any = interpreter.InterpreterBuilder
     if getattr(builder, "_attnref_bfloat16", False):
@@ -199,3 +210,41 @@ def _fix_constexpr(tl: Any) -> None:
 
             setattr(cls, dunder, method)
     cls._attnref_tensors = True
+
+
+def _dynamic_range(it: ast.expr) -> bool:
+    """Whether a loop iterates ``range(...)`` or ``tl.range(...)`` (not ``static_range``)."""
+    if not isinstance(it, ast.Call):
+        return False
+    f = it.func
+    return (isinstance(f, ast.Name) and f.id == "range") or (
+        isinstance(f, ast.Attribute) and f.attr == "range"
+    )
+
+
+def _fix_loop_variables(interpreter: Any) -> None:
+    """``for i in range(n)``: ``i`` given to the body as a tensor (module docstring)."""
+    cls = interpreter.ASTTransformer
+    if getattr(cls, "_attnref_loops", False):
+        return
+
+    def visit_For(self: Any, node: ast.For) -> ast.For:  # noqa: N802 (ast's visitor name)
+        node = self.generic_visit(node)
+        if _dynamic_range(node.iter) and isinstance(node.target, ast.Name):
+            name = node.target.id
+            to_tensor = ast.Attribute(
+                value=ast.Name(id="interpreter_semantic", ctx=ast.Load()),
+                attr="to_tensor",
+                ctx=ast.Load(),
+            )
+            call = ast.Call(
+                func=to_tensor,
+                args=[ast.Name(id=name, ctx=ast.Load()), ast.Constant(value=False)],
+                keywords=[],
+            )
+            convert = ast.Assign(targets=[ast.Name(id=name, ctx=ast.Store())], value=call)
+            node.body.insert(0, ast.copy_location(convert, node))
+        return node
+
+    cls.visit_For = visit_For
+    cls._attnref_loops = True

@@ -270,7 +270,8 @@ def _requests(
             if steps:
                 opts["steps"] = d(st.integers(2, 4))
             return Case(name, batch=(1,), h=HV, g=H, Tq=N * T, Tk=N * T, Dh=K, Dv=V,
-                        seqlens=((T, T),) * N, scale=d(st.sampled_from((None, 0.5))),
+                        seqlens=((T, T),) * N,
+                        scale=d(st.sampled_from((None, 0.5))) if c.explicit_scale else None,
                         seed=d(st.integers(0, 2**16)), options=tuple(opts.items()))  # fmt: skip
 
         return draw()
