@@ -129,5 +129,9 @@ def peers(session: nox.Session) -> None:
         "-c", constraints, "orjson", "psutil", "pybase64", "requests", "packaging", "pillow",
         "starlette", "msgspec", "pydantic", "pyzmq", "ipython", "aiohttp",
     )  # fmt: skip
+    # fla-core without its dependencies (its extras pick a torch of their own), with the
+    # one package its import needs (docs/linear.md)
+    session.install("-c", constraints, "--no-deps", "fla-core")
+    session.install("-c", constraints, "einops")
     session.run("pytest", "-m", "", "tests/test_adapters.py")
     session.run("python", "-m", "examples.adapters.audit_all", *session.posargs)

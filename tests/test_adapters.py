@@ -38,6 +38,12 @@ def test_each_adapter_imports_and_declares_valid_capabilities(spec: str, library
         verdict = check_case("cp_agreement", backend, case, torch.float32, api=api, world_size=2)
         assert verdict == "pass", verdict
         return
+    if api == "gated-delta":  # a recurrence: judged by its own property
+        case = Case("smoke", batch=(1,), h=2, g=1, Tq=70, Tk=70, Dh=8, Dv=8)
+        isolate = bool(caps.interpreter)
+        verdict = check_case("gdn_forward", backend, case, torch.float32, isolate=isolate)
+        assert verdict == "pass", verdict
+        return
     # one plain case, moved inside a narrow declaration, runs end to end and agrees
     case = inside(Case("smoke", batch=(2,), h=2, g=2, Tq=5, Tk=7), caps)
     if caps.causal_only and caps.window:  # NATTEN: a neighbourhood shorter than T

@@ -42,6 +42,12 @@ ADAPTERS = [
     ("examples.adapters.sglang_sparse:packed", "sglang"),
     ("examples.adapters.sglang_sparse:decode", "sglang"),
     ("examples.adapters.sglang_sparse:single", "sglang"),
+    # the gated delta rule (docs/linear.md): fla's Triton kernels, interpreted, and
+    # transformers' torch paths for Qwen3-Next
+    ("examples.adapters.fla_gated_delta:chunk", "fla"),
+    ("examples.adapters.fla_gated_delta:recurrent", "fla"),
+    ("examples.adapters.hf_gated_delta:chunk", "transformers"),
+    ("examples.adapters.hf_gated_delta:recurrent", "transformers"),
     ("examples.adapters.pallas_flash:mha", "jax"),
 ]
 #: the API family of an adapter that is not torch SDPA's (``--api``)
@@ -54,6 +60,10 @@ FAMILIES = {
     "examples.adapters.sglang_sparse:packed": "sparse-mla",
     "examples.adapters.sglang_sparse:decode": "sparse-mla",
     "examples.adapters.sglang_sparse:single": "sparse-mla",
+    "examples.adapters.fla_gated_delta:chunk": "gated-delta",
+    "examples.adapters.fla_gated_delta:recurrent": "gated-delta",
+    "examples.adapters.hf_gated_delta:chunk": "gated-delta",
+    "examples.adapters.hf_gated_delta:recurrent": "gated-delta",
     "examples.adapters.pallas_flash:mha": "flash",
 }
 
