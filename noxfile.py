@@ -133,5 +133,8 @@ def peers(session: nox.Session) -> None:
     # one package its import needs (docs/linear.md)
     session.install("-c", constraints, "--no-deps", "fla-core")
     session.install("-c", constraints, "einops")
+    # mlx-lm's gated delta rule on the CPU: mlx's CPU wheel, mlx-lm without its own
+    # dependencies (importing its gated_delta module needs none of them)
+    session.install("-c", constraints, "--no-deps", "mlx", "mlx-cpu", "mlx-lm")
     session.run("pytest", "-m", "", "tests/test_adapters.py")
     session.run("python", "-m", "examples.adapters.audit_all", *session.posargs)

@@ -48,6 +48,7 @@ ADAPTERS = [
     ("examples.adapters.fla_gated_delta:recurrent", "fla"),
     ("examples.adapters.hf_gated_delta:chunk", "transformers"),
     ("examples.adapters.hf_gated_delta:recurrent", "transformers"),
+    ("examples.adapters.mlx_gated_delta:ops", "mlx_lm"),
     ("examples.adapters.pallas_flash:mha", "jax"),
 ]
 #: the API family of an adapter that is not torch SDPA's (``--api``)
@@ -64,6 +65,7 @@ FAMILIES = {
     "examples.adapters.fla_gated_delta:recurrent": "gated-delta",
     "examples.adapters.hf_gated_delta:chunk": "gated-delta",
     "examples.adapters.hf_gated_delta:recurrent": "gated-delta",
+    "examples.adapters.mlx_gated_delta:ops": "gated-delta",
     "examples.adapters.pallas_flash:mha": "flash",
 }
 
