@@ -90,12 +90,9 @@ def _markdown(
     )
     from attnref.conformance.family import get_family
 
-    if get_family(report.api).repro_layout == "gated-delta":  # a recurrence's shapes
-        pack = f", packing {len(case.seqlens)} sequences" if case.seqlens else ""
-        shape = (
-            f"{case.batch[0] if case.batch else 1} batch row(s) of {case.Tq} tokens{pack}, "
-            f"{case.g} query/key head(s) and {case.h} value head(s), K {case.Dh}, V {case.Dv}"
-        )
+    described = get_family(report.api).repro_shape  # a family whose calls are not SDPA's
+    if described is not None:
+        shape = described(case)
     features = ", ".join(
         f"{name} {value}"
         for name, value in (
@@ -141,10 +138,10 @@ def _repro(spec: str, api: str, title: str) -> str:
     """repro.py's text: plain torch and the standard library, and the backend's module."""
     from attnref.conformance.family import get_family
 
-    known = get_family(api).repro_layout  # its family's (Convention.repro_layout)
-    if known == "gated-delta":
-        return (REPRO_GATED_DELTA.replace("@TITLE@", json.dumps(title))
-                .replace("@SPEC@", json.dumps(spec)).replace("@API@", json.dumps(api)))  # fmt: skip
+    family = get_family(api)
+    if family.repro_script is not None:  # a convention of its own (Convention.repro_script)
+        return family.repro_script(json.dumps(title), json.dumps(spec), json.dumps(api))
+    known = family.repro_layout  # its family's (Convention.repro_layout)
     layout = {"bhtd": "False", "bthd": "True"}.get(known, "None")
     return REPRO.format(title=json.dumps(title), spec=json.dumps(spec), api=json.dumps(api),
                         transposed=layout)  # fmt: skip
@@ -256,116 +253,6 @@ def main():
         gap = (again - expected).abs().nan_to_num(0.0).max()
         print(f"the float64 answer again in plain torch: {{float(gap):.3g}} from expected.pt")
     if big > bound:
-        print("FAIL: the bug shows")
-        return 1
-    print("pass: within the bound")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
-'''
-
-
-REPRO_GATED_DELTA = '''"""Reproduce: @TITLE@
-
-Written by attnref; runs without it: torch, the standard library and the backend's own
-module. ``python repro.py`` exits 1 while the bug shows; ``python repro.py --backend
-module:function`` runs another function (a fix, a reference) on the same inputs.
-
-The calls are fla's ``chunk_gated_delta_rule(q, k, v, g, beta, scale=None,
-initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=False,
-cu_seqlens=None) -> (o, final_state)``; the float64 answers (expected.pt) are the gated
-delta recurrence, which ``recurrence`` below computes again in plain torch.
-"""
-
-import argparse
-import importlib
-import sys
-from pathlib import Path
-
-import torch
-
-HERE = Path(__file__).resolve().parent
-SPEC = @SPEC@
-API = @API@
-
-
-def load(name):
-    return torch.load(HERE / name, weights_only=True)
-
-
-def recurrence(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
-               use_qk_l2norm_in_kernel=False, cu_seqlens=None):
-    """The gated delta rule token by token in float64: for each token, S = exp(g) S;
-    u = beta (v - S^T k); S = S + k u^T; o = S^T (scale q)."""
-    q, k, v, g, beta = (x.double() for x in (q, k, v, g, beta))
-    if use_qk_l2norm_in_kernel:
-        q = q / torch.sqrt((q * q).sum(-1, keepdim=True) + 1e-6)
-        k = k / torch.sqrt((k * k).sum(-1, keepdim=True) + 1e-6)
-    B, T, H, K = q.shape
-    HV, V = v.shape[2], v.shape[3]
-    q, k = q.repeat_interleave(HV // H, 2), k.repeat_interleave(HV // H, 2)
-    scale = K ** -0.5 if scale is None else scale
-    if cu_seqlens is None:
-        spans = [(b, 0, T) for b in range(B)]
-    else:
-        cu = [int(x) for x in cu_seqlens.tolist()]
-        spans = [(0, cu[n], cu[n + 1]) for n in range(len(cu) - 1)]
-    o = torch.zeros(B, T, HV, V, dtype=torch.float64)
-    finals = []
-    for n, (b, start, end) in enumerate(spans):
-        S = torch.zeros(HV, K, V, dtype=torch.float64)
-        if initial_state is not None:
-            S = initial_state[n].double().clone()
-        for t in range(start, end):
-            S = S * g[b, t].exp()[:, None, None]
-            u = beta[b, t][:, None] * (v[b, t] - torch.einsum("hkv,hk->hv", S, k[b, t]))
-            S = S + k[b, t][:, :, None] * u[:, None, :]
-            o[b, t] = torch.einsum("hkv,hk->hv", S, scale * q[b, t])
-        finals.append(S)
-    return o, torch.stack(finals)
-
-
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--backend", default=SPEC, help="module:function to call")
-    args = parser.parse_args()
-    if not args.backend:
-        print("the backend is attnref's own: inputs.pt and expected.pt hold its tensors")
-        return 2
-    module, _, name = args.backend.partition(":")
-    fn = importlib.import_module(module)
-    for part in name.split("."):
-        fn = getattr(fn, part)
-    calls, answers = load("inputs.pt")["calls"], load("expected.pt")["answers"]
-    failed = False
-    for answer in answers:
-        if answer["call"] is None:
-            continue
-        call = calls[answer["call"]]
-        o, final = fn(*call["args"], **call["kwargs"])
-        again_o, again_s = recurrence(*call["args"], **call["kwargs"])
-        gap = max(float((again_o - answer["output"]).abs().max()),
-                  float((again_s - answer["state"]).abs().max()))
-        print(f"call {answer['call']}: the recurrence again in plain torch is {gap:.3g} "
-              "from expected.pt")
-        for what, got, want, bound in (("output", o, answer["output"], answer["output_bound"]),
-                                       ("final state", final, answer["state"],
-                                        answer["state_bound"])):
-            if got is None:
-                print(f"  {what}: the function returned None")
-                failed = True
-                continue
-            error = (got.detach().double() - want).abs().nan_to_num(nan=torch.inf)
-            big = float(error.max()) if error.numel() else 0.0
-            at = tuple(int(i) for i in (error == error.max()).nonzero()[0]) if error.numel() else ()
-            shown = (f"got {float(got[at]):.9g}, expected {float(want[at]):.9g} (float64); "
-                     if at else "")
-            print(f"  {what}: worst element {at}: {shown}error {big:.3g}, bound "
-                  f"{float(bound[0]):.3g}")
-            failed = failed or big > float(bound[0])
-    if failed:
         print("FAIL: the bug shows")
         return 1
     print("pass: within the bound")

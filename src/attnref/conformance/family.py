@@ -35,6 +35,7 @@ from attnref.conformance.declarations import Backend, BackendError, Capabilities
 from attnref.conformance.verdicts import Failure, Skip
 
 if TYPE_CHECKING:
+    from attnref.conformance.cases import Case
     from attnref.conformance.mutants import Mutant
     from attnref.conformance.properties import Property
     from attnref.conformance.worker import Executor
@@ -97,10 +98,14 @@ class Convention:
     #: how a call's first argument and first output lie against the oracle's (B, h, T,
     #: D), for a bug report's repro.py, which reads them without attnref
     #: (`attnref.conformance.bugreports`): "bhtd" as they are, "bthd" their token and
-    #: head dims swapped, "gated-delta" fla's gated delta rule (the output and final
-    #: states, recomputed by the recurrence in plain torch), "" a convention repro.py
-    #: does not read (packed, paged, ranks)
+    #: head dims swapped, "" a convention repro.py does not read (packed, paged, ranks)
     repro_layout: str = ""
+    #: for a family whose calls are not attention's (the gated delta rule): repro.py's
+    #: whole text from the finding's title, spec and family name (each a JSON string
+    #: literal), and the shapes of a case in REPORT.md's words (None: the SDPA script
+    #: and words of `attnref.conformance.bugreports`)
+    repro_script: "Callable[[str, str, str], str] | None" = None
+    repro_shape: "Callable[[Case], str] | None" = None
     #: what to declare when a backend raised ``error`` (its one line) on a call of these
     #: keywords that a default declaration makes (a combination some libraries refuse),
     #: or ""

@@ -676,34 +676,34 @@ def plain_gated_delta(
     return o.to(dtype), (final.to(states) if output_final_state else None)
 
 
-def _reference(
-    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float | None = None,
-    initial_state: Tensor | None = None, output_final_state: bool = False,
-    use_qk_l2norm_in_kernel: bool = False, cu_seqlens: Tensor | None = None,
-) -> tuple[Tensor, Tensor | None]:  # fmt: skip
-    """attnref's `chunked_gated_delta_rule` in float32 (float64 for float64 calls)."""
-    work = torch.float64 if q.dtype == torch.float64 else torch.float32
-    o, final = chunked_gated_delta_rule(
-        q.to(work), k.to(work), v.to(work), g.to(work), beta.to(work), scale=scale,
-        initial_state=None if initial_state is None else initial_state.to(work),
-        l2norm_qk=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens,
-    )  # fmt: skip
-    return o.to(q.dtype), (final.to(state_dtype(q.dtype)) if output_final_state else None)
+def _in_float32(
+    rule: Callable[..., tuple[Tensor, Tensor]], name: str, doc: str
+) -> Callable[..., Any]:
+    """``rule`` (attnref's recurrence or its chunked form) in fla's convention, computed
+    in float32 (float64 for float64 calls)."""
+
+    def fn(
+        q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float | None = None,
+        initial_state: Tensor | None = None, output_final_state: bool = False,
+        use_qk_l2norm_in_kernel: bool = False, cu_seqlens: Tensor | None = None,
+    ) -> tuple[Tensor, Tensor | None]:  # fmt: skip
+        work = torch.float64 if q.dtype == torch.float64 else torch.float32
+        o, final = rule(
+            q.to(work), k.to(work), v.to(work), g.to(work), beta.to(work), scale=scale,
+            initial_state=None if initial_state is None else initial_state.to(work),
+            l2norm_qk=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens,
+        )  # fmt: skip
+        return o.to(q.dtype), (final.to(state_dtype(q.dtype)) if output_final_state else None)
+
+    fn.__name__ = fn.__qualname__ = name
+    fn.__doc__ = doc
+    return fn
 
 
-def _recurrent(
-    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float | None = None,
-    initial_state: Tensor | None = None, output_final_state: bool = False,
-    use_qk_l2norm_in_kernel: bool = False, cu_seqlens: Tensor | None = None,
-) -> tuple[Tensor, Tensor | None]:  # fmt: skip
-    """attnref's `gated_delta_rule` in float32 (float64 for float64 calls)."""
-    work = torch.float64 if q.dtype == torch.float64 else torch.float32
-    o, final = gated_delta_rule(
-        q.to(work), k.to(work), v.to(work), g.to(work), beta.to(work), scale=scale,
-        initial_state=None if initial_state is None else initial_state.to(work),
-        l2norm_qk=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens,
-    )  # fmt: skip
-    return o.to(q.dtype), (final.to(state_dtype(q.dtype)) if output_final_state else None)
+_reference = _in_float32(chunked_gated_delta_rule, "_reference",
+                         "attnref's `chunked_gated_delta_rule` in float32.")  # fmt: skip
+_recurrent = _in_float32(gated_delta_rule, "_recurrent",
+                         "attnref's `gated_delta_rule` in float32.")  # fmt: skip
 
 
 _OURS = replace(FLA_CHUNK, gate_neg_inf=True)
@@ -775,6 +775,132 @@ def no_causal(caps: Capabilities, inputs: Inputs) -> bool:
     return False
 
 
+def _repro_shape(case: Case) -> str:
+    """A case's shapes in REPORT.md's words."""
+    pack = f", packing {len(case.seqlens)} sequences" if case.seqlens else ""
+    return (
+        f"{case.batch[0] if case.batch else 1} batch row(s) of {case.Tq} tokens{pack}, "
+        f"{case.g} query/key head(s) and {case.h} value head(s), K {case.Dh}, V {case.Dv}"
+    )
+
+
+def _repro_script(title: str, spec: str, api: str) -> str:
+    """repro.py for a finding of this family (`REPRO`): it calls the kernel on each judged
+    call's saved arguments, computes the recurrence again in plain torch, and compares the
+    output and final states with expected.pt's answers (`Context.answer`)."""
+    return REPRO.replace("@TITLE@", title).replace("@SPEC@", spec).replace("@API@", api)
+
+
+REPRO = '''"""Reproduce: @TITLE@
+
+Written by attnref; runs without it: torch, the standard library and the backend's own
+module. ``python repro.py`` exits 1 while the bug shows; ``python repro.py --backend
+module:function`` runs another function (a fix, a reference) on the same inputs.
+
+The calls are fla's ``chunk_gated_delta_rule(q, k, v, g, beta, scale=None,
+initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=False,
+cu_seqlens=None) -> (o, final_state)``; the float64 answers (expected.pt) are the gated
+delta recurrence, which ``recurrence`` below computes again in plain torch.
+"""
+
+import argparse
+import importlib
+import sys
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+SPEC = @SPEC@
+API = @API@
+
+
+def load(name):
+    return torch.load(HERE / name, weights_only=True)
+
+
+def recurrence(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+               use_qk_l2norm_in_kernel=False, cu_seqlens=None):
+    """The gated delta rule token by token in float64: for each token, S = exp(g) S;
+    u = beta (v - S^T k); S = S + k u^T; o = S^T (scale q)."""
+    q, k, v, g, beta = (x.double() for x in (q, k, v, g, beta))
+    if use_qk_l2norm_in_kernel:
+        q = q / torch.sqrt((q * q).sum(-1, keepdim=True) + 1e-6)
+        k = k / torch.sqrt((k * k).sum(-1, keepdim=True) + 1e-6)
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    q, k = q.repeat_interleave(HV // H, 2), k.repeat_interleave(HV // H, 2)
+    scale = K ** -0.5 if scale is None else scale
+    if cu_seqlens is None:
+        spans = [(b, 0, T) for b in range(B)]
+    else:
+        cu = [int(x) for x in cu_seqlens.tolist()]
+        spans = [(0, cu[n], cu[n + 1]) for n in range(len(cu) - 1)]
+    o = torch.zeros(B, T, HV, V, dtype=torch.float64)
+    finals = []
+    for n, (b, start, end) in enumerate(spans):
+        S = torch.zeros(HV, K, V, dtype=torch.float64)
+        if initial_state is not None:
+            S = initial_state[n].double().clone()
+        for t in range(start, end):
+            S = S * g[b, t].exp()[:, None, None]
+            u = beta[b, t][:, None] * (v[b, t] - torch.einsum("hkv,hk->hv", S, k[b, t]))
+            S = S + k[b, t][:, :, None] * u[:, None, :]
+            o[b, t] = torch.einsum("hkv,hk->hv", S, scale * q[b, t])
+        finals.append(S)
+    return o, torch.stack(finals)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--backend", default=SPEC, help="module:function to call")
+    args = parser.parse_args()
+    if not args.backend:
+        print("the backend is attnref's own: inputs.pt and expected.pt hold its tensors")
+        return 2
+    module, _, name = args.backend.partition(":")
+    fn = importlib.import_module(module)
+    for part in name.split("."):
+        fn = getattr(fn, part)
+    calls, answers = load("inputs.pt")["calls"], load("expected.pt")["answers"]
+    failed = False
+    for answer in answers:
+        if answer["call"] is None:
+            continue
+        call = calls[answer["call"]]
+        o, final = fn(*call["args"], **call["kwargs"])
+        again_o, again_s = recurrence(*call["args"], **call["kwargs"])
+        gap = max(float((again_o - answer["output"]).abs().max()),
+                  float((again_s - answer["state"]).abs().max()))
+        print(f"call {answer['call']}: the recurrence again in plain torch is {gap:.3g} "
+              "from expected.pt")
+        for what, got, want, bound in (("output", o, answer["output"], answer["output_bound"]),
+                                       ("final state", final, answer["state"],
+                                        answer["state_bound"])):
+            if got is None:
+                print(f"  {what}: the function returned None")
+                failed = True
+                continue
+            error = (got.detach().double() - want).abs().nan_to_num(nan=torch.inf)
+            big = float(error.max()) if error.numel() else 0.0
+            at = tuple(int(i) for i in (error == error.max()).nonzero()[0]) if error.numel() else ()
+            shown = (f"got {float(got[at]):.9g}, expected {float(want[at]):.9g} (float64); "
+                     if at else "")
+            print(f"  {what}: worst element {at}: {shown}error {big:.3g}, bound "
+                  f"{float(bound[0]):.3g}")
+            failed = failed or big > float(bound[0])
+    if failed:
+        print("FAIL: the bug shows")
+        return 1
+    print("pass: within the bound")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+'''
+
+
 SIGNATURE = (
     "fn(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, "
     "use_qk_l2norm_in_kernel=False, cu_seqlens=None) -> (o, final_state)"
@@ -797,7 +923,8 @@ FAMILY = ApiFamily(
     native_causal=no_causal,
     dropout=False,
     dense=False,
-    repro_layout="gated-delta",
+    repro_script=_repro_script,
+    repro_shape=_repro_shape,
     builtins=_builtins,
     properties=PROPERTIES,
     mutants=MUTANTS,
