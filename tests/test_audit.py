@@ -27,6 +27,7 @@ from attnref.conformance.families import MATRIX_PROPERTIES, MUTANTS
 from attnref.conformance.properties import JUDGE_CLASS
 from attnref.devices import DTYPES
 from attnref.masks import Alignment
+from tests.bug_reports import reports_reproduce
 from tests.planted_flash import UNSEEN
 from tests.planted_serving import UNSEEN as SERVING_UNSEEN
 
@@ -907,15 +908,20 @@ def test_the_independent_serving_kernels_themselves_pass(name: str) -> None:
         for n in SERVING_UNSEEN
     ],
 )
-def test_serving_kernels_with_bugs_the_mutants_do_not_plant_are_failed(name: str) -> None:
+def test_serving_kernels_with_bugs_the_mutants_do_not_plant_are_failed(
+    name: str, request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
     """Kernels of classes 26-29 and 32 written in tests/planted_serving.py on their own: the
     properties of their family aimed at each class fail them (one per family in the
-    default tier, every one in the slow tier, with the correct kernels)."""
+    default tier, every one in the slow tier, with the correct kernels, where each
+    finding's bug report reproduces it: tests/bug_reports.py)."""
     api, bug_class = SERVING_UNSEEN[name]
     backend = resolve_backend(f"tests.planted_serving:{name}", api=api)
     aimed = [p.id for p in PROPERTIES.values() if bug_class in p.classes and p.applies_to(api)]
     report = run(backend, properties=aimed, dtypes=(torch.float32,), fail_fast=True, profile=KILL)
     assert not report.ok, report.format_table()
+    right = "correct_varlen" if api == "flash-varlen" else "correct_kvcache"
+    reports_reproduce(request, report, f"tests.planted_serving:{right}", tmp_path)
 
 
 def test_pages_past_a_large_element_offset_are_audited_where_memory_allows() -> None:

@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -26,7 +27,7 @@ from attnref.bench import (
 from attnref.bench.cases import BenchMask
 from attnref.bench.timing import PEAK_DTYPES, peak_bytes
 from attnref.cli import main as cli_main
-from attnref.conformance import resolve_backend
+from attnref.conformance import Backend, resolve_backend
 from attnref.decoding import generate
 from attnref.layers.transformer import DecoderOnlyLM, Norm
 from attnref.masks import Alignment
@@ -611,7 +612,9 @@ def test_a_serving_workload_is_the_family_s_and_a_family_without_one_is_named() 
     again = serving_call(prefill, 5)[0][0]
     assert torch.equal(serving_call(prefill, 5)[0][0], again)  # a seed's values
     assert not torch.equal(serving_call(prefill, 6)[0][0], again)
-    with pytest.raises(ValueError, match=r"serving workload \(flash-kvcache, flash-varlen, mla\)"):
+    with pytest.raises(
+        ValueError, match=r"serving workload \(flash-kvcache, flash-varlen, gated-delta, mla\)"
+    ):
         workload_of(ServingCase("sdpa", B=1, h=1, g=1, Dh=8, seq=8))
     with pytest.raises(ValueError, match="the flash-varlen workload has no pages"):
         workload_of(ServingCase("flash-varlen", B=1, h=1, g=1, Dh=8, seq=8, page=4))
@@ -638,3 +641,46 @@ def test_the_mla_decode_bench_reads_bytes_and_verifies_the_output_of_out_lse() -
     assert ok.gb_per_s is not None
     assert "GB/s of cache read" in ok.note
     assert wrong.status == "wrong", wrong.note
+
+
+def test_the_gated_delta_workload_is_a_packed_prefill_as_qwen3_next_calls_it() -> None:
+    from attnref.bench.serving import ServingCase, workload_of
+
+    case = ServingCase("gated-delta", B=2, h=4, g=2, Dh=8, seq=70)
+    work = workload_of(case)
+    assert work.tokens == 70 + 35
+    (q, _, v, g, _), kwargs = work.arguments(0)
+    assert (q.shape, v.shape, g.shape) == ((1, 105, 2, 8), (1, 105, 4, 8), (1, 105, 4))
+    assert kwargs["use_qk_l2norm_in_kernel"]
+    assert kwargs["cu_seqlens"].tolist() == [0, 70, 105]
+    assert work.label == "H=2 HV=4 K=V=8 B=2 longest=70 float32"
+
+
+@pytest.mark.slow  # five workers timed and verified: 15 s
+def test_the_gated_delta_bench_times_both_forms_and_lists_a_wrong_kernel_wrong() -> None:
+    """``attnref bench --api gated-delta``: a packed prefill as Qwen3-Next's layers make
+    it (L2-normed q and k, H query/key and HV value heads), tokens per second for
+    attnref's chunked and recurrent forms, each call verified against the float64
+    recurrence; a kernel whose shorter sequences decay wrongly in their partial chunk is
+    listed wrong, and one that takes no packed sequences is skipped, saying so."""
+    from attnref.bench.serving import ServingCase, run_serving
+    from attnref.conformance.families.gated_delta import FLA_CHUNK
+    from tests.planted_linear import right
+
+    caps = replace(FLA_CHUNK, linear_packed=False)
+    not_packed = Backend("not-packed", right, "", caps, api="gated-delta",
+                         spec="tests.planted_linear:right")  # fmt: skip
+    case = ServingCase("gated-delta", B=2, h=4, g=2, Dh=8, seq=70)
+    rows = run_serving(
+        ["gated-delta-reference", "gated-delta-recurrent", "mutant.gdn_tail_gate_at_chunk_end",
+         "tests.planted_linear:right", not_packed],
+        [case], runs=2, warmup=0, progress=False,
+    )  # fmt: skip
+    status = {r.backend: (r.status, r.note) for r in rows}
+    for ok in ("gated-delta-reference", "gated-delta-recurrent", "tests.planted_linear:right"):
+        assert status[ok][0] == "ok", status[ok]
+    assert status["mutant.gdn_tail_gate_at_chunk_end"][0] == "wrong"
+    assert status["not-packed"] == (
+        "skipped", "packed sequences (cu_seqlens) not declared (linear_packed); run it with "
+        "--batch 1"
+    )  # fmt: skip

@@ -1,12 +1,15 @@
 """FP8 KV caches in the flash-kvcache family: q, K and V stored in FP8 with
 FlashAttention 3's per-row, per-KV-head descales (docs/kvcache.md#fp8-caches)."""
 
+from pathlib import Path
+
 import pytest
 import torch
 
 from attnref.conformance import PROPERTIES, Case, resolve_backend
 from attnref.conformance.serving import build_cache, quantize
 from attnref.conformance.wire import decode, encode
+from tests.bug_reports import reports_reproduce
 from tests.planted_fp8 import UNSEEN
 from tests.test_audit import KILL, run
 
@@ -77,7 +80,9 @@ def test_independent_fp8_kernels_pass(name: str) -> None:
     # all in the slow tier: the default tier fails the FP8 mutants of the kill matrix
     [pytest.param(n, marks=pytest.mark.slow) for n in UNSEEN],
 )
-def test_fp8_kernels_with_bugs_the_mutants_do_not_plant_are_failed(name: str) -> None:
+def test_fp8_kernels_with_bugs_the_mutants_do_not_plant_are_failed(
+    name: str, request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
     """Class-34 kernels written apart from the mutants (q_descale ignored, the descales
     read transposed, a query head's KV head taken modulo, v_descale on the scores), and
     P rounded to FP8 without declaring it (the first in the default tier, every one in
@@ -85,6 +90,7 @@ def test_fp8_kernels_with_bugs_the_mutants_do_not_plant_are_failed(name: str) ->
     backend = resolve_backend(f"tests.planted_fp8:{name}", api="flash-kvcache")
     report = run(backend, properties=FP8_PROPS, dtypes=(torch.bfloat16,), profile=KILL)
     assert not report.ok, report.format_table()
+    reports_reproduce(request, report, "tests.planted_fp8:correct_fp8", tmp_path)
 
 
 @pytest.mark.slow  # 20-32 s on a loaded machine: the default tier ran 240 s of its 180

@@ -3,6 +3,7 @@ kernels pass, planted kernels written apart from the reference fail where their 
 and bad input to a property is reported, not a crash (docs/linear.md)."""
 
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ from attnref.conformance.families import FAMILIES, MUTANTS
 from attnref.conformance.families.gated_delta import FLA_CHUNK, build_call, expected
 from attnref.conformance.profiles import Profile
 from attnref.conformance.report import AuditReport
+from tests.bug_reports import reports_reproduce
 
 QUICK = PROFILES["quick"]
 FEW = replace(QUICK, name="few", examples=6)
@@ -69,12 +71,15 @@ def test_a_kernel_that_rounds_its_matmuls_as_fla_s_chunk_kernels_do_passes() -> 
         pytest.param("underflowing_ratio", "gdn_gates", marks=SLOW),
     ],
 )
-def test_planted_chunk_kernels_fail_where_their_bug_is(bug: str, caught_by: str) -> None:
+def test_planted_chunk_kernels_fail_where_their_bug_is(
+    bug: str, caught_by: str, request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
     report = _audit(f"tests.planted_linear:{bug}", "gated-delta", [caught_by], (torch.float32,),
                     QUICK)  # fmt: skip
     assert not report.ok
     (result,) = report.results
     assert result.status == "fail", result.message
+    reports_reproduce(request, report, "tests.planted_linear:right", tmp_path)
 
 
 def test_the_pool_mutants_fail_the_pool_properties_only_where_their_bug_shows() -> None:

@@ -3,6 +3,7 @@ and the kernels of tests/planted_mla.py, written apart from its mutants."""
 
 import math
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ from attnref.conformance.cases import build
 from attnref.conformance.families.mla import HUGE_BLOCK, build_latent, quantize_latent, tied
 from attnref.conformance.oracle import Expected, close
 from attnref.conformance.strategies import case_strategy, inside
+from tests.bug_reports import reports_reproduce
 from tests.planted_mla import UNSEEN
 from tests.planted_mla_fp8 import UNSEEN as FP8_UNSEEN
 from tests.test_audit import KILL, run
@@ -96,13 +98,16 @@ def test_the_independent_mla_kernel_itself_passes() -> None:
     "name",
     [pytest.param(n, marks=() if i == 0 else pytest.mark.slow) for i, n in enumerate(UNSEEN)],
 )
-def test_mla_kernels_with_bugs_the_mutants_do_not_plant_are_failed(name: str) -> None:
+def test_mla_kernels_with_bugs_the_mutants_do_not_plant_are_failed(
+    name: str, request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
     """Kernels of classes 25, 27 and 35 written in tests/planted_mla.py on their own: the
     properties of the family aimed at each class fail them."""
     backend = resolve_backend(f"tests.planted_mla:{name}", api="mla")
     aimed = [p.id for p in PROPERTIES.values() if UNSEEN[name] in p.classes and p.applies_to("mla")]
     report = run(backend, properties=aimed, dtypes=(torch.float32,), fail_fast=True, profile=KILL)
     assert not report.ok, report.format_table()
+    reports_reproduce(request, report, "tests.planted_mla:correct_mla", tmp_path)
 
 
 def test_a_kernel_that_ignores_the_caller_s_scale_is_told_so() -> None:
@@ -176,12 +181,15 @@ def test_the_independent_fp8_mla_kernel_passes() -> None:
     "name",
     [pytest.param(n, marks=() if i == 0 else pytest.mark.slow) for i, n in enumerate(FP8_UNSEEN)],
 )
-def test_fp8_mla_kernels_with_bugs_the_mutants_do_not_plant_are_failed(name: str) -> None:
+def test_fp8_mla_kernels_with_bugs_the_mutants_do_not_plant_are_failed(
+    name: str, request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
     """The output scaled by descale_q, the rotary dims left undescaled, descale_k read
     as its reciprocal: each fails the FP8 properties."""
     backend = resolve_backend(f"tests.planted_mla_fp8:{name}", api="mla")
     report = run(backend, properties=["mla_fp8"], dtypes=(torch.bfloat16,), profile=KILL)
     assert not report.ok, report.format_table()
+    reports_reproduce(request, report, "tests.planted_mla_fp8:correct_mla_fp8", tmp_path)
 
 
 def test_the_fp8_mla_properties_are_skipped_where_fp8_is_not_declared() -> None:

@@ -6,6 +6,7 @@ see it."""
 import math
 import re
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,6 +20,7 @@ from attnref.conformance.declarations import EmptyRows
 from attnref.conformance.oracle import empty_row_causes, expect
 from attnref.conformance.profiles import PROFILES
 from attnref.conformance.report import AuditReport
+from tests.bug_reports import reports_reproduce
 from tests.planted_sizes import PLANTED, STRAWMEN
 
 SLOW = pytest.mark.slow
@@ -39,7 +41,9 @@ def run(spec: str, **kwargs: object) -> AuditReport:
     "name",
     [pytest.param(n, marks=() if n in DEFAULT_TIER else (SLOW,)) for n in PLANTED],
 )
-def test_kernels_wrong_past_a_size_or_a_value_fail_the_default_audit(name: str) -> None:
+def test_kernels_wrong_past_a_size_or_a_value_fail_the_default_audit(
+    name: str, request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
     report = run(f"tests.planted_sizes:{name}", fail_fast=True, profile=KILL)
     assert not report.ok, report.format_table()
     failed = [r for r in report.results if r.status == "fail"]
@@ -47,6 +51,7 @@ def test_kernels_wrong_past_a_size_or_a_value_fail_the_default_audit(name: str) 
     # for its values, not for an exception (torch's SDPA raised on is_causal with a mask
     # once the default declaration tested it, which failed every kernel for that alone)
     assert all(_VALUES.match(r.finding.cause) for r in failed if r.finding), report.format_table()
+    reports_reproduce(request, report, "tests.planted_sizes:correct_blocked", tmp_path)
 
 
 #: a long row of V far from 0: torch's SDPA was 4.05e-5 off an output near 28 over 2047

@@ -4,6 +4,7 @@ FP8 layout byte for byte, the cases, the built-ins and the planted kernels of
 tests/planted_sparse.py."""
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -27,6 +28,7 @@ from attnref.sparse import (
     unpack_fp8_model1,
     unpack_fp8_sparse,
 )
+from tests.bug_reports import reports_reproduce
 from tests.planted_sparse import UNSEEN
 from tests.test_audit import run
 
@@ -375,7 +377,9 @@ def test_the_sparse_built_ins_pass_a_quick_audit(api: str, name: str) -> None:
 
 @SLOW
 @pytest.mark.parametrize("name", sorted(UNSEEN))
-def test_planted_sparse_kernels_fail_the_quick_audit(name: str) -> None:
+def test_planted_sparse_kernels_fail_the_quick_audit(
+    name: str, request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
     """Each planted bug (tests/planted_sparse.py, written apart from the mutants) fails
     quick, at the first property its family's own search reaches."""
     api = UNSEEN[name]
@@ -383,6 +387,10 @@ def test_planted_sparse_kernels_fail_the_quick_audit(name: str) -> None:
     report = run(resolve_backend(f"tests.planted_sparse:{name}", api=api), properties=own,
                  fail_fast=True)  # fmt: skip
     assert not report.ok, report.format_table()
+    right = (
+        "right" if api == "sparse-mla" else "right_model1_fp8" if "model1" in name else "right_fp8"
+    )
+    reports_reproduce(request, report, f"tests.planted_sparse:{right}", tmp_path)
 
 
 @SLOW

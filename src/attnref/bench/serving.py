@@ -92,7 +92,7 @@ def _skip(backend: Backend, case: ServingCase) -> str | None:
         return "a paged cache not declared"
     if case.page % caps.page_multiple:
         return f"page size {case.page}: the declared sizes are multiples of {caps.page_multiple}"
-    return None
+    return workload_of(case).refused(caps)
 
 
 def _verify(case: ServingCase, seed: int, raw: Any, what: str, draw: int = 0) -> str | None:

@@ -6,15 +6,22 @@ of an audit, `write_bug_reports` writes a folder:
 - ``inputs.pt``: each call of the finding's shrunk case, its arguments exactly as the
   backend received them and what it returned (`attnref.conformance.runner.check_case`'s
   ``save``, run again in a fresh worker);
-- ``expected.pt``: each float64 answer of attnref's oracle for those calls, which
-  elements it knows and its bounds;
+- ``expected.pt``: each float64 answer of attnref's oracle for those calls (output and
+  log-sum-exp), which elements it knows, its bounds, and where it lies in what its call
+  returned: the flat position of each element among the returned tensors, found by
+  reading a probe of the result whose tensors hold their own positions through the
+  family's reader (`attnref.conformance.runner.Recording.reading`). Every family's
+  layout, packed, paged or latent, is then read the same way, with no attnref;
 - ``repro.py``: a script that imports only torch, the standard library and the
-  backend's own module: it loads the inputs, calls the backend as the audit did, finds the
-  call that disagrees most with its float64 answer, prints the observed and expected
-  values at the worst element and the error against the bound, and exits 1 where the bug
-  shows (0 where it does not: ``--backend module:function`` runs another function, the
-  reference or a fix, on the same inputs). For torch SDPA's convention without variants it
-  also computes the float64 answer again in a few lines of plain torch;
+  backend's own module: it loads the inputs, calls the backend as the audit did (each
+  call on fresh copies, the arguments it may write returned beside its result), checks
+  that it changed none of the others, reads each judged answer where expected.pt says,
+  judges it as attnref does (NaN where a finite value is due, the largest and the mean
+  error against their bounds), prints the worst element, and exits 1 where the bug shows
+  (0 where it does not: ``--backend module:function`` runs another function, the
+  reference or a fix, on the same inputs). Where the variant is plain attention (GQA,
+  a mask, the causal diagonal, a window) it computes the float64 answer again in a few
+  lines of plain torch;
 - ``REPORT.md``: the finding in a maintainer's words, ready to paste into an issue.
 
 Backends of attnref's own (``mutant.*``, the built-ins) have no module a maintainer
@@ -141,10 +148,7 @@ def _repro(spec: str, api: str, title: str) -> str:
     family = get_family(api)
     if family.repro_script is not None:  # a convention of its own (Convention.repro_script)
         return family.repro_script(json.dumps(title), json.dumps(spec), json.dumps(api))
-    known = family.repro_layout  # its family's (Convention.repro_layout)
-    layout = {"bhtd": "False", "bthd": "True"}.get(known, "None")
-    return REPRO.format(title=json.dumps(title), spec=json.dumps(spec), api=json.dumps(api),
-                        transposed=layout)  # fmt: skip
+    return REPRO.format(title=json.dumps(title), spec=json.dumps(spec), api=json.dumps(api))
 
 
 REPRO = '''"""Reproduce: {title}
@@ -152,11 +156,18 @@ REPRO = '''"""Reproduce: {title}
 Written by attnref; runs without it: torch, the standard library and the backend's own
 module. ``python repro.py`` exits 1 while the bug shows; ``python repro.py --backend
 module:function`` runs another function (a fix, a reference) on the same inputs.
+
+inputs.pt holds each call the audit made, its arguments exactly as the backend received
+them; expected.pt each float64 answer it was judged against, with its bounds and where
+that answer lies in what the call returns (the flat position of each element among the
+tensors it returned, in order).
 """
 
 import argparse
 import importlib
+import signal
 import sys
+import traceback
 from pathlib import Path
 
 import torch
@@ -164,22 +175,80 @@ import torch
 HERE = Path(__file__).resolve().parent
 SPEC = {spec}
 API = {api}
-#: the output's layout against the float64 answer's (B, h, T, D): False as it is, True
-#: with its token and head dims swapped (FlashAttention's), None: not known here
-TRANSPOSED = {transposed}
+#: seconds one call may take before it is called a hang
+TIMEOUT = 600
 
 
 def load(name):
     return torch.load(HERE / name, weights_only=True)
 
 
-def as_oracle(x):
-    x = x[0] if isinstance(x, (tuple, list)) else x
-    return x.transpose(-3, -2) if TRANSPOSED else x
+def leaves(x):
+    """The tensors of ``x``, depth first through its tuples and lists."""
+    if isinstance(x, torch.Tensor):
+        return [x]
+    if isinstance(x, (tuple, list)):
+        return [t for item in x for t in leaves(item)]
+    return []
 
 
-def plain_sdpa(inputs):
-    """The float64 answer again, in plain torch: torch SDPA's convention, no variants."""
+def copied(x):
+    """``x`` with fresh copies of its tensors (each call gets its own)."""
+    if isinstance(x, torch.Tensor):
+        return x.clone()
+    if isinstance(x, list):
+        return [copied(item) for item in x]
+    if isinstance(x, tuple):
+        return tuple(copied(item) for item in x)
+    if isinstance(x, dict):
+        return {{key: copied(item) for key, item in x.items()}}
+    return x
+
+
+def same_bytes(a, b):
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    return torch.equal(a.detach().cpu().contiguous().flatten().view(torch.uint8),
+                       b.detach().cpu().contiguous().flatten().view(torch.uint8))
+
+
+class Hang(Exception):
+    pass
+
+
+def on_alarm(signum, frame):
+    raise Hang()
+
+
+def call(fn, record):
+    """What the backend returns for one recorded call (with the arguments it may write,
+    as it left them), and the names of the arguments it changed though it may not."""
+    args, kwargs = copied(list(record["args"])), copied(dict(record["kwargs"]))
+    writable = record.get("writable", [])
+    kept = [(f"argument {{i}}", t, t.clone()) for i, t in enumerate(args)
+            if isinstance(t, torch.Tensor) and i not in writable]
+    kept += [(f"{{name}}=", t, t.clone()) for name, t in kwargs.items()
+             if isinstance(t, torch.Tensor)]
+    if hasattr(signal, "SIGALRM"):
+        signal.signal(signal.SIGALRM, on_alarm)
+        signal.alarm(TIMEOUT)
+    try:
+        returned = fn(*args, **kwargs)
+    finally:
+        if hasattr(signal, "SIGALRM"):
+            signal.alarm(0)
+    changed = [name for name, t, before in kept if not same_bytes(t, before)]
+    if writable:
+        returned = (returned, tuple(args[i] for i in writable))
+    return returned, changed
+
+
+def plain_attention(inputs):
+    """The float64 answer again in plain torch, from the inputs in (batch, heads, tokens,
+    dim): scaled dot-product attention with GQA, a mask, the causal diagonal and a
+    sliding window; None for the other variants."""
+    if any(inputs.get(n) is not None for n in ("alibi_slopes", "sinks")) or inputs.get("softcap"):
+        return None
     q, k, v = (inputs[n].double() for n in ("query", "key", "value"))
     if k.shape[-3] != q.shape[-3]:
         k = k.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3)
@@ -187,9 +256,19 @@ def plain_sdpa(inputs):
     scale = inputs["scale"] if inputs["scale"] is not None else q.shape[-1] ** -0.5
     scores = q @ k.transpose(-2, -1) * scale
     tq, tk = scores.shape[-2:]
+    # query i sits at key position i (top left) or tk - tq + i (bottom right)
+    causal, window = inputs["causal"], inputs["window"]
+    at = torch.arange(tq)[:, None] + (0 if causal == "top_left" else tk - tq)
+    keys = torch.arange(tk)[None, :]
     seen = torch.ones(tq, tk, dtype=torch.bool)
-    if inputs["causal"] is not None:
-        seen = seen.tril(tk - tq if inputs["causal"] == "bottom_right" else 0)
+    if causal is not None:
+        seen &= keys <= at
+    if window is not None:
+        left, right = window
+        if left >= 0:
+            seen &= keys >= at - left
+        if right >= 0:
+            seen &= keys <= at + right
     scores = scores.masked_fill(~seen, float("-inf"))
     mask = inputs["attn_mask"]
     if mask is not None:
@@ -201,58 +280,123 @@ def plain_sdpa(inputs):
     return weights @ v
 
 
+def compare(got, want, known, bound):
+    """(worst element, its error, how many times its bound, what fails or None), judged
+    as attnref judges: NaN where a finite value is expected fails, as does a finite
+    value where the declared policy gives NaN; then the largest and the mean error."""
+    known = torch.ones_like(want, dtype=torch.bool) if known is None else known.expand_as(want)
+    want_nan, got_bad = ~torch.isfinite(want) & known, ~torch.isfinite(got) & known
+    for bad, why in ((got_bad & ~want_nan, "NaN/inf where a finite value is expected"),
+                     (want_nan & ~got_bad, "a finite value where the declared policy gives NaN")):
+        if bool(bad.any()):
+            at = tuple(int(i) for i in bad.nonzero()[0])
+            return at, float("inf"), float("inf"), f"{{int(bad.sum())}} elements: {{why}}"
+    judged = known & ~want_nan
+    n = int(judged.sum())
+    if n == 0:
+        return None, 0.0, 0.0, None
+    error = torch.where(judged, (got - want).abs(), 0.0)
+    at = tuple(int(i) for i in torch.unravel_index(error.argmax(), error.shape))
+    big, mean = float(error.max()), float(error.sum()) / n
+    times = max(big / bound[0] if bound[0] else float("inf") * big,
+                mean / bound[1] if bound[1] else float("inf") * mean)
+    verdict = None
+    if big > bound[0] or mean > bound[1]:
+        verdict = (f"max error {{big:.3g}} (bound {{bound[0]:.3g}}), mean error {{mean:.3g}} "
+                   f"(bound {{bound[1]:.3g}})")
+    return at, big, times, verdict
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backend", default=SPEC, help="module:function to call")
     args = parser.parse_args()
-    if not args.backend or TRANSPOSED is None:
-        print("this finding's calls are not in a convention this script reads; inputs.pt "
-              "and expected.pt hold its tensors (torch.load(..., weights_only=True))")
+    if not args.backend:
+        print("the backend is attnref's own: inputs.pt and expected.pt hold the finding's "
+              "tensors (torch.load(..., weights_only=True)); --backend module:function "
+              "runs a function of yours on them")
         return 2
     module, _, name = args.backend.partition(":")
     fn = importlib.import_module(module)
     for part in name.split("."):
         fn = getattr(fn, part)
-    calls, oracles = load("inputs.pt")["calls"], load("expected.pt")["oracles"]
-    worst = None
-    for oracle in oracles:
-        query = oracle["inputs"]["query"]
-        for call in calls:
-            q = call["args"][0]
-            if not isinstance(q, torch.Tensor) or as_oracle(q).shape != query.shape:
-                continue
-            if not torch.equal(as_oracle(q), query):
-                continue
-            out = as_oracle(fn(*call["args"], **call["kwargs"])).detach().double()
-            expected = oracle["output"]
-            if out.shape != expected.shape:
-                print(f"returned shape {{tuple(out.shape)}}, expected {{tuple(expected.shape)}}")
-                return 1
-            known = oracle["known"]
-            every = torch.ones_like(expected, dtype=torch.bool)
-            known = every if known is None else known.expand_as(expected)
-            error = (out - expected).abs()
-            error = error.masked_fill(out.isnan() & expected.isnan(), 0.0)  # NaN as declared
-            error = error.nan_to_num(nan=torch.inf).masked_fill(~known, 0.0)
-            big, at = float(error.max()), tuple(int(i) for i in (error == error.max()).nonzero()[0])
-            if worst is None or big > worst[0]:
-                worst = (big, at, out, expected, oracle)
-    if worst is None:
-        print("no call of inputs.pt matches an answer of expected.pt")
+    calls, expected = load("inputs.pt")["calls"], load("expected.pt")
+    # what the audit judged, each a part of one call's result: (call, what, where it
+    # lies in the result, expected values, which are known, bounds, the oracle's inputs)
+    parts = []
+    for oracle in expected["oracles"]:
+        if oracle.get("call") is None:
+            continue
+        parts.append((oracle["call"], "output", oracle["where"], oracle["output"],
+                      oracle["known"], oracle["bound"], oracle["inputs"], oracle.get("problem")))
+        if oracle.get("lse_where") is not None and oracle.get("lse") is not None:
+            parts.append((oracle["call"], "log-sum-exp", oracle["lse_where"], oracle["lse"],
+                          oracle.get("lse_known"), oracle["lse_bound"], None, None))
+    for answer in expected.get("answers", []):  # a family's own: a cache, max_logits
+        if answer.get("where") is not None and answer.get("call") is not None:
+            parts.append((answer["call"], answer["what"], answer["where"], answer["expected"],
+                          answer["known"], answer["bound"], None, None))
+    if not parts:
+        print("no answer of expected.pt says where it lies in a call's result: inputs.pt "
+              "and expected.pt hold the finding's tensors")
         return 2
-    big, at, out, expected, oracle = worst
-    bound = float(oracle["bound"][0])
-    print(f"{{args.backend}} ({{API}} convention), worst element {{at}}: got "
-          f"{{float(out[at]):.9g}}, expected {{float(expected[at]):.9g}} (float64); "
-          f"error {{big:.3g}}, bound {{bound:.3g}}")
-    plain = oracle["inputs"]
-    variants = [plain[n] for n in ("window", "alibi_slopes", "sinks")]
-    simple = all(x is None for x in variants) and not plain["softcap"]
-    if API == "sdpa" and simple:
-        again = plain_sdpa(plain)
-        gap = (again - expected).abs().nan_to_num(0.0).max()
-        print(f"the float64 answer again in plain torch: {{float(gap):.3g}} from expected.pt")
-    if big > bound:
+    results, worst, failed = {{}}, None, []
+    for i, what, where, want, known, bound, inputs, problem in parts:
+        if i not in results:
+            record = calls[i]
+            try:
+                returned, changed = call(fn, record)
+            except Hang:
+                print(f"FAIL: the bug shows: call {{i}} gave no answer within {{TIMEOUT}} s")
+                return 1
+            except Exception as e:
+                traceback.print_exc()
+                print(f"FAIL: the bug shows: call {{i}} raised {{type(e).__name__}}: {{e}}")
+                return 1
+            if changed:
+                print(f"FAIL: the bug shows: call {{i}} changed its inputs in place: "
+                      f"{{', '.join(changed)}}")
+                return 1
+            tensors = leaves(returned)
+            shapes = [list(t.shape) for t in tensors]
+            if shapes != record["shapes"]:
+                print(f"call {{i}} returned tensors of shapes {{shapes}}; the call the audit "
+                      f"judged returned {{record['shapes']}}: nothing of it is read here")
+                results[i] = None
+            else:
+                results[i] = torch.cat([t.detach().cpu().double().flatten() for t in tensors]
+                                       or [torch.zeros(0, dtype=torch.float64)])
+        flat = results[i]
+        if flat is None:
+            continue
+        if where is None:
+            if problem:  # what the audit's call returned, the same again
+                print(f"FAIL: the bug shows: call {{i}} {{problem}}")
+                return 1
+            continue
+        got = flat[where]
+        at, big, times, verdict = compare(got, want, known, bound)
+        if at is not None and (worst is None or times > worst[0]):
+            worst = (times, i, what, at, float(got[at]), float(want[at]), big, bound)
+        if verdict:
+            failed.append(f"call {{i}}, {{what}}: {{verdict}}")
+        again = plain_attention(inputs) if inputs is not None else None
+        if again is not None and again.numel():
+            gap = (again - want).abs().nan_to_num(0.0)
+            if known is not None:
+                gap = gap.masked_fill(~known.expand_as(gap), 0.0)
+            print(f"call {{i}}: the float64 answer again in plain torch: "
+                  f"{{float(gap.max()):.3g}} from expected.pt")
+    if worst is None:
+        print("no element of a call's answer could be compared")
+        return 2
+    times, i, what, at, got, want, big, bound = worst
+    print(f"{{args.backend}} ({{API}} convention), call {{i}}, {{what}}, worst element {{at}}: "
+          f"got {{got:.9g}}, expected {{want:.9g}} (float64); error {{big:.3g}}, bound "
+          f"{{bound[0]:.3g}}")
+    if failed:
+        for line in failed:
+            print(line)
         print("FAIL: the bug shows")
         return 1
     print("pass: within the bound")

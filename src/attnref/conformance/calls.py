@@ -8,6 +8,7 @@ backend declared it does not support the call). Every call of backend code goes 
 """
 
 import hashlib
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -43,6 +44,7 @@ __all__ = [
     "check_lse",
     "invoke",
     "native_causal",
+    "note_reading",
     "skip_reason",
 ]
 
@@ -311,13 +313,51 @@ def call_lse(
     """
     family = family_of(backend)
     args, kwargs = arguments(backend, inputs, lse, **overrides)
-    raw = invoke(backend, Job(args, kwargs), timeout, executor, meanwhile)
+    try:
+        raw = invoke(backend, Job(args, kwargs), timeout, executor, meanwhile)
+    except Failure:
+        # where a well-formed answer would lie, for a bug report's repro.py to read the
+        # answer of a function swapped in for this one (its fix, a reference)
+        shape = (*inputs.query.shape[:-1], inputs.value.shape[-1])
+        note_reading(
+            executor,
+            lambda: family.to_layout(torch.zeros(shape, dtype=torch.float64), inputs),
+            lambda r: [(inputs, family.read(r, inputs, False)[0], None)],
+            failed=True,
+        )
+        raise
+    note_reading(executor, raw, lambda r: [(inputs, *family.read(r, inputs, lse))])
     out, lse_out = family.read(raw, inputs, lse)
     expected_shape = (*inputs.query.shape[:-1], inputs.value.shape[-1])
     checked_out = check_output(out, expected_shape, inputs).detach()
     if not lse:
         return checked_out, None
     return checked_out, check_lse(lse_out, inputs)
+
+
+#: how a call's result is read into the audit's layouts: (inputs, output, log-sum-exp or
+#: None) for each part of the call that the check judges against the oracle of ``inputs``
+Reader = Callable[[object], Iterable[tuple[Inputs, object, object | None]]]
+
+
+def note_reading(
+    executor: Executor | None, raw: object, read: Reader, *, failed: bool = False
+) -> None:
+    """Tell an executor that records its calls (`attnref.conformance.runner.Recording`,
+    behind ``check_case``'s ``save``) how the result ``raw`` of its last call is read:
+    where each judged output and log-sum-exp lies in what the backend returned. A bug
+    report's repro.py reads the backend's answer there, with no attnref to read it.
+    ``failed``: the call raised, crashed or changed its inputs, and ``raw`` makes the
+    result a correct call would have returned (its layout, not its values)."""
+    note = getattr(executor, "reading", None)
+    if note is None:
+        return
+    if failed:
+        try:
+            raw = raw()  # type: ignore[operator]
+        except Exception:  # a layout that cannot be made: nothing noted
+            return
+    note(raw, read, failed)
 
 
 @checked

@@ -95,6 +95,10 @@ class Context:
     #: the answers a family's own check judged that are not an `Inputs`' oracle (a
     #: recurrent state): each a dict naming the call it judged (`answer`)
     _answers: list[dict[str, Any]] = field(default_factory=list, repr=False, compare=False)
+    # the log-sum-exp oracles a check computed, by identity (for `oracles`)
+    _lses: dict[int, tuple[Inputs, Expected]] = field(
+        default_factory=dict, repr=False, compare=False
+    )
     #: judge a long case on a sample of its rows (`rows`); False (what a reproducer
     #: does) compares every row
     sample: bool = True
@@ -120,6 +124,7 @@ class Context:
 
     def build(self, case: Case) -> Inputs:
         self._oracles.clear()  # a new case: the oracles of the last one are not needed
+        self._lses.clear()
         inputs = build(case, self.dtype, self.device)
         self._sampled.clear()
         if self.sample and sampled(inputs):
@@ -178,9 +183,16 @@ class Context:
 
     def expect_lse(self, inputs: Inputs) -> Expected:
         """The oracle's log-sum-exp of ``inputs``, on the rows `rows` judges."""
-        return expect_lse(
+        exp = expect_lse(
             inputs, self.caps.empty_lse, self.rows(inputs), with_sink=self.caps.lse_with_sink
         )
+        self.keep_lse(inputs, exp)
+        return exp
+
+    def keep_lse(self, inputs: Inputs, expected: Expected) -> None:
+        """Keep ``expected`` as the log-sum-exp oracle a check judged the call on
+        ``inputs`` against (for `oracles`, where a family computes its own)."""
+        self._lses[id(inputs)] = (inputs, expected)
 
     def oracles(self) -> list[dict[str, Any]]:
         """The oracles this check computed on its last case, as plain tensors and
@@ -204,7 +216,25 @@ class Context:
                     "known": exp.known,
                     "bound": exp.bounds(),
                 }
+                | self._located(inputs)
             )
+        return found
+
+    def _located(self, inputs: Inputs) -> dict[str, Any]:
+        """Where the backend's answer to ``inputs`` lies in what its call returned, and
+        the oracle's log-sum-exp, for `oracles`: ``call``, the index of the recorded call
+        (`attnref.conformance.runner.Recording`), ``where`` and ``lse_where``, the flat
+        index of each element among the tensors it returned (in order, depth first),
+        ``problem``, what is wrong with an output that could not be read (its type or
+        shape), and ``lse``, ``lse_known``, ``lse_bound``; empty where none was noted."""
+        found: dict[str, Any] = {}
+        readings = getattr(self.executor, "readings", {})
+        hit = readings.get(id(inputs))
+        if hit is not None and hit[0] is inputs:
+            found |= {"call": hit[1], "where": hit[2], "lse_where": hit[3], "problem": hit[4]}
+        lse = self._lses.get(id(inputs))
+        if lse is not None and lse[0] is inputs:
+            found |= {"lse": lse[1].value, "lse_known": lse[1].known, "lse_bound": lse[1].bounds()}
         return found
 
     def answer(self, **record: Any) -> None:
@@ -218,6 +248,30 @@ class Context:
     def answers(self) -> list[dict[str, Any]]:
         """What `answer` kept."""
         return list(self._answers)
+
+    def answer_part(
+        self,
+        what: str,
+        read: Callable[[object], object],
+        expected: Tensor,
+        bound: tuple[float, float],
+        known: Tensor | None = None,
+    ) -> None:
+        """Keep a part of the last call's result that a family's own check judges (a
+        cache it appended to, ``max_logits``), for `check_case`'s ``save``: ``read``
+        picks it from the result as the family reads it, ``expected`` its float64
+        values (NaN where NaN is due), ``bound`` the (max, mean) error it may have;
+        repro.py judges it as an output. Nothing is kept outside a recording."""
+        locate = getattr(self.executor, "locate", None)
+        found = None if locate is None else locate(read)
+        if found is None:
+            return
+        call, where = found
+        if tuple(where.shape) != tuple(expected.shape):
+            return
+        self._answers.append({"call": call, "what": what, "where": where,
+                              "expected": expected.detach().to(torch.float64).cpu(),
+                              "known": known, "bound": bound})  # fmt: skip
 
     def keep(self, inputs: Inputs, expected: Expected) -> None:
         """Make ``expected`` the oracle of ``inputs`` for the rest of the check (a

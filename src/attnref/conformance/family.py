@@ -95,11 +95,6 @@ class Convention:
     #: attention): a mask, the causal diagonal and a window all reach its kernel as keys
     #: left out of the indices, one trigger of a finding (`attnref.conformance.findings`)
     indexed: bool = False
-    #: how a call's first argument and first output lie against the oracle's (B, h, T,
-    #: D), for a bug report's repro.py, which reads them without attnref
-    #: (`attnref.conformance.bugreports`): "bhtd" as they are, "bthd" their token and
-    #: head dims swapped, "" a convention repro.py does not read (packed, paged, ranks)
-    repro_layout: str = ""
     #: for a family whose calls are not attention's (the gated delta rule): repro.py's
     #: whole text from the finding's title, spec and family name (each a JSON string
     #: literal), and the shapes of a case in REPORT.md's words (None: the SDPA script

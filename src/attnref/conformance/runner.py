@@ -14,19 +14,20 @@ import math
 import secrets
 import time
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from itertools import zip_longest
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from hypothesis import HealthCheck, Phase, Verbosity, given, settings
 from hypothesis import seed as hypothesis_seed
+from torch import Tensor
 from tqdm import tqdm
 
 from attnref._checking import audit_checking, checking_enabled, set_checking
-from attnref.conformance.calls import TIMED_OUT, availability
+from attnref.conformance.calls import TIMED_OUT, Reader, availability
 from attnref.conformance.cases import Case
 from attnref.conformance.coverage import add as add_coverage
 from attnref.conformance.declarations import Backend, BackendError, Capabilities
@@ -961,7 +962,7 @@ def check_case(
     finally:
         executor.close()
         if save is not None:
-            _save(Path(save), executor.calls, ctx.oracles(), ctx.answers())
+            _save(Path(save), executor.calls, ctx.oracles(), ctx.answers(), executor.shapes)
     return "pass"
 
 
@@ -972,6 +973,29 @@ class Recording:
     def __init__(self, inner: Executor) -> None:
         self.inner = inner
         self.calls: list[tuple[Any, Any]] = []
+        #: where each judged answer lies in what its call returned, by the identity of
+        #: the inputs it answers: (inputs, call index, output's flat positions, LSE's,
+        #: what is wrong with the output read where it is not one: its type or shape)
+        self.readings: dict[int, tuple[Any, int, Tensor | None, Tensor | None, str]] = {}
+        #: the shapes a failed call would have returned, by its index (`reading`)
+        self.shapes: dict[int, list[list[int]]] = {}
+        #: the last call's index, its probe and the number of elements it returned
+        self.probe: tuple[int, object, int] | None = None
+
+    def locate(self, read: Callable[[object], object]) -> tuple[int, Tensor] | None:
+        """The last call's index and the flat positions of the part ``read`` picks from
+        its result (`reading`'s probe), or None where that part is not positions."""
+        if self.probe is None:
+            return None
+        call, probe, total = self.probe
+        try:
+            part = read(probe)
+        except Exception:
+            return None
+        if not isinstance(part, Tensor):
+            return None
+        where, _ = _positions(part, total, tuple(part.shape), "a part")
+        return None if where is None else (call, where)
 
     def run(self, job: Any, timeout: float, meanwhile: Any = None) -> Any:
         try:
@@ -982,23 +1006,103 @@ class Recording:
         self.calls.append((job, out))
         return out
 
+    def reading(self, raw: object, read: Reader, failed: bool = False) -> None:
+        """How the result ``raw`` of the last call is read (`note_reading`): ``read``
+        applied to a probe of ``raw`` whose tensors hold their own flat positions
+        (counted from 1, so that a zero the reader made up is no position), kept where
+        each part it reads is made of positions alone (a reader that computes, rounds or
+        fills is not kept: repro.py then compares nothing of that call). ``failed``:
+        the call failed, and ``raw`` is the result a correct one would return: its shapes
+        are kept as the call's (what repro.py reads a function swapped in by)."""
+        leaves = tensor_leaves(raw)
+        total = sum(t.numel() for t in leaves)
+        if not self.calls or not leaves or total >= 2**52:
+            return
+        blocks, start = [], 1
+        for t in leaves:
+            blocks.append(
+                torch.arange(start, start + t.numel(), dtype=torch.float64).reshape(t.shape)
+            )
+            start += t.numel()
+        probe = _rebuild(raw, iter(blocks))
+        self.probe = (len(self.calls) - 1, probe, total)
+        try:
+            parts = list(read(probe))
+        except Exception:  # a reader that checks what a probe is not: nothing kept
+            return
+        call = len(self.calls) - 1
+        if failed:
+            self.shapes[call] = [list(t.shape) for t in leaves]
+        for inputs, out, lse in parts:
+            shape = (*inputs.query.shape[:-1], inputs.value.shape[-1])
+            where, problem = _positions(out, total, shape, "an output")
+            lse_where, _ = _positions(lse, total, shape[:-1], "a log-sum-exp")
+            self.readings[id(inputs)] = (inputs, call, where, lse_where, problem)
+
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 
 
+def tensor_leaves(x: object) -> list[Tensor]:
+    """The tensors of ``x``, depth first through its tuples and lists (repro.py's order)."""
+    if isinstance(x, Tensor):
+        return [x]
+    if isinstance(x, tuple | list):
+        return [t for item in x for t in tensor_leaves(item)]
+    return []
+
+
+def _rebuild(x: object, blocks: Iterator[Tensor]) -> object:
+    """``x`` with its tensors replaced, in `tensor_leaves`' order, by ``blocks``."""
+    if isinstance(x, Tensor):
+        return next(blocks)
+    if isinstance(x, list):
+        return [_rebuild(item, blocks) for item in x]
+    if isinstance(x, tuple):
+        items = [_rebuild(item, blocks) for item in x]
+        return cast(Any, type(x))(*items) if hasattr(x, "_fields") else tuple(items)
+    return x
+
+
+def _positions(
+    part: object, total: int, shape: tuple[int, ...], what: str
+) -> tuple[Tensor | None, str]:
+    """``part`` of a probe's reading as flat positions from 0, or None where it is not
+    made of positions alone; and what is wrong with it where it is not ``what`` of
+    ``shape`` (a message repro.py prints where the backend returns the same again)."""
+    if not isinstance(part, Tensor):
+        return None, f"returned {what} that is a {type(part).__name__}, not a tensor"
+    if tuple(part.shape) != shape:
+        return None, f"returned {what} of shape {tuple(part.shape)}, expected {shape}"
+    if part.dtype != torch.float64:
+        return None, ""
+    part = part.detach()
+    if part.numel() and not bool(((part == part.round()) & (part >= 1) & (part <= total)).all()):
+        return None, ""
+    return (part - 1).long(), ""
+
+
 def _save(
-    folder: Path, calls: list[tuple[Any, Any]], oracles: list[Any], answers: list[Any]
+    folder: Path,
+    calls: list[tuple[Any, Any]],
+    oracles: list[Any],
+    answers: list[Any],
+    shapes: dict[int, list[list[int]]],
 ) -> None:
-    """``inputs.pt`` and ``expected.pt`` in ``folder`` (`check_case`'s ``save``)."""
+    """``inputs.pt`` and ``expected.pt`` in ``folder`` (`check_case`'s ``save``): each
+    call's ``shapes`` those of the tensors it returned, or (a failed call) those a
+    correct one returns, where known (``shapes``)."""
     folder.mkdir(parents=True, exist_ok=True)
     kept = [
         {
             "args": list(getattr(job, "args", ())),
             "kwargs": dict(getattr(job, "kwargs", {})),
             "d_out": getattr(job, "d_out", None),
+            "writable": list(getattr(job, "writable", ())),
             "returned": out,
+            "shapes": shapes.get(i, [list(t.shape) for t in tensor_leaves(out)]),
         }
-        for job, out in calls
+        for i, (job, out) in enumerate(calls)
     ]
     torch.save({"calls": kept}, folder / "inputs.pt")
     torch.save({"oracles": oracles, "answers": answers}, folder / "expected.pt")

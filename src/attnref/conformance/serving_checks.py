@@ -21,7 +21,7 @@ from attnref.conformance.oracle import Expected, close, expect_lse
 from attnref.conformance.verdicts import Skip
 from attnref.tolerances import score_condition
 
-__all__ = ["Results", "agree", "expect_rotated", "guard", "judge", "rotation_slack"]
+__all__ = ["Results", "agree", "expect_rotated", "guard", "judge", "rotation_slack", "with_lses"]
 
 Results = tuple[list[Tensor], list[Tensor] | None]
 
@@ -38,6 +38,15 @@ def judge(
     if lses is None:
         return checked, None
     return checked, [check_lse(lse, x) for lse, x in zip(lses, like, strict=True)]
+
+
+def with_lses(
+    parts: tuple[list[object], list[object] | None],
+) -> tuple[list[object], list[object | None]]:
+    """A reader's (outputs, LSEs or None) as outputs and an LSE or None for each: what
+    `attnref.conformance.calls.note_reading` pairs with the parts' inputs."""
+    outs, lses = parts
+    return outs, list(lses) if lses is not None else [None] * len(outs)
 
 
 def guard(ctx: Context, first: Inputs, kwargs: dict[str, object]) -> None:
@@ -104,4 +113,5 @@ def agree(
             el = expect_lse(x, ctx.caps.empty_lse, with_sink=ctx.caps.lse_with_sink)
             if rotated:
                 el = replace(el, floor=el.floor + rotation_slack(x, output=False))
+            ctx.keep_lse(x, el)
             close(lses[n].to(torch.float64), el.value, *el.bounds(), f"{label}: log-sum-exp")

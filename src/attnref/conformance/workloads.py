@@ -15,6 +15,7 @@ from jaxtyping import Float
 from torch import Tensor
 
 from attnref._checking import checked
+from attnref.conformance.declarations import Capabilities
 from attnref.conformance.family import Arguments
 from attnref.devices import DTYPES
 
@@ -59,6 +60,10 @@ class ServingCase:
         return torch.randn(shape, generator=gen).to(dtype=DTYPES[self.dtype], device=self.device)
 
 
+def _takes_it(caps: Capabilities) -> str | None:
+    return None
+
+
 def _same(result: object) -> object:
     return result
 
@@ -89,6 +94,9 @@ class Workload:
     #: bench shows them over the median as GB/s, to set against the device's memory
     #: bandwidth (the roofline of a memory-bound kernel); 0: not shown
     bytes: int = 0
+    #: why a backend declaring these capabilities cannot take this call, or None (the
+    #: bench skips its row with the reason)
+    refused: "Callable[[Capabilities], str | None]" = _takes_it
 
 
 def spread_lengths(case: ServingCase) -> list[int]:

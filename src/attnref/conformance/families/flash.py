@@ -395,7 +395,6 @@ MUTANTS: tuple[Mutant, ...] = (
 
 FAMILY = ApiFamily(
     name="flash",
-    repro_layout="bthd",
     summary="FlashAttention 2's flash_attn_func: (B, T, h, D), bottom-right causal, "
     "window_size, softcap, alibi_slopes, the LSE through return_attn_probs",
     signature="fn(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, "

@@ -22,7 +22,7 @@ from jaxtyping import Float, Float32, Int, Shaped
 from torch import Tensor
 
 from attnref._checking import checked_internal
-from attnref.conformance.calls import invoke
+from attnref.conformance.calls import invoke, note_reading
 from attnref.conformance.cases import Case, Inputs
 from attnref.conformance.checks import Context, law, rng
 from attnref.conformance.declarations import FP8_FORMATS, Backend, Capabilities, EmptyLse
@@ -54,7 +54,7 @@ from attnref.conformance.oracle import Expected, close, expect, expect_lse
 from attnref.conformance.profiles import Profile
 from attnref.conformance.properties import Property, some_variants
 from attnref.conformance.serving import GARBAGE, CacheCall, build_cache, dense_cache, quantize
-from attnref.conformance.serving_checks import agree, expect_rotated, guard, judge
+from attnref.conformance.serving_checks import agree, expect_rotated, guard, judge, with_lses
 from attnref.conformance.strategies import cache_strategy
 from attnref.conformance.verdicts import Failure, Skip
 from attnref.conformance.worker import Job
@@ -551,6 +551,13 @@ def _call_cache(
     job = Job(args, kwargs, writable=(1, 2) if appends else ())
     raw = invoke(ctx.backend, job, ctx.timeout, ctx.executor)
     caches = (call.k_cache, call.v_cache)
+
+    def reading(r: Any) -> list[tuple[Inputs, object, object | None]]:
+        parts = with_lses(read_cache(r[0] if appends else r, call, lse))
+        return [part for x in {id(call.rows): call.rows, id(rows): rows}.values()
+                for part in zip(x, *parts, strict=True)]  # fmt: skip
+
+    note_reading(ctx.executor, raw, reading)
     if appends:
         raw, caches = raw
     outs, lses = read_cache(raw, call, lse)
@@ -558,16 +565,26 @@ def _call_cache(
     return checked, checked_lses, caches
 
 
-def _check_append(call: CacheCall, after: tuple[Tensor, Tensor]) -> None:
+def _check_append(ctx: Context, call: CacheCall, after: tuple[Tensor, Tensor]) -> None:
     """The append wrote the new keys (rotated) and values at exactly the new slots, and
     left every other byte of the cache as it was."""
     assert call.k_after is not None
     assert call.v_after is not None
     assert call.written is not None
-    for name, got, want in (
+    for n, (name, got, want) in enumerate((
         ("k_cache", after[0], call.k_after),
         ("v_cache", after[1], call.v_after),
-    ):
+    )):  # fmt: skip
+        bound = 0.0  # every byte as expected, but a rotated key's rounding
+        if name == "k_cache" and call.rotary_cos is not None and call.k_new is not None:
+            eps = torch.finfo(want.dtype).eps
+            top = float(want.double().abs().max()) + float(call.k_new.double().abs().max())
+            bound = eps * top
+
+        def written(r: Any, n: int = n) -> object:
+            return r[1][n]  # the call's (result, (k_cache, v_cache)) as it left them
+
+        ctx.answer_part(f"{name} after the append", written, want.double(), (bound, bound))
         if not isinstance(got, Tensor) or got.shape != want.shape or got.dtype != want.dtype:
             raise Failure(f"{name} came back as something other than the cache it was")
         if want.dtype in FP8_FORMATS.values():  # FP8 bytes: the same byte, NaN or not
@@ -608,7 +625,7 @@ def _kvcache(ctx: Context, case: Case) -> None:
     outs, lses, after = _call_cache(ctx, call, lse=ctx.caps.lse)
     agree(ctx, outs, lses, call.rows, "row", rotated=call.rotary_cos is not None)
     if call.k_new is not None:
-        _check_append(call, after)
+        _check_append(ctx, call, after)
 
 
 def _rows_law(
@@ -915,7 +932,9 @@ def fp8_expected(ctx: Context, x: Inputs, fmt: str) -> Expected:
         n = x.key.shape[-2]
         v = float(torch.nan_to_num(x.value.abs(), nan=0.0).max())
         floor += (fp8.eps / 2 + n * subnormal / 2) * v
-    return replace(exact, ref_err=e.ref_err + moved, floor=floor)
+    judged = replace(exact, ref_err=e.ref_err + moved, floor=floor)
+    ctx.keep(x, judged)  # the oracle of ``x`` for the rest of the check (and its save)
+    return judged
 
 
 def fp8_lse_expected(x: Inputs, empty_lse: EmptyLse) -> Expected:
@@ -982,7 +1001,7 @@ def _kvcache_fp8(ctx: Context, case: Case) -> None:
     exactly the new slots."""
     call, outs, lses, after = _fp8_call(ctx, case, lse=True)
     if call.k_new is not None:
-        _check_append(call, after)
+        _check_append(ctx, call, after)
     for b, (out, x) in enumerate(zip(outs, call.rows, strict=True)):
         exp = ctx.expect(x)
         label = f"row {b} (Tq = {x.query.shape[-2]}, Tk = {x.key.shape[-2]}, {case.fp8})"
@@ -996,6 +1015,7 @@ def _kvcache_fp8(ctx: Context, case: Case) -> None:
             )
         if lses is not None:
             el = fp8_lse_expected(x, ctx.caps.empty_lse)
+            ctx.keep_lse(x, el)
             close(lses[b].to(torch.float64), el.value, *el.bounds(), f"{label}: log-sum-exp")
 
 

@@ -22,7 +22,7 @@ from torch import Tensor
 
 from attnref import functional as F
 from attnref._checking import checked, checked_internal
-from attnref.conformance.calls import invoke
+from attnref.conformance.calls import invoke, note_reading
 from attnref.conformance.cases import Case, Inputs
 from attnref.conformance.checks import Context, law, rng
 from attnref.conformance.declarations import Backend, Capabilities
@@ -52,7 +52,7 @@ from attnref.conformance.mutants import Mutant
 from attnref.conformance.profiles import Profile
 from attnref.conformance.properties import Property, some_variants
 from attnref.conformance.serving import GARBAGE, Pack, build_pack, dense_pack
-from attnref.conformance.serving_checks import Results, agree, guard, judge
+from attnref.conformance.serving_checks import Results, agree, guard, judge, with_lses
 from attnref.conformance.strategies import pack_strategy
 from attnref.conformance.verdicts import Failure, Skip
 from attnref.conformance.worker import Job
@@ -459,6 +459,11 @@ def _call_pack(ctx: Context, pack: Pack, lse: bool = False) -> Results:
     args, kwargs = pack_arguments(ctx.caps, pack, lse)
     guard(ctx, pack.first, kwargs)
     raw = invoke(ctx.backend, Job(args, kwargs), ctx.timeout, ctx.executor)
+    note_reading(
+        ctx.executor,
+        raw,
+        lambda r: zip(pack.seqs, *with_lses(read_pack(r, pack, lse)), strict=True),
+    )
     outs, lses = read_pack(raw, pack, lse)
     return judge(outs, lses, pack.seqs)
 

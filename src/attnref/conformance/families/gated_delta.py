@@ -50,6 +50,8 @@ from attnref.conformance.oracle import Expected, close
 from attnref.conformance.profiles import Profile
 from attnref.conformance.properties import Property
 from attnref.conformance.verdicts import Failure, Skip
+from attnref.conformance.workloads import ServingCase, Workload, spread_lengths
+from attnref.devices import DTYPES
 from attnref.linear import chunked_gated_delta_rule, gated_delta_rule
 from attnref.tolerances import FUDGE, TOLERANCES
 
@@ -906,6 +908,48 @@ SIGNATURE = (
     "use_qk_l2norm_in_kernel=False, cu_seqlens=None) -> (o, final_state)"
 )
 
+# ---------------------------------------------------------------- the bench
+
+
+def _prefill_workload(case: ServingCase) -> Workload:
+    """One packed prefill of a hybrid model's linear-attention layer: ``B`` sequences
+    whose lengths spread evenly from ``seq`` down to ``seq / 2``, packed by ``cu_seqlens``
+    (one sequence: no pack), ``g`` query/key heads and ``h`` value heads of ``K = V =
+    Dh``, q and k L2-normed in the kernel (Qwen3-Next's call), decays and write strengths
+    as a model's (`build_call`), no initial state, the final states returned; every token
+    of the pack a call."""
+    lengths = spread_lengths(case)
+    dtype = DTYPES[case.dtype]
+
+    def draw(seed: int) -> Arguments:
+        drawn = Case(
+            "bench", batch=(1,), h=case.h, g=case.g, Tq=lengths[0], Tk=lengths[0],
+            Dh=case.Dh, Dv=case.Dh, seed=seed,
+            seqlens=tuple((t, t) for t in lengths) if len(lengths) > 1 else (),
+            options=(("l2norm", True), ("initial", False)),
+        )  # fmt: skip
+        return arguments(build_call(drawn, dtype, case.device, FLA_CHUNK))
+
+    def refused(caps: Capabilities) -> str | None:
+        if not caps.qk_l2norm:
+            return "use_qk_l2norm_in_kernel not declared (qk_l2norm)"
+        if len(lengths) > 1 and not caps.linear_packed:
+            return (
+                "packed sequences (cu_seqlens) not declared (linear_packed); run it with --batch 1"
+            )
+        return None
+
+    label = f"H={case.g} HV={case.h} K=V={case.Dh} B={case.B} longest={case.seq} {case.dtype}"
+    return Workload(label, sum(lengths), draw, oracle="gated-delta-reference",
+                    output=_first, refused=refused)  # fmt: skip
+
+
+def _first(result: object) -> object:
+    """A call's output, ``o`` of ``(o, final_state)`` (the result itself otherwise, for
+    the bench to refuse)."""
+    return result[0] if isinstance(result, tuple | list) and result else result
+
+
 FAMILY = ApiFamily(
     name=NAME,
     alignments=(),
@@ -929,4 +973,6 @@ FAMILY = ApiFamily(
     properties=PROPERTIES,
     mutants=MUTANTS,
     mutant_fn=_mutant_fn,
+    bench_backends=("gated-delta-reference", "gated-delta-recurrent"),
+    workload=_prefill_workload,
 )

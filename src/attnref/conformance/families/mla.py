@@ -34,7 +34,7 @@ from jaxtyping import Float, Float32, Int, Shaped
 from torch import Tensor
 
 from attnref._checking import checked_internal
-from attnref.conformance.calls import invoke
+from attnref.conformance.calls import invoke, note_reading
 from attnref.conformance.cases import Case, Inputs
 from attnref.conformance.checks import Context, law, rng
 from attnref.conformance.declarations import FP8_FORMATS, Backend, Capabilities
@@ -62,7 +62,7 @@ from attnref.conformance.oracle import close
 from attnref.conformance.profiles import Profile
 from attnref.conformance.properties import Property
 from attnref.conformance.serving import CALIBRATED, calibrated_scale, descales, saturated
-from attnref.conformance.serving_checks import agree, guard, judge
+from attnref.conformance.serving_checks import agree, guard, judge, with_lses
 from attnref.conformance.strategies import cache_strategy
 from attnref.conformance.verdicts import Failure, Skip
 from attnref.conformance.worker import Job
@@ -549,6 +549,11 @@ def _call(
     args, kwargs = latent_arguments(ctx.caps, call, {})
     guard(ctx, call.first, kwargs)
     raw = invoke(ctx.backend, Job(args, kwargs), ctx.timeout, ctx.executor)
+    note_reading(
+        ctx.executor,
+        raw,
+        lambda r: zip(call.rows, *with_lses(read_latent(r, call, lse)), strict=True),
+    )
     outs, lses = read_latent(raw, call, lse)
     return judge(outs, lses, call.rows)
 
@@ -826,6 +831,11 @@ def _fp8_call(
     args, kwargs = latent_arguments(ctx.caps, call, {})
     guard(ctx, call.first.to(torch.bfloat16), kwargs)
     raw = invoke(ctx.backend, Job(args, kwargs), ctx.timeout, ctx.executor)
+    note_reading(
+        ctx.executor,
+        raw,
+        lambda r: zip(call.rows, *with_lses(read_latent(r, call, True)), strict=True),
+    )
     outs, lses = read_latent(raw, call, True)
     got, got_lse = judge(outs, lses, tuple(x.to(torch.bfloat16) for x in call.rows))
     assert got_lse is not None
@@ -851,6 +861,7 @@ def _mla_fp8(ctx: Context, case: Case) -> None:
                 semantic=exp.semantic,
             )
         el = fp8_lse_expected(x, ctx.caps.empty_lse)
+        ctx.keep_lse(x, el)
         close(lse.to(torch.float64), el.value, *el.bounds(), f"{label}: log-sum-exp")
 
 

@@ -699,7 +699,6 @@ MUTANTS: tuple[Mutant, ...] = (
 
 FAMILY = ApiFamily(
     name="sdpa",
-    repro_layout="bhtd",
     summary="torch's scaled_dot_product_attention, (*batch, h, T, D), with the variants "
     "as keyword extensions",
     signature="fn(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, "

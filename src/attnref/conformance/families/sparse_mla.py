@@ -26,7 +26,7 @@ topk_length` (it takes per-query counts).
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, cast
 
 import torch
 from hypothesis import strategies as st
@@ -34,7 +34,7 @@ from jaxtyping import Float, Int
 from torch import Tensor
 
 from attnref._checking import checked_internal
-from attnref.conformance.calls import invoke
+from attnref.conformance.calls import invoke, note_reading
 from attnref.conformance.cases import Case, Inputs, shape_values
 from attnref.conformance.checks import Context, law, rng
 from attnref.conformance.declarations import Backend, Capabilities
@@ -46,7 +46,7 @@ from attnref.conformance.mutants import Mutant
 from attnref.conformance.oracle import close, expect_lse
 from attnref.conformance.profiles import Profile
 from attnref.conformance.properties import Property
-from attnref.conformance.serving_checks import agree, guard, judge
+from attnref.conformance.serving_checks import agree, guard, judge, with_lses
 from attnref.conformance.strategies import case_strategy
 from attnref.conformance.verdicts import Failure, Skip
 from attnref.conformance.worker import Job
@@ -582,6 +582,9 @@ def _call(
     args, kwargs = sparse_arguments(ctx.caps, call, {})
     guard(ctx, call.first, kwargs)
     raw = invoke(ctx.backend, Job(args, kwargs), ctx.timeout, ctx.executor)
+    note_reading(ctx.executor, raw, lambda r: zip(
+        call.rows, *with_lses(read_sparse(r, call, lse and ctx.caps.lse)[:2]), strict=True
+    ))  # fmt: skip
     outs, lses, peak = read_sparse(raw, call, lse and ctx.caps.lse)
     got, got_lse = judge(outs, lses, call.rows)
     return got, got_lse, peak
@@ -608,6 +611,11 @@ def _check_max_logits(ctx: Context, peak: object, call: SparseCall) -> None:
         scale = _scale(x)
         exact = (scale * x.query.double() @ x.key.double().transpose(-1, -2)).amax(-1)[:, 0]
         el = expect_lse(x, ctx.caps.empty_lse)
+
+        def peak_of(r: object, i: int = i) -> object:
+            return cast(Any, triple(r)[1])[i]
+
+        ctx.answer_part(f"max_logits of query {i}", peak_of, exact, el.bounds())
         close(got, exact.cpu(), *el.bounds(), f"query {i} (of {x.key.shape[-2]} rows): max_logits")
 
 

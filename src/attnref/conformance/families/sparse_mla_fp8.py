@@ -34,7 +34,7 @@ from jaxtyping import Float, Int, Shaped
 from torch import Tensor
 
 from attnref._checking import checked_internal
-from attnref.conformance.calls import invoke
+from attnref.conformance.calls import invoke, note_reading
 from attnref.conformance.cases import Case, Inputs
 from attnref.conformance.checks import Context
 from attnref.conformance.declarations import Backend, Capabilities
@@ -62,7 +62,7 @@ from attnref.conformance.mutants import Mutant
 from attnref.conformance.oracle import close
 from attnref.conformance.profiles import Profile
 from attnref.conformance.properties import Property
-from attnref.conformance.serving_checks import guard, judge
+from attnref.conformance.serving_checks import guard, judge, with_lses
 from attnref.conformance.strategies import case_strategy
 from attnref.conformance.verdicts import Skip
 from attnref.conformance.worker import Job
@@ -443,18 +443,28 @@ def _call(ctx: Context, call: SparseFp8Call) -> tuple[list[Tensor], list[Tensor]
     like = tuple(x.to(torch.bfloat16) for x in call.rows)
     guard(ctx, like[0], kwargs)
     raw = invoke(ctx.backend, Job(args, kwargs), ctx.timeout, ctx.executor)
+    lse = ctx.caps.lse
+    note_reading(
+        ctx.executor, raw, lambda r: zip(call.rows, *with_lses(_read(r, call, lse)), strict=True)
+    )
+    outs, lses = _read(raw, call, lse)
+    return judge(outs, lses, like)
+
+
+def _read(raw: object, call: SparseFp8Call, lse: bool) -> tuple[list[object], list[object] | None]:
+    """The output (and LSE) of each query of ``call``, ``(h, 1, Dv)`` and ``(h, 1)``."""
     B, Tq, h = call.q.shape[:3]
     if not isinstance(raw, tuple | list) or len(raw) != 2:
         from attnref.conformance.verdicts import Failure
 
         raise Failure(f"flash_mla_with_kvcache returns (out, lse), returned {type(raw).__name__}")
     first, lse_out = raw
-    outs, lses = per_row(first, lse_out, (B, Tq, h, _CACHES[call.cache][3]), ctx.caps.lse)
+    outs, lses = per_row(first, lse_out, (B, Tq, h, _CACHES[call.cache][3]), lse)
     # each batch row's (h, Tq, Dv) cut into its queries' (h, 1, Dv)
     outs = [o[:, i : i + 1] if isinstance(o, Tensor) else o for o in outs for i in range(Tq)]
     if lses is not None:
         lses = [x[:, i : i + 1] if isinstance(x, Tensor) else x for x in lses for i in range(Tq)]
-    return judge(outs, lses, like)
+    return outs, lses
 
 
 def _sparse_fp8(ctx: Context, case: Case) -> None:
@@ -473,6 +483,7 @@ def _sparse_fp8(ctx: Context, case: Case) -> None:
                   semantic=exp.semantic)  # fmt: skip
         if lses is not None:
             el = fp8_lse_expected(x, ctx.caps.empty_lse)
+            ctx.keep_lse(x, el)
             close(lses[n].to(torch.float64), el.value, *el.bounds(), f"{label}: log-sum-exp")
 
 

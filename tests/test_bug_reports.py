@@ -1,0 +1,129 @@
+"""A bug report's repro.py reads every family's answer where its family's reader finds it
+(docs/reports.md): the positions recorded from a probe of the call's result, not a
+layout written per family. Here, in this process and on one explicit case each, a
+correct kernel's report passes and a planted kernel's fails, in every family whose
+calls repro.py makes; the slow tier writes the report of every planted kernel's
+finding and runs its repro.py where attnref cannot be imported from it
+(tests/bug_reports.py)."""
+
+import runpy
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from attnref.conformance import PROFILES
+from attnref.conformance.backends import resolve_backend
+from attnref.conformance.bugreports import _repro
+from attnref.conformance.properties import PROPERTIES
+from attnref.conformance.runner import check_case
+
+#: (property, kernel, the correct kernel of its family, family, dtype): each kernel's bug
+#: shows on one of the property's explicit cases, which the correct one passes
+KERNELS = [
+    ("forward", "tests.plain_kernels:scale_off_by_two",
+     "torch.nn.functional:scaled_dot_product_attention", "sdpa", torch.float32),
+    ("variants", "tests.planted_flash:sink_scaled", "tests.planted_flash:correct", "flash",
+     torch.float32),
+    ("varlen", "tests.planted_serving:causal_global_offset",
+     "tests.planted_serving:correct_varlen", "flash-varlen", torch.float32),
+    ("kvcache", "tests.planted_serving:ignores_new_tokens",
+     "tests.planted_serving:correct_kvcache", "flash-kvcache", torch.float32),
+    ("mla", "tests.planted_mla:default_scale_from_dv", "tests.planted_mla:correct_mla", "mla",
+     torch.float32),
+    ("sparse_mla", "tests.planted_sparse:lse_in_base_2", "tests.planted_sparse:right",
+     "sparse-mla", torch.float32),
+    ("sparse_fp8", "tests.planted_sparse:tile_scale_off_by_one_fp8",
+     "tests.planted_sparse:right_fp8", "sparse-mla-fp8", torch.bfloat16),
+]  # fmt: skip
+
+
+def _repro_exit(folder: Path, backend: str) -> tuple[int, str]:
+    """repro.py's exit code and what it printed, run in this process on ``backend``."""
+    import contextlib
+    import io
+
+    out = io.StringIO()
+    argv = sys.argv
+    sys.argv = ["repro.py", "--backend", backend]
+    try:
+        with contextlib.redirect_stdout(out):
+            module = runpy.run_path(str(folder / "repro.py"), run_name="repro")
+            code = module["main"]()
+    finally:
+        sys.argv = argv
+    return code, out.getvalue()
+
+
+def _failing(pid: str, wrong: str, api: str, dtype: torch.dtype, save: Path) -> str:
+    """The verdict of the first of the property's explicit cases that fails ``wrong``,
+    its calls and answers saved in ``save``."""
+    caps = resolve_backend(wrong, api=api).capabilities.for_dtype(dtype)
+    for case in PROPERTIES[pid].examples(PROFILES["quick"], caps):
+        verdict = check_case(pid, wrong, case, dtype, api=api, isolate=False, save=save)
+        if verdict.startswith("FAIL"):
+            return verdict
+    return "pass"
+
+
+@pytest.mark.parametrize(("pid", "wrong", "right", "api", "dtype"), KERNELS,
+                         ids=[k[3] + "-" + k[0] for k in KERNELS])  # fmt: skip
+def test_repro_reads_each_family_s_answer_where_its_reader_finds_it(
+    pid: str, wrong: str, right: str, api: str, dtype: torch.dtype, tmp_path: Path
+) -> None:
+    verdict = _failing(pid, wrong, api, dtype, tmp_path)
+    assert verdict.startswith("FAIL"), verdict
+    oracles = torch.load(tmp_path / "expected.pt", weights_only=True)["oracles"]
+    assert any(o.get("where") is not None for o in oracles), "no answer located"
+    (tmp_path / "repro.py").write_text(_repro(wrong, api, "a finding"))
+    code, printed = _repro_exit(tmp_path, wrong)
+    assert code == 1, printed
+    assert "FAIL: the bug shows" in printed
+    code, printed = _repro_exit(tmp_path, right)
+    assert code == 0, printed
+    assert "pass: within the bound" in printed
+
+
+#: kernels of tests/planted.py and tests/planted_flash.py whose finding a bug report
+#: must reproduce, with the correct function it is swapped for (torch's SDPA, whose
+#: convention the plain ones keep, or attnref's where a call passes a mask with
+#: is_causal, which torch's refuses; the flash file's own correct kernel)
+SDPA = "torch.nn.functional:scaled_dot_product_attention"
+AUDITED = [
+    *[(f"tests.planted_flash:{name}", "flash", "tests.planted_flash:correct")
+      for name in ("window_is_a_length", "window_right_ignored", "softcap_after_alibi",
+                   "sink_scaled", "lse_block_max", "lse_empty_zero")],
+    *[(f"tests.planted:{name}", "sdpa", SDPA)
+      for name in ("returns_nan", "returns_inf", "scales_query_in_place",
+                   "wrong_past_one_query", "raises")],
+    *[(f"tests.planted:{name}", "sdpa", "attnref.functional:scaled_dot_product_attention")
+      for name in ("leaks_in_one_row", "drops_causal_with_a_mask")],
+]  # fmt: skip
+
+
+@pytest.mark.slow  # thirteen audits stopped at their first failure, their reports run: 30 s
+@pytest.mark.parametrize(("spec", "api", "right"), AUDITED, ids=[s for s, _, _ in AUDITED])
+def test_each_finding_of_a_planted_kernel_is_a_report_that_reproduces_it(
+    spec: str, api: str, right: str, tmp_path: Path
+) -> None:
+    """Each finding of the audit, a folder whose repro.py exits 1 on the kernel and 0
+    with the correct function swapped in (an exception, an input changed in place, NaN,
+    a value past its bound, an LSE off: each as the bug shows). The flash kernels are
+    audited on the properties aimed at their bug's class (as tests/test_audit.py's)."""
+    from dataclasses import replace
+
+    from attnref.conformance import audit
+    from tests.bug_reports import assert_reports_reproduce
+    from tests.planted_flash import UNSEEN
+
+    name = spec.partition(":")[2]
+    aimed = None
+    if api == "flash":
+        aimed = [p.id for p in PROPERTIES.values() if UNSEEN[name] in p.classes]
+    kill = replace(PROFILES["quick"], name="quick-kill", shrink_seconds=0.5)
+    report = audit(resolve_backend(spec, api=api), device="cpu", progress=False,
+                   properties=aimed, dtypes=(torch.float32,), fail_fast=True,
+                   profile=kill)  # fmt: skip
+    assert not report.ok, report.format_table()
+    assert_reports_reproduce(report, right, tmp_path)
