@@ -434,11 +434,13 @@ def test_gpu_sweep_script_runs_on_the_cpu(tmp_path: Path) -> None:
             ]
         )
     )
-    done = _gpu_bench(tmp_path, "--references", str(refs))
+    # one length and head dim of --tiny's (each row's timing and checks are a few
+    # seconds on the CPU: the 32 rows of --tiny took 200 s of CI's slow tier)
+    done = _gpu_bench(tmp_path, "--references", str(refs), "--seq", "16", "--head-dim", "8")
     assert done.returncode == 0, done.stdout + done.stderr
     rows = list(csv.DictReader((tmp_path / "bench.csv").read_text().splitlines()))
-    # 2 seqs x 2 dtypes x 2 head dims x 2 causal, two backends
-    assert len(rows) == 32
+    # 1 seq x 2 dtypes x 1 head dim x 2 causal, two backends
+    assert len(rows) == 8
     statuses = {(r["backend"], r["status"]) for r in rows}
     assert statuses == {("reference", "ok"), ("torch-sdpa-efficient", "skipped")}
     meta = json.loads((tmp_path / "bench.json").read_text())["meta"]
@@ -468,7 +470,8 @@ def test_the_prepared_gpu_session_runs_dry_on_the_cpu(tmp_path: Path) -> None:
         **os.environ,
         "DEVICE": "cpu",
         "AUDIT_ARGS": "--backend torch-sdpa-math --property forward",
-        "BENCH_ARGS": "--tiny --runs 1 --backend reference",
+        # one row of the sweep (test_gpu_sweep_script_runs_on_the_cpu runs more)
+        "BENCH_ARGS": "--tiny --runs 1 --backend reference --seq 16 --head-dim 8 --dtype bfloat16",
         "SERVING_ARGS": "--seq 8 --batch 2 --heads 2 --head-dim 8 --runs 1 --warmup 0",
         "MLA_ARGS": "--seq 8 --batch 2 --heads 2 --head-dim 9 --runs 1 --warmup 0",
         "GAMES_ARGS": "--seq 16 --batch 1 --heads 2 --head-dim 8 --runs 10 --warmup 1",

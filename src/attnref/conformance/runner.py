@@ -1014,7 +1014,7 @@ class Recording:
         fills is not kept: repro.py then compares nothing of that call). ``failed``:
         the call failed, and ``raw`` is the result a correct one would return: its shapes
         are kept as the call's (what repro.py reads a function swapped in by)."""
-        leaves = tensor_leaves(raw)
+        leaves = _tensor_leaves(raw)
         total = sum(t.numel() for t in leaves)
         if not self.calls or not leaves or total >= 2**52:
             return
@@ -1043,17 +1043,17 @@ class Recording:
         return getattr(self.inner, name)
 
 
-def tensor_leaves(x: object) -> list[Tensor]:
+def _tensor_leaves(x: object) -> list[Tensor]:
     """The tensors of ``x``, depth first through its tuples and lists (repro.py's order)."""
     if isinstance(x, Tensor):
         return [x]
     if isinstance(x, tuple | list):
-        return [t for item in x for t in tensor_leaves(item)]
+        return [t for item in x for t in _tensor_leaves(item)]
     return []
 
 
 def _rebuild(x: object, blocks: Iterator[Tensor]) -> object:
-    """``x`` with its tensors replaced, in `tensor_leaves`' order, by ``blocks``."""
+    """``x`` with its tensors replaced, in `_tensor_leaves`' order, by ``blocks``."""
     if isinstance(x, Tensor):
         return next(blocks)
     if isinstance(x, list):
@@ -1100,7 +1100,7 @@ def _save(
             "d_out": getattr(job, "d_out", None),
             "writable": list(getattr(job, "writable", ())),
             "returned": out,
-            "shapes": shapes.get(i, [list(t.shape) for t in tensor_leaves(out)]),
+            "shapes": shapes.get(i, [list(t.shape) for t in _tensor_leaves(out)]),
         }
         for i, (job, out) in enumerate(calls)
     ]
