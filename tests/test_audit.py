@@ -190,8 +190,9 @@ def test_flex_attention_passes() -> None:
     "name", ["reference-chunked", "torch-sdpa-math", "torch-sdpa-flash", "torch-sdpa-bias"]
 )
 def test_other_builtins_pass(name: str) -> None:
-    # the chunked reference in float32 only, for CI's time (127 s with float16)
-    dtypes = (torch.float32,) if name == "reference-chunked" else (torch.float32, torch.float16)
+    # float32 only, for CI's time (with float16: the chunked reference 127 s, torch's
+    # math, flash and bias paths 148 s; CI's main job audits torch's SDPA in every dtype)
+    dtypes = (torch.float32,)
     report = run(name, dtypes=dtypes)
     assert report.ok, report.format_table()
 

@@ -60,7 +60,9 @@ def test_the_references_pass_the_family_properties(name: str) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["ring-reference", "allgather-reference", "alltoall-reference"])
 def test_the_references_pass_in_half_precision_and_float64(name: str) -> None:
-    dtypes = (torch.float64, torch.bfloat16, torch.float16)
+    """float64 and bfloat16 (float16 too took 211 s of the slow tier for the three; its
+    bounds are the dense audits' own, which torch's SDPA passes in every dtype)."""
+    dtypes = (torch.float64, torch.bfloat16)
     report = audit(name, properties=(*CP, "forward", "variants", "lse"), dtypes=dtypes,
                    progress=False, world_size=4)  # fmt: skip
     assert report.ok, report.format_table()

@@ -222,18 +222,29 @@ def on_alarm(signum, frame):
 
 def call(fn, record):
     """What the backend returns for one recorded call (with the arguments it may write,
-    as it left them), and the names of the arguments it changed though it may not."""
+    as it left them; for a gradient call, the gradients of the query, key and value, as
+    a training loop's backward() leaves them), and the names of the arguments it changed
+    though it may not."""
     args, kwargs = copied(list(record["args"])), copied(dict(record["kwargs"]))
     writable = record.get("writable", [])
-    kept = [(f"argument {{i}}", t, t.clone()) for i, t in enumerate(args)
+    d_out = record.get("d_out")
+    if d_out is not None:  # the query, key and value become leaves
+        args[:3] = [t.detach().requires_grad_(True) for t in args[:3]]
+    kept = [(f"argument {{i}}", t, t.detach().clone()) for i, t in enumerate(args)
             if isinstance(t, torch.Tensor) and i not in writable]
-    kept += [(f"{{name}}=", t, t.clone()) for name, t in kwargs.items()
+    kept += [(f"{{name}}=", t, t.detach().clone()) for name, t in kwargs.items()
              if isinstance(t, torch.Tensor)]
     if hasattr(signal, "SIGALRM"):
         signal.signal(signal.SIGALRM, on_alarm)
         signal.alarm(TIMEOUT)
     try:
         returned = fn(*args, **kwargs)
+        if d_out is not None:
+            if not isinstance(returned, torch.Tensor) or not returned.requires_grad:
+                raise RuntimeError("the output does not require grad: no gradient reaches "
+                                   "the query, key and value")
+            torch.autograd.backward(returned, d_out)
+            returned = tuple(t.grad for t in args[:3])
     finally:
         if hasattr(signal, "SIGALRM"):
             signal.alarm(0)

@@ -966,6 +966,12 @@ def check_case(
     return "pass"
 
 
+#: the most elements a call's result may hold for `Recording.reading` to probe it (a
+#: float64 position each: 1 GiB); a larger result (a cache of billions of slots, as
+#: kvcache_far_pages' at the default profile) is not located, and repro.py says so
+PROBE_ELEMENTS = 2**27
+
+
 class Recording:
     """An executor that keeps each call it runs: the job (its arguments, as the backend
     receives them) and what came back (None where the call failed)."""
@@ -1016,7 +1022,7 @@ class Recording:
         are kept as the call's (what repro.py reads a function swapped in by)."""
         leaves = _tensor_leaves(raw)
         total = sum(t.numel() for t in leaves)
-        if not self.calls or not leaves or total >= 2**52:
+        if not self.calls or not leaves or total > PROBE_ELEMENTS:
             return
         blocks, start = [], 1
         for t in leaves:
