@@ -44,6 +44,7 @@ __all__ = [
     "check_lse",
     "invoke",
     "native_causal",
+    "note_failed_call",
     "note_reading",
     "skip_reason",
 ]
@@ -319,11 +320,10 @@ def call_lse(
         # where a well-formed answer would lie, for a bug report's repro.py to read the
         # answer of a function swapped in for this one (its fix, a reference)
         shape = (*inputs.query.shape[:-1], inputs.value.shape[-1])
-        note_reading(
+        note_failed_call(
             executor,
             lambda: family.to_layout(torch.zeros(shape, dtype=torch.float64), inputs),
             lambda r: [(inputs, family.read(r, inputs, False)[0], None)],
-            failed=True,
         )
         raise
     note_reading(executor, raw, lambda r: [(inputs, *family.read(r, inputs, lse))])
@@ -340,24 +340,28 @@ def call_lse(
 Reader = Callable[[object], Iterable[tuple[Inputs, object, object | None]]]
 
 
-def note_reading(
-    executor: Executor | None, raw: object, read: Reader, *, failed: bool = False
-) -> None:
+def note_reading(executor: Executor | None, raw: object, read: Reader) -> None:
     """Tell an executor that records its calls (`attnref.conformance.runner.Recording`,
     behind ``check_case``'s ``save``) how the result ``raw`` of its last call is read:
     where each judged output and log-sum-exp lies in what the backend returned. A bug
-    report's repro.py reads the backend's answer there, with no attnref to read it.
-    ``failed``: the call raised, crashed or changed its inputs, and ``raw`` makes the
-    result a correct call would have returned (its layout, not its values)."""
+    report's repro.py reads the backend's answer there, with no attnref to read it."""
+    note = getattr(executor, "reading", None)
+    if note is not None:
+        note(raw, read, False)
+
+
+def note_failed_call(executor: Executor | None, make: Callable[[], object], read: Reader) -> None:
+    """`note_reading` for a last call that raised, crashed or changed its inputs:
+    ``make()`` builds the result a correct call would have returned (its layout, not its
+    values), made only where the executor records (nothing noted where it cannot be)."""
     note = getattr(executor, "reading", None)
     if note is None:
         return
-    if failed:
-        try:
-            raw = raw()  # type: ignore[operator]
-        except Exception:  # a layout that cannot be made: nothing noted
-            return
-    note(raw, read, failed)
+    try:
+        raw = make()
+    except Exception:
+        return
+    note(raw, read, True)
 
 
 @checked

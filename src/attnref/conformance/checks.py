@@ -28,7 +28,14 @@ from torch import Tensor
 
 from attnref import functional as F
 from attnref._checking import checked, checked_internal
-from attnref.conformance.calls import arguments, call, call_lse, invoke, note_reading
+from attnref.conformance.calls import (
+    arguments,
+    call,
+    call_lse,
+    invoke,
+    note_failed_call,
+    note_reading,
+)
 from attnref.conformance.cases import Case, Inputs, build
 from attnref.conformance.declarations import Backend, Capabilities, EmptyRow
 from attnref.conformance.family import ApiFamily, family_of
@@ -587,8 +594,8 @@ def agree_grads(ctx: Context, case: Case, inputs: Inputs, **overrides: Any) -> N
         grads = invoke(ctx.backend, job, ctx.timeout, ctx.executor, meanwhile)
     except Failure:  # where a correct call's gradients would lie, for a bug report
         shapes = [a.shape for a in args[:3]]
-        note_reading(ctx.executor, lambda: tuple(torch.zeros(s) for s in shapes),
-                     lambda r: [], failed=True)  # fmt: skip
+        note_failed_call(ctx.executor, lambda: tuple(torch.zeros(s) for s in shapes),
+                         lambda r: [])  # fmt: skip
         _answer_grads(ctx, leaves, done[0] if done else expect_grads(inputs, d_out))
         raise
     note_reading(ctx.executor, grads, lambda r: [])

@@ -932,9 +932,7 @@ def fp8_expected(ctx: Context, x: Inputs, fmt: str) -> Expected:
         n = x.key.shape[-2]
         v = float(torch.nan_to_num(x.value.abs(), nan=0.0).max())
         floor += (fp8.eps / 2 + n * subnormal / 2) * v
-    judged = replace(exact, ref_err=e.ref_err + moved, floor=floor)
-    ctx.keep(x, judged)  # the oracle of ``x`` for the rest of the check (and its save)
-    return judged
+    return replace(exact, ref_err=e.ref_err + moved, floor=floor)
 
 
 def fp8_lse_expected(x: Inputs, empty_lse: EmptyLse) -> Expected:

@@ -478,6 +478,7 @@ def _sparse_fp8(ctx: Context, case: Case) -> None:
         b, i = divmod(n, case.Tq)
         label = f"batch row {b}, query {i} (of {x.key.shape[-2]} rows)"
         exp = fp8_expected(ctx, x, "e4m3fn")
+        ctx.keep(x, exp)  # x's oracle, as the other FP8 families keep theirs
         with ctx.naming_the_row(x):
             close(out.to(torch.float64), exp.value, *exp.bounds(), f"{label}: output",
                   semantic=exp.semantic)  # fmt: skip
