@@ -11,6 +11,8 @@ before the output's dot), accumulated in float32. ``right`` is correct; the othe
 plant one point of class 37.
 """
 
+from typing import Any
+
 import torch
 from torch import Tensor
 
@@ -109,3 +111,61 @@ def underflowing_ratio(*args: object, **kwargs: object) -> tuple[Tensor, Tensor 
 def returns_output_only(*args: object, **kwargs: object) -> Tensor:
     """Returns ``o`` alone, not ``(o, final_state)``."""
     return _kernel(*args, **kwargs)[0]  # type: ignore[arg-type]
+
+
+class _StateGradientDropped(torch.autograd.Function):
+    """The chunk kernel with a backward of its own that recomputes the output's graph
+    and drops the final state's upstream gradient (``dht``)."""
+
+    @staticmethod
+    def forward(ctx: Any, *inputs: Any) -> tuple[Tensor, Tensor]:
+        q, k, v, g, beta, h0, scale, l2, cu = inputs
+        ctx.save_for_backward(q, k, v, g, beta, h0)
+        ctx.options = (scale, l2, cu)
+        o, final = _kernel(q, k, v, g, beta, scale, h0, True, l2, cu)
+        assert final is not None
+        return o, final
+
+    @staticmethod
+    def backward(ctx: Any, *upstream: Any) -> tuple[Tensor | None, ...]:
+        d_o, _d_final = upstream  # the bug: the final state's gradient is dropped
+        scale, l2, cu = ctx.options
+        with torch.enable_grad():
+            leaves: list[Any] = [None if x is None else x.detach().requires_grad_(True)
+                                 for x in ctx.saved_tensors]  # fmt: skip
+            q, k, v, g, beta, h0 = leaves
+            o, _ = _kernel(q, k, v, g, beta, scale, h0, True, l2, cu)
+            wanted = [x for x in leaves if x is not None]
+            found = iter(torch.autograd.grad(o, wanted, d_o, allow_unused=True))
+        grads = tuple(None if x is None else next(found) for x in leaves)
+        return (*grads, None, None, None)
+
+
+def final_state_gradient_ignored(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float | None = None,
+    initial_state: Tensor | None = None, output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False, cu_seqlens: Tensor | None = None,
+) -> tuple[Tensor, Tensor | None]:  # fmt: skip
+    """Right forward; its backward recomputes the output alone and drops the final
+    state's upstream gradient: wrong gradients whenever a loss reads the final state
+    (the state handed to the next chunk of a chunked prefill, or a test's ``dht``)."""
+    o, final = _StateGradientDropped.apply(  # type: ignore[no-untyped-call]
+        q, k, v, g, beta, initial_state, scale, use_qk_l2norm_in_kernel, cu_seqlens
+    )
+    return o, (final if output_final_state else None)
+
+
+def _declare() -> None:
+    """Each kernel's declaration where attnref imports (a bug report's repro.py loads
+    this module without it): fla's chunk convention, gradients included."""
+    try:
+        from dataclasses import replace
+
+        from attnref.conformance.families.gated_delta import FLA_CHUNK
+    except ImportError:
+        return
+    for fn in (right, final_state_gradient_ignored):
+        fn.capabilities = replace(FLA_CHUNK, gradients=True)  # type: ignore[attr-defined]
+
+
+_declare()

@@ -135,3 +135,48 @@ def test_a_declared_cost_bound_keeps_the_lengths_and_cuts_the_programs() -> None
     assert linear_work(fitted) <= 2**19
     assert fit_work(case, 2**23) == replace(case, batch=(1,))
     assert fit_work(case, 2**22) == replace(case, batch=(1,), h=3)
+
+
+def test_a_backward_that_drops_the_final_state_s_gradient_is_found() -> None:
+    """A kernel whose own backward recomputes the output alone (its forward right):
+    the gradient property gives the final states an upstream gradient, as a loss that
+    reads them (or fla's ``dht``) does, and names it in the finding."""
+    report = _audit("tests.planted_linear:final_state_gradient_ignored", "gated-delta",
+                    ["gdn_gradient"], (torch.float32,))  # fmt: skip
+    (result,) = report.results
+    assert result.status == "fail"
+    assert "final states' gradients" in result.message
+
+
+@SLOW  # 15 s
+def test_a_backward_finding_reproduces_without_attnref(
+    request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
+    report = _audit("tests.planted_linear:final_state_gradient_ignored", "gated-delta",
+                    ["gdn_gradient"], (torch.float32,), QUICK)  # fmt: skip
+    assert not report.ok
+    reports_reproduce(request, report, "tests.planted_linear:right", tmp_path)
+
+
+def test_kda_s_decay_a_key_channel_is_drawn_where_declared() -> None:
+    """``linear_gate="key"`` (fla's ``chunk_kda``): ``g`` comes as ``(B, T, HV, K)``,
+    and a kernel that takes the channels' mean as one decay a head fails."""
+    case = Case("kda", batch=(1,), h=2, g=2, Tq=5, Tk=5, Dh=8, Dv=4)
+    assert build_call(case, torch.float32, "cpu", FLA_CHUNK).g.shape == (1, 5, 2)
+    kda = replace(FLA_CHUNK, linear_gate="key", gqa=False)
+    assert build_call(case, torch.float32, "cpu", kda).g.shape == (1, 5, 2, 8)
+    report = _audit("mutant.gdn_kda_gate_mean", "gated-delta", ["gdn_forward"],
+                    (torch.float32,))  # fmt: skip
+    (result,) = report.results
+    assert result.status == "fail"
+    assert "KDA's decay a key channel" in result.message
+    with pytest.raises(ValueError, match="linear_gate must be one of head, key"):
+        replace(FLA_CHUNK, linear_gate="channel")
+
+
+@SLOW  # 35 s
+def test_attnref_s_kda_recurrence_passes_every_property_it_declares() -> None:
+    report = _audit("gated-delta-kda-recurrent", "gated-delta",
+                    [p.id for p in FAMILIES["gated-delta"].properties],
+                    (torch.float32, torch.bfloat16))  # fmt: skip
+    assert report.ok, report.format_table()

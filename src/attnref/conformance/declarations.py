@@ -148,6 +148,9 @@ FP8_FORMATS: dict[str, torch.dtype] = {
 #: index listed twice (`Capabilities.invalid_indices`, `Capabilities.duplicates`)
 INVALID_INDICES = ("-1", "past_end")
 DUPLICATES = ("counted", "refused")
+#: the decay a linear attention kernel takes (`Capabilities.linear_gate`): one a value
+#: head (Gated DeltaNet's ``g (B, T, HV)``) or one a key channel (KDA's ``(B, T, HV, K)``)
+LINEAR_GATES = ("head", "key")
 #: FlashMLA's packed FP8 sparse caches (`Capabilities.sparse_caches`, attnref.sparse):
 #: 656 bytes a 576-dim row (DeepSeek-V3.2), and 584 a 512-dim row laid out by page (V4)
 SPARSE_CACHES = ("V32", "MODEL1")
@@ -333,13 +336,16 @@ class Capabilities:
     #: sequences (``cu_seqlens``); the chunk its prefill cuts a sequence into (the tails
     #: are drawn around it); and, for the serving form, a pool of states read and written
     #: at each request's slot (``ssm_state_indices``) and speculative decoding (a state a
-    #: drafted token, ``num_accepted_tokens``)
+    #: drafted token, ``num_accepted_tokens``); ``linear_gate``: ``"head"`` (one log decay
+    #: a value head and token, ``g (B, T, HV)``: Gated DeltaNet's) or ``"key"`` (one a key
+    #: channel, ``g (B, T, HV, K)``: KDA's, fla's ``chunk_kda``)
     qk_l2norm: bool = True
     gate_neg_inf: bool = False
     linear_packed: bool = True
     linear_chunk: int = 64
     state_pool: bool = True
     speculative: bool = True
+    linear_gate: str = "head"
 
     def __post_init__(self) -> None:
         by_dtype: object = self.empty_row_by_dtype
@@ -387,6 +393,11 @@ class Capabilities:
             raise ValueError(
                 f"Capabilities.sparse_caches must name one or both of "
                 f"{', '.join(SPARSE_CACHES)}, got {self.sparse_caches!r}"
+            )
+        if self.linear_gate not in LINEAR_GATES:
+            raise ValueError(
+                f"Capabilities.linear_gate must be one of {', '.join(LINEAR_GATES)}, "
+                f"got {self.linear_gate!r}"
             )
         if self.duplicates not in DUPLICATES:
             raise ValueError(

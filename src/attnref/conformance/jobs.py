@@ -82,6 +82,12 @@ class Job:
     """One call of backend code: ``backend(*args, **kwargs)``; with ``d_out``, also the
     backward pass, returning ``(dQ, dK, dV)`` for the first three arguments.
 
+    ``leaves``: the arguments whose gradients the backward returns, in order, each a
+    position or a keyword's name (empty: the first three, and ``sinks=`` where given).
+    ``d_out`` is then one upstream gradient for a tensor result, or one for each part of
+    a tuple result (None for a part no gradient flows into: the gated delta rule's
+    ``(o, final_state)``).
+
     ``writable``: the positional arguments the backend may change in place (a KV cache
     it appends to); the job then returns ``(result, those arguments as it left them)``.
     ``recheck``: read the output again this many seconds after the call returned, and
@@ -90,9 +96,10 @@ class Job:
 
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
-    d_out: Tensor | None = None
+    d_out: Tensor | tuple[Tensor | None, ...] | None = None
     writable: tuple[int, ...] = ()
     recheck: float = 0.0
+    leaves: tuple[int | str, ...] = ()
 
     def message(self) -> dict[str, Any]:
         return {
@@ -102,6 +109,7 @@ class Job:
             "d_out": self.d_out,
             "writable": list(self.writable),
             "recheck": self.recheck,
+            "leaves": list(self.leaves),
         }
 
 

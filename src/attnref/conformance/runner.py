@@ -1105,6 +1105,7 @@ def _save(
             "kwargs": dict(getattr(job, "kwargs", {})),
             "d_out": getattr(job, "d_out", None),
             "writable": list(getattr(job, "writable", ())),
+            "leaves": list(getattr(job, "leaves", ())),
             "returned": out,
             "shapes": shapes.get(i, [list(t.shape) for t in _tensor_leaves(out)]),
         }

@@ -179,12 +179,21 @@ def _call(backend: Backend, job: dict[str, Any], buffers: tuple[Any, Any] | None
     """Run one call job in this (the worker's) process; a reply tree."""
     args, kwargs = buffers if buffers is not None else (tuple(job["args"]), dict(job["kwargs"]))
     d_out, writable, recheck = job["d_out"], tuple(job["writable"]), float(job["recheck"])
-    sinks = None
-    if d_out is not None:  # the query, key and value (and sinks) become leaves
+    chosen: list[Tensor] = []
+    leaf_names = [n if type(n) is str else int(n) for n in job.get("leaves") or ()]
+    if d_out is not None and leaf_names:  # the arguments named become leaves
+        args, kwargs = list(args), dict(kwargs)
+        for n in leaf_names:
+            box: Any = kwargs if isinstance(n, str) else args
+            box[n] = box[n].detach().requires_grad_(True)
+            chosen.append(box[n])
+        args = tuple(args)
+    elif d_out is not None:  # the query, key and value (and sinks) become leaves
         args = (*(t.detach().requires_grad_(True) for t in args[:3]), *args[3:])
+        chosen = list(args[:3])
         if isinstance(kwargs.get("sinks"), Tensor):
-            sinks = kwargs["sinks"].detach().requires_grad_(True)
-            kwargs = {**kwargs, "sinks": sinks}
+            kwargs = {**kwargs, "sinks": kwargs["sinks"].detach().requires_grad_(True)}
+            chosen.append(kwargs["sinks"])
     tensors = [
         (f"argument {i}", t)
         for i, t in enumerate(args)
@@ -195,13 +204,10 @@ def _call(backend: Backend, job: dict[str, Any], buffers: tuple[Any, Any] | None
     try:
         out: Any = invoke_backend(backend, args, kwargs)
         if d_out is not None:
-            if not isinstance(out, Tensor) or not out.requires_grad:
-                raise RuntimeError("the output does not require grad: no gradient reaches Q, K, V")
             # backward() as a training loop calls it (torch.autograd.grad would refuse a
             # reentrant torch.utils.checkpoint inside the backend)
-            torch.autograd.backward(out, d_out)
-            leaves = (*args[:3], *(() if sinks is None else (sinks,)))
-            out = tuple(None if t.grad is None else t.grad.detach() for t in leaves)
+            torch.autograd.backward(*_backward_pairs(out, d_out))
+            out = tuple(None if t.grad is None else t.grad.detach() for t in chosen)
         if writable:
             out = (out, tuple(args[i] for i in writable))
         if out is not None and type(out) is Tensor:
@@ -244,6 +250,32 @@ def _call(backend: Backend, job: dict[str, Any], buffers: tuple[Any, Any] | None
         return {"status": "ok", "value": _encode_unsupported(value)}
     except Rejected as e:
         return {"status": "unaccepted", "message": str(e)}
+
+
+def _backward_pairs(out: Any, d_out: Any) -> tuple[list[Tensor], list[Tensor]]:
+    """The results and their upstream gradients a backward pass starts from: ``out``
+    itself for one ``d_out``; for a tuple of them, each part of the tuple ``out`` given
+    one (a clear error where a part cannot take it)."""
+    if not isinstance(d_out, tuple | list):
+        if not isinstance(out, Tensor) or not out.requires_grad:
+            raise RuntimeError("the output does not require grad: no gradient reaches Q, K, V")
+        return [out], [d_out]
+    if not isinstance(out, tuple | list) or len(out) != len(d_out):
+        raise RuntimeError(
+            f"the backward needs a tuple of {len(d_out)} results, the backend returned "
+            f"{type(out).__name__}"
+        )
+    parts, grads = [], []
+    for i, (o, d) in enumerate(zip(out, d_out, strict=True)):
+        if d is None:
+            continue
+        if not isinstance(o, Tensor) or not o.requires_grad:
+            raise RuntimeError(
+                f"result {i} does not require grad: its upstream gradient reaches no input"
+            )
+        parts.append(o)
+        grads.append(d)
+    return parts, grads
 
 
 def invoke_backend(backend: Backend, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

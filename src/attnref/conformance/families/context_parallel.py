@@ -804,8 +804,10 @@ class RankGroup:
         kwargs.pop("_world", None)
         sharding = kwargs.get("sharding", "contiguous")
         args, kwargs = share_arguments(job.args, kwargs, self._setup(rank, world, timeout))
+        if job.d_out is not None and not isinstance(job.d_out, Tensor):
+            raise TypeError("a context-parallel call's backward takes one upstream gradient")
         d_out = None if job.d_out is None else D.shard(job.d_out, rank, world, sharding)
-        return Job(args, kwargs, d_out, job.writable, job.recheck)
+        return Job(args, kwargs, d_out, job.writable, job.recheck, job.leaves)
 
     def _world_of(self, job: Job) -> int:
         """The world size ``job`` runs at: the one it asks for (``_world``) or every rank

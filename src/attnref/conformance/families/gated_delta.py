@@ -91,10 +91,10 @@ FLA_CHUNK = Capabilities(
 @dataclass(frozen=True)
 class GdnCall:
     """One call's tensors, as the backend receives them: ``q, k (B, T, H, K)``, ``v (B,
-    T, HV, V)`` and ``beta (B, T, HV)`` in the call's dtype, ``g (B, T, HV)`` in float32
-    (float64 in a float64 call: a model computes its gate in float32), the initial
-    states ``(N, HV, K, V)`` in the state dtype (float32 for half precision), and the
-    offsets of a pack."""
+    T, HV, V)`` and ``beta (B, T, HV)`` in the call's dtype, ``g (B, T, HV)`` (KDA's:
+    ``(B, T, HV, K)``) in float32 (float64 in a float64 call: a model computes its gate in
+    float32), the initial states ``(N, HV, K, V)`` in the state dtype (float32 for half
+    precision), and the offsets of a pack."""
 
     q: Tensor
     k: Tensor
@@ -130,7 +130,8 @@ def _gate_dtype(dtype: torch.dtype) -> torch.dtype:
 def build_call(case: Case, dtype: torch.dtype, device: str, caps: Capabilities) -> GdnCall:
     """The call ``case`` describes: ``case.batch`` rows of ``case.Tq`` tokens (or one row
     packing ``case.seqlens``), ``case.g`` query/key heads, ``case.h`` value heads,
-    ``K = case.Dh``, ``V = case.Dv``. Options: ``l2norm``; ``initial`` (random initial
+    ``K = case.Dh``, ``V = case.Dv``; the gates one a value head, or one a key channel
+    where ``caps.linear_gate`` is ``"key"`` (KDA). Options: ``l2norm``; ``initial`` (random initial
     states); ``gate`` (``normal``: ``logsigmoid`` of a normal, a decay near 1; ``zero``;
     ``far``: a quarter of the tokens forget everything, ``-50`` to ``-1e4``;
     ``underflow``: ``-20`` to ``-40`` each token, so a chunk's running sum passes
@@ -160,16 +161,17 @@ def build_call(case: Case, dtype: torch.dtype, device: str, caps: Capabilities) 
     elif not l2:  # a model normalizes its keys first: norms 0.5 to 1.2 keep it stable
         k = tnf.normalize(k, dim=-1) * (0.5 + 0.7 * torch.rand((B, T, H, 1), generator=gen))
     v = torch.randn((B, T, HV, V), generator=gen, dtype=f64) + case.v_offset
-    g = tnf.logsigmoid(1.5 * torch.randn((B, T, HV), generator=gen, dtype=f64) + 2.0)
-    some = torch.rand((B, T, HV), generator=gen) < 0.25
+    gates = (B, T, HV, K) if caps.linear_gate == "key" else (B, T, HV)
+    g = tnf.logsigmoid(1.5 * torch.randn(gates, generator=gen, dtype=f64) + 2.0)
+    some = torch.rand(gates, generator=gen) < 0.25
     gate = case.option("gate", "normal")
     if gate == "zero":
         g = torch.zeros_like(g)
     elif gate == "far":
-        far = -(10.0 ** (1.7 + 2.3 * torch.rand((B, T, HV), generator=gen, dtype=f64)))
+        far = -(10.0 ** (1.7 + 2.3 * torch.rand(gates, generator=gen, dtype=f64)))
         g = torch.where(some, far, g)
     elif gate == "underflow":
-        g = -20.0 - 20.0 * torch.rand((B, T, HV), generator=gen, dtype=f64)
+        g = -20.0 - 20.0 * torch.rand(gates, generator=gen, dtype=f64)
     elif gate == "neg_inf":
         g = g.masked_fill(some, -math.inf)
     beta = torch.sigmoid(torch.randn((B, T, HV), generator=gen, dtype=f64))
@@ -200,21 +202,28 @@ def build_call(case: Case, dtype: torch.dtype, device: str, caps: Capabilities) 
 # ------------------------------------------------------------------- the oracle
 
 
+def _gates(g: Tensor) -> dict[str, Tensor]:
+    """``g`` as `attnref.linear`'s functions take it: ``g`` one a value head (``(B, T,
+    HV)``), ``gk`` one a key channel (KDA's ``(B, T, HV, K)``)."""
+    return {"g": g} if g.dim() == 3 else {"g": None, "gk": g}  # type: ignore[dict-item]
+
+
 def _run(call: GdnCall, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """The recurrence on ``call``'s tensors as given, computed in ``dtype``."""
     s0 = call.initial_state
     return gated_delta_rule(
         call.q.cpu().to(dtype), call.k.cpu().to(dtype), call.v.cpu().to(dtype),
-        call.g.cpu().to(dtype), call.beta.cpu().to(dtype), scale=call.scale,
+        beta=call.beta.cpu().to(dtype), scale=call.scale, **_gates(call.g.cpu().to(dtype)),
         initial_state=None if s0 is None else s0.cpu().to(dtype), l2norm_qk=call.l2norm,
         cu_seqlens=None if call.cu_seqlens is None else call.cu_seqlens.cpu(),
     )  # fmt: skip
 
 
 def _running_sums(g: Tensor, chunk: int = 64) -> float:
-    """The largest finite running sum of the log decays ``g (B, T, HV)`` over a chunk of
-    ``chunk`` tokens from its start (what a chunked kernel forms its decays from)."""
-    g = g.detach().cpu().double()
+    """The largest finite running sum of the log decays ``g (B, T, HV)`` (or ``(B, T, HV,
+    K)``) over a chunk of ``chunk`` tokens from its start (what a chunked kernel forms its
+    decays from)."""
+    g = g.detach().cpu().double().flatten(2)
     T = g.shape[1]
     pad = (-T) % chunk
     gp = torch.nn.functional.pad(g, (0, 0, 0, pad))
@@ -342,7 +351,8 @@ def _named(call: GdnCall) -> str:
     B, T, H, K = call.q.shape
     HV, V = call.v.shape[2:]
     pack = "" if call.cu_seqlens is None else f", {call.sequences} packed sequences"
-    return f"B {B}, T {T}, H {H}, HV {HV}, K {K}, V {V}{pack}"
+    kda = ", KDA's decay a key channel" if call.g.dim() == 4 else ""
+    return f"B {B}, T {T}, H {H}, HV {HV}, K {K}, V {V}{pack}{kda}"
 
 
 def _continuation(ctx: Context, case: Case) -> None:
@@ -378,6 +388,109 @@ def _gva(ctx: Context, case: Case) -> None:
           "heads repeated)", law=exp.state.value, names=("GVA", "heads repeated"))  # fmt: skip
 
 
+#: the gradients a gradient call returns, in its leaves' order (`_gradient`)
+GRADS = ("dq", "dk", "dv", "dg", "dbeta", "dh0")
+
+
+def _grads(
+    call: GdnCall, d_o: Tensor, d_s: Tensor | None, dtype: torch.dtype
+) -> tuple[Tensor, ...]:
+    """The recurrence's gradients for ``call`` in ``dtype`` (backward from ``d_o`` on
+    the output and ``d_s`` on the final states): ``dq, dk, dv, dg, dbeta`` and, with an
+    initial state, ``dh0``, each in its argument's shape."""
+    tensors = [call.q, call.k, call.v, call.g, call.beta]
+    if call.initial_state is not None:
+        tensors.append(call.initial_state)
+    leaves = [x.detach().cpu().to(dtype).requires_grad_(True) for x in tensors]
+    q, k, v, g, beta = leaves[:5]
+    o, s = gated_delta_rule(
+        q, k, v, beta=beta, **_gates(g), scale=call.scale, l2norm_qk=call.l2norm,
+        initial_state=leaves[5] if len(leaves) > 5 else None,
+        cu_seqlens=None if call.cu_seqlens is None else call.cu_seqlens.cpu(),
+    )  # fmt: skip
+    outs, ups = [o], [d_o.cpu().to(dtype)]
+    if d_s is not None:
+        outs.append(s)
+        ups.append(d_s.cpu().to(dtype))
+    return torch.autograd.grad(outs, leaves, ups)
+
+
+def _expected_grads(call: GdnCall, d_o: Tensor, d_s: Tensor | None) -> tuple[Expected, ...]:
+    """The float64 recurrence's gradients for ``call`` (`_grads`), each with its bound:
+    the audit rule (`expected`'s), the reference there being the recurrence's backward
+    in float32 on the rounded inputs, each gradient rounded to its argument's dtype; the
+    floor adds ``4 u M sqrt(chunks)`` with ``M`` the largest of that gradient, and what
+    forming decays from a chunk's running sums in float32 costs."""
+    dtype = call.q.dtype
+    g64 = _grads(call, d_o, d_s, torch.float64)
+    if dtype == torch.float64:
+        low = g64
+    else:
+        g32 = _grads(call, d_o, d_s, torch.float32)
+        dtypes = [x.dtype for x in (call.q, call.k, call.v, call.g, call.beta)]
+        if call.initial_state is not None:
+            dtypes.append(call.initial_state.dtype)
+        low = tuple(x.to(d).double() for x, d in zip(g32, dtypes, strict=True))
+    chunks = max(1, -(-call.q.shape[1] // 64))
+    u, u_c = torch.finfo(dtype).eps / 2, torch.finfo(_gate_dtype(dtype)).eps / 2
+    found = []
+    for exact, near, leaf in zip(g64, low, (call.q, call.k, call.v, call.g, call.beta,
+                                            call.initial_state), strict=False):  # fmt: skip
+        assert leaf is not None
+        finite = exact[torch.isfinite(exact)].abs()
+        M = max(1.0, float(finite.max()) if finite.numel() else 0.0)
+        floor = (TOLERANCES[leaf.dtype].atol + 4 * u * M * math.sqrt(chunks)
+                 + 4 * u_c * _running_sums(call.g) * M)  # fmt: skip
+        found.append(Expected(exact, (near - exact).abs(), floor, FUDGE))
+    return tuple(found)
+
+
+def _gradient(ctx: Context, case: Case) -> None:
+    """The backward of one call, as a training step makes it: an upstream gradient on
+    the output (and, with ``d_state``, on the final states), ``q, k, v, g, beta`` and the
+    initial states leaves; each gradient against the float64 recurrence's."""
+    call = build_call(case, ctx.dtype, ctx.device, ctx.caps)
+    _declared(ctx.caps, call)
+    gen = torch.Generator().manual_seed(case.seed + 1)
+    d_o = torch.randn(call.v.shape, generator=gen, dtype=torch.float64)
+    d_o = d_o.to(ctx.device, ctx.dtype)
+    d_s = None
+    if case.option("d_state", True):
+        shape = (call.sequences, call.v.shape[2], call.k.shape[3], call.v.shape[3])
+        d_s = torch.randn(shape, generator=gen, dtype=torch.float64)
+        d_s = d_s.to(ctx.device, state_dtype(ctx.dtype))
+    args, kwargs = arguments(call)
+    leaves: tuple[int | str, ...] = (0, 1, 2, 3, 4)
+    if call.initial_state is not None:
+        leaves += ("initial_state",)
+    job = Job(args, kwargs, (d_o, d_s), leaves=leaves)
+    got = invoke(ctx.backend, job, ctx.timeout, ctx.executor)
+    exp = _expected_grads(call, d_o, d_s)
+    ctx.answer(grads={n: e.value for n, e in zip(GRADS, exp, strict=False)},
+               grad_bounds={n: e.bounds() for n, e in zip(GRADS, exp, strict=False)})  # fmt: skip
+    if not isinstance(got, tuple) or len(got) != len(leaves):
+        raise Failure(f"the backward returned {type(got).__name__}, expected {len(leaves)} "
+                      "gradients")  # fmt: skip
+    upstream = "the output's and the final states'" if d_s is not None else "the output's"
+    what = f"{_named(call)}, backward from {upstream} gradients"
+    for name, grad, e in zip(GRADS, got, exp, strict=False):
+        if grad is None:
+            raise Failure(f"{what}: {name} is None: no gradient reaches it")
+        if tuple(grad.shape) != tuple(e.value.shape):
+            raise Failure(f"{what}: {name} has shape {tuple(grad.shape)}, expected "
+                          f"{tuple(e.value.shape)}")  # fmt: skip
+        close(grad.detach().cpu().double(), e.value, *e.bounds(), f"{what}: {name}")
+
+
+def _gradient_cases(p: Profile, c: Capabilities) -> st.SearchStrategy[Case]:
+    """`_gradient`'s calls: unpacked ones, and packed ones where declared."""
+    pins: dict[str, Any] = {"d_state": st.booleans()}
+    unpacked = gdn_cases("gdn_gradient", **pins)(p, c)
+    if not c.linear_packed:
+        return unpacked
+    return st.one_of(unpacked, gdn_cases("gdn_gradient", packed=True, **pins)(p, c))
+
+
 def _heads(c: Capabilities) -> st.SearchStrategy[tuple[int, int]]:
     """(H, HV): one to three query/key heads, value heads a multiple (with ``gqa``)."""
     ratios = (1, 2, 4) if c.gqa else (1,)
@@ -411,7 +524,8 @@ def gdn_cases(
     name: str, *, packed: bool = False, **pins: Any
 ) -> Callable[[Profile, Capabilities], st.SearchStrategy[Case]]:
     """Calls of the family: ``pins`` fix a field or option to a strategy (``T``,
-    ``heads``, ``gate``, ``beta``, ``keys``, ``l2norm``, ``initial``, ``split``)."""
+    ``heads``, ``gate``, ``beta``, ``keys``, ``l2norm``, ``initial``, ``split``,
+    ``d_state``)."""
 
     def cases(p: Profile, c: Capabilities) -> st.SearchStrategy[Case]:
         ch = _chunk(c)
@@ -428,6 +542,8 @@ def gdn_cases(
                 "beta": d(pins.get("beta", st.just("random"))),
                 "keys": d(pins.get("keys", st.just("unit"))) if l2 else "unit",
             }
+            if "d_state" in pins:
+                opts["d_state"] = d(pins["d_state"])
             if opts["gate"] == "neg_inf" and not c.gate_neg_inf:
                 opts["gate"] = "far"
             seqlens: tuple[tuple[int, int], ...] = ()
@@ -581,6 +697,18 @@ PROPERTIES: tuple[Property, ...] = (
         requires=requiring("gqa", "GVA (HV a multiple of H)"),
         families=_FAM,
     ),
+    Property(
+        "gdn_gradient",
+        "the backward of a call (dq, dk, dv, dg, dbeta and the initial states' gradient, "
+        "from the output's and the final states' upstream gradients), packed or not, "
+        "agrees with the float64 recurrence's",
+        (LINEAR, 11, 12),
+        _gradient_cases,
+        _gradient,
+        requires=requiring("gradients", "gradients"),
+        gradient=True,
+        families=_FAM,
+    ),
 )
 
 
@@ -590,14 +718,16 @@ PROPERTIES: tuple[Property, ...] = (
 @checked_internal
 def plain_gated_delta(
     q: Float[Tensor, "B T H K"], k: Float[Tensor, "B T H K"], v: Float[Tensor, "B T HV V"],
-    g: Float[Tensor, "B T HV"], beta: Float[Tensor, "B T HV"], scale: float | None = None,
-    initial_state: Float[Tensor, "N HV K V"] | None = None, output_final_state: bool = False,
-    use_qk_l2norm_in_kernel: bool = False, cu_seqlens: Integer[Tensor, " N1"] | None = None,
+    g: Float[Tensor, "B T HV *channels"], beta: Float[Tensor, "B T HV"],
+    scale: float | None = None, initial_state: Float[Tensor, "N HV K V"] | None = None,
+    output_final_state: bool = False, use_qk_l2norm_in_kernel: bool = False,
+    cu_seqlens: Integer[Tensor, " N1"] | None = None,
     *, bugs: frozenset[str] = frozenset(), chunk: int = 64,
 ) -> tuple[Float[Tensor, "B T HV V"], Float[Tensor, "_ HV K V"] | None]:  # fmt: skip
     """The gated delta rule written apart from `attnref.linear`, token by token in chunks
     of ``chunk`` as a kernel walks them, in float32 (float64 for float64 inputs); the
-    host of the mutants, each of ``bugs`` one point of class 37:
+    host of the mutants, each of ``bugs`` one point of class 37 (``g`` one decay a value
+    head, or KDA's one a key channel):
 
     ``tail_state_dropped`` (the final state taken before the last, partial chunk);
     ``tail_gate_at_chunk_end`` (the partial chunk's tokens decayed by the gate a full
@@ -611,10 +741,21 @@ def plain_gated_delta(
     ``gva_modulo`` (value head ``j`` reads head ``j % H``);
     ``ratio_of_exps`` (a chunk's decays as ``exp(G_i) / exp(G_j)`` of its running sum);
     ``scale_ignored`` (always ``K ** -0.5``); ``l2norm_keys_only`` (the queries not
-    normed)."""
+    normed). Their outputs are right, their gradients not: ``grad_beta_detached`` (no
+    gradient reaches ``beta``); ``grad_tail_gate_detached`` (none reaches the gates of
+    the last, partial chunk); ``grad_initial_detached`` (none reaches the initial
+    states); ``grad_final_detached`` (the final states returned without their graph).
+    ``kda_gate_mean``: KDA's decays a key channel taken as their mean, one a head (a kernel
+    of Gated DeltaNet's decay given KDA's)."""
     dtype = q.dtype
     work = torch.float64 if dtype == torch.float64 else torch.float32
     qf, kf, vf, gf, bf = (x.to(work) for x in (q, k, v, g, beta))
+    if "grad_beta_detached" in bugs:
+        bf = bf.detach()
+    if "kda_gate_mean" in bugs and gf.dim() == 4:
+        gf = gf.mean(-1)
+    # the state (HV, K, V) is decayed by (HV,) a head, or (HV, K) a key channel
+    per_key = gf.dim() == 4
     B, T, H, K = qf.shape
     HV, V = vf.shape[2], vf.shape[3]
     if use_qk_l2norm_in_kernel:
@@ -638,24 +779,29 @@ def plain_gated_delta(
             S = vf.new_zeros(HV, K, V)
         else:
             S = initial_state[n].to(work).clone()
+            if "grad_initial_detached" in bugs:
+                S = S.detach()
         if "state_crosses" in bugs and prev_final is not None:
             S = prev_final.clone()
         for c0 in range(start, end, chunk):
             c1 = min(end, c0 + chunk)
             before = S.clone()
-            run = torch.zeros(HV, dtype=work)
+            run = torch.zeros(gf.shape[2:], dtype=work)
             for t in range(c0, c1):
                 gt = gf[b, t]
                 if "tail_gate_at_chunk_end" in bugs and c1 - c0 < chunk:
                     last = min(c0 + chunk - 1, gf.shape[1] - 1)
                     gt = gf[b, last]
+                if "grad_tail_gate_detached" in bugs and c1 - c0 < chunk:
+                    gt = gt.detach()
                 if "ratio_of_exps" in bugs:
                     decay = torch.exp(run + gt) / torch.exp(run)
                     run = run + gt
                 else:
                     decay = torch.exp(gt)
+                decay = decay[:, :, None] if per_key else decay[:, None, None]
                 if "decay_after_update" not in bugs:
-                    S = S * decay[:, None, None]
+                    S = S * decay
                 pred = torch.einsum("hkv,hk->hv", S, kf[b, t])
                 if "beta_outside" in bugs:
                     u = bf[b, t][:, None] * vf[b, t] - pred
@@ -663,7 +809,7 @@ def plain_gated_delta(
                     u = bf[b, t][:, None] * (vf[b, t] - pred)
                 new = S + kf[b, t][:, :, None] * u[:, None, :]
                 if "decay_after_update" in bugs:
-                    new = new * decay[:, None, None]
+                    new = new * decay
                 read = S if "read_before_update" in bugs else new
                 o[b, t] = scale * torch.einsum("hkv,hk->hv", read, qf[b, t])
                 S = new
@@ -674,6 +820,8 @@ def plain_gated_delta(
     if "final_of_last" in bugs and finals:
         finals = [finals[-1]] * len(finals)
     final = torch.stack(finals) if finals else vf.new_zeros(0, HV, K, V)
+    if "grad_final_detached" in bugs:
+        final = final.detach()
     states = state_dtype(dtype)
     return o.to(dtype), (final.to(states) if output_final_state else None)
 
@@ -691,7 +839,8 @@ def _in_float32(
     ) -> tuple[Tensor, Tensor | None]:  # fmt: skip
         work = torch.float64 if q.dtype == torch.float64 else torch.float32
         o, final = rule(
-            q.to(work), k.to(work), v.to(work), g.to(work), beta.to(work), scale=scale,
+            q.to(work), k.to(work), v.to(work), beta=beta.to(work), **_gates(g.to(work)),
+            scale=scale,
             initial_state=None if initial_state is None else initial_state.to(work),
             l2norm_qk=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens,
         )  # fmt: skip
@@ -708,7 +857,10 @@ _recurrent = _in_float32(gated_delta_rule, "_recurrent",
                          "attnref's `gated_delta_rule` in float32.")  # fmt: skip
 
 
-_OURS = replace(FLA_CHUNK, gate_neg_inf=True)
+_OURS = replace(FLA_CHUNK, gate_neg_inf=True, gradients=True)
+#: KDA as fla's ``chunk_kda`` takes it: a decay a key channel, no GVA (``q``, ``k`` and
+#: ``g`` of one shape)
+_KDA = replace(_OURS, linear_gate="key", gqa=False)
 
 
 def _builtins() -> list[Backend]:
@@ -719,6 +871,9 @@ def _builtins() -> list[Backend]:
         Backend("gated-delta-recurrent", _recurrent,
                 "attnref's gated delta recurrence, token by token, in float32", _OURS,
                 api=NAME),
+        Backend("gated-delta-kda-recurrent", _recurrent,
+                "attnref's gated delta recurrence with KDA's decay a key channel (g of (B, "
+                "T, H, K), fla's chunk_kda), token by token, in float32", _KDA, api=NAME),
     ]  # fmt: skip
 
 
@@ -740,9 +895,8 @@ def _mutant_fn(self: Mutant) -> Callable[..., Any]:
 
 
 _LIKE: dict[str, Any] = {"api": NAME, "capabilities": _OURS}
-MUTANTS: tuple[Mutant, ...] = tuple(
-    Mutant(f"gdn_{bug}", LINEAR, summary, {bug: True}, **_LIKE)
-    for bug, summary in (
+MUTANTS: tuple[Mutant, ...] = (
+    *(Mutant(f"gdn_{bug}", LINEAR, summary, {bug: True}, **_LIKE) for bug, summary in (
         ("tail_state_dropped", "the final state taken before the last, partial chunk"),
         ("tail_gate_at_chunk_end", "a partial chunk's tokens decayed by the gate at the "
          "full chunk's end (read past the sequence)"),
@@ -758,7 +912,15 @@ MUTANTS: tuple[Mutant, ...] = tuple(
          "(0 / 0 once it underflows)"),
         ("scale_ignored", "the scale argument ignored (always K ** -0.5)"),
         ("l2norm_keys_only", "the in-kernel L2 norm applied to the keys only"),
-    )
+        ("grad_beta_detached", "beta detached: no gradient reaches it (dbeta None)"),
+        ("grad_tail_gate_detached", "the gates of the last, partial chunk detached: dg "
+         "0 there"),
+        ("grad_initial_detached", "the initial states detached: no gradient reaches them"),
+        ("grad_final_detached", "the final states returned detached: their upstream "
+         "gradient reaches nothing"),
+    )),
+    Mutant("gdn_kda_gate_mean", LINEAR, "KDA's decays a key channel taken as their mean, "
+           "one a head", {"kda_gate_mean": True}, api=NAME, capabilities=_KDA),
 )  # fmt: skip
 
 
@@ -823,8 +985,9 @@ def load(name):
 
 def recurrence(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
                use_qk_l2norm_in_kernel=False, cu_seqlens=None):
-    """The gated delta rule token by token in float64: for each token, S = exp(g) S;
-    u = beta (v - S^T k); S = S + k u^T; o = S^T (scale q)."""
+    """The gated delta rule token by token in float64: for each token, S = exp(g) S
+    (KDA's g (B, T, HV, K): diag(exp(g)) S); u = beta (v - S^T k); S = S + k u^T;
+    o = S^T (scale q)."""
     q, k, v, g, beta = (x.double() for x in (q, k, v, g, beta))
     if use_qk_l2norm_in_kernel:
         q = q / torch.sqrt((q * q).sum(-1, keepdim=True) + 1e-6)
@@ -845,12 +1008,44 @@ def recurrence(q, k, v, g, beta, scale=None, initial_state=None, output_final_st
         if initial_state is not None:
             S = initial_state[n].double().clone()
         for t in range(start, end):
-            S = S * g[b, t].exp()[:, None, None]
+            decay = g[b, t].exp()  # one a value head, or (KDA) one a key channel
+            S = S * (decay[:, :, None] if decay.dim() == 2 else decay[:, None, None])
             u = beta[b, t][:, None] * (v[b, t] - torch.einsum("hkv,hk->hv", S, k[b, t]))
             S = S + k[b, t][:, :, None] * u[:, None, :]
             o[b, t] = torch.einsum("hkv,hk->hv", S, scale * q[b, t])
         finals.append(S)
     return o, torch.stack(finals)
+
+
+def call(fn, record, rule=None):
+    """``fn`` on one recorded call: its ``(o, final_state)``; for a gradient call, the
+    gradients of the arguments the audit made leaves (``record["leaves"]``: positions or
+    keywords), from the upstream gradients it gave the output and the final states, as a
+    training loop's backward() leaves them."""
+    args = [x.clone() if isinstance(x, torch.Tensor) else x for x in record["args"]]
+    kwargs = {n: x.clone() if isinstance(x, torch.Tensor) else x
+              for n, x in record["kwargs"].items()}
+    if rule is not None:  # the recurrence: float64 on the very inputs
+        args[:5] = [x.double() for x in args[:5]]
+        if isinstance(kwargs.get("initial_state"), torch.Tensor):
+            kwargs["initial_state"] = kwargs["initial_state"].double()
+        kwargs.pop("output_final_state", None)
+        fn = rule
+    leaves, d_out = record.get("leaves") or [], record.get("d_out")
+    if d_out is None or not leaves:
+        return fn(*args, **kwargs)
+    chosen = []
+    for name in leaves:
+        box = kwargs if isinstance(name, str) else args
+        box[name] = box[name].detach().requires_grad_(True)
+        chosen.append(box[name])
+    returned = fn(*args, **kwargs)
+    pairs = [(r, d) for r, d in zip(returned, d_out) if d is not None]
+    for r, _ in pairs:
+        if not isinstance(r, torch.Tensor) or not r.requires_grad:
+            raise RuntimeError("a result given an upstream gradient does not require grad")
+    torch.autograd.backward([r for r, _ in pairs], [d.to(r.dtype) for r, d in pairs])
+    return tuple(t.grad for t in chosen)
 
 
 def main():
@@ -869,28 +1064,37 @@ def main():
     for answer in answers:
         if answer["call"] is None:
             continue
-        call = calls[answer["call"]]
-        o, final = fn(*call["args"], **call["kwargs"])
-        again_o, again_s = recurrence(*call["args"], **call["kwargs"])
-        gap = max(float((again_o - answer["output"]).abs().max()),
-                  float((again_s - answer["state"]).abs().max()))
+        record = calls[answer["call"]]
+        try:
+            got = call(fn, record)
+        except Exception as e:
+            print(f"FAIL: the bug shows: call {answer['call']} raised {type(e).__name__}: {e}")
+            return 1
+        again = call(None, record, rule=recurrence)
+        if "grads" in answer:  # a gradient call: its leaves' gradients, in order
+            names = list(answer["grads"])
+            parts = [(n, got[i] if i < len(got) else None, answer["grads"][n],
+                      answer["grad_bounds"][n], again[i]) for i, n in enumerate(names)]
+        else:
+            parts = [("output", got[0], answer["output"], answer["output_bound"], again[0]),
+                     ("final state", got[1], answer["state"], answer["state_bound"], again[1])]
+        gap = max(float((a.detach() - want).abs().max()) for _, _, want, _, a in parts)
         print(f"call {answer['call']}: the recurrence again in plain torch is {gap:.3g} "
               "from expected.pt")
-        for what, got, want, bound in (("output", o, answer["output"], answer["output_bound"]),
-                                       ("final state", final, answer["state"],
-                                        answer["state_bound"])):
-            if got is None:
-                print(f"  {what}: the function returned None")
+        for what, got_x, want, bound, _ in parts:
+            if got_x is None:
+                print(f"  {what}: None (no value returned, or no gradient reaches it)")
                 failed = True
                 continue
-            error = (got.detach().double() - want).abs().nan_to_num(nan=torch.inf)
+            error = (got_x.detach().double() - want).abs().nan_to_num(nan=torch.inf)
             big = float(error.max()) if error.numel() else 0.0
+            mean = float(error.mean()) if error.numel() else 0.0
             at = tuple(int(i) for i in (error == error.max()).nonzero()[0]) if error.numel() else ()
-            shown = (f"got {float(got[at]):.9g}, expected {float(want[at]):.9g} (float64); "
+            shown = (f"got {float(got_x[at]):.9g}, expected {float(want[at]):.9g} (float64); "
                      if at else "")
-            print(f"  {what}: worst element {at}: {shown}error {big:.3g}, bound "
-                  f"{float(bound[0]):.3g}")
-            failed = failed or big > float(bound[0])
+            print(f"  {what}: worst element {at}: {shown}error {big:.3g} (bound "
+                  f"{float(bound[0]):.3g}), mean error {mean:.3g} (bound {float(bound[1]):.3g})")
+            failed = failed or big > float(bound[0]) or mean > float(bound[1])
     if failed:
         print("FAIL: the bug shows")
         return 1
@@ -931,6 +1135,8 @@ def _prefill_workload(case: ServingCase) -> Workload:
         return arguments(build_call(drawn, dtype, case.device, FLA_CHUNK))
 
     def refused(caps: Capabilities) -> str | None:
+        if caps.linear_gate != "head":
+            return "a decay a key channel (KDA, linear_gate='key') is not benched yet"
         if not caps.qk_l2norm:
             return "use_qk_l2norm_in_kernel not declared (qk_l2norm)"
         if len(lengths) > 1 and not caps.linear_packed:

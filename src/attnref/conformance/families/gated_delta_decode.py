@@ -133,6 +133,9 @@ def _starts(pc: PoolCall) -> Tensor:
 
 
 def _declared(caps: Capabilities, pc: PoolCall) -> None:
+    if caps.linear_gate != "head":
+        raise Skip("the serving form is audited with a decay a value head only (KDA's a key "
+                   "channel, linear_gate='key', is not yet)")  # fmt: skip
     if not caps.state_pool:
         raise Skip("a pool of states (ssm_state_indices) not declared (state_pool)")
     if pc.accepted is not None and not caps.speculative:
