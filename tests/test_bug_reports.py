@@ -25,6 +25,9 @@ from attnref.conformance.runner import check_case
 KERNELS = [
     ("forward", "tests.plain_kernels:scale_off_by_two",
      "torch.nn.functional:scaled_dot_product_attention", "sdpa", torch.float32),
+    # a series of calls (buffers reused): each call recorded alone, repro.py makes it so
+    ("fresh_values", "tests.plain_kernels:scale_off_by_two",
+     "torch.nn.functional:scaled_dot_product_attention", "sdpa", torch.float32),
     ("gradient", "tests.plain_kernels:gradient_doubled",
      "torch.nn.functional:scaled_dot_product_attention", "sdpa", torch.float32),
     ("variants", "tests.planted_flash:sink_scaled", "tests.planted_flash:correct", "flash",
@@ -132,3 +135,45 @@ def test_each_finding_of_a_planted_kernel_is_a_report_that_reproduces_it(
                    profile=kill)  # fmt: skip
     assert not report.ok, report.format_table()
     assert_reports_reproduce(report, right, tmp_path)
+
+
+@pytest.mark.parametrize("api", ["sdpa", "gated-delta"])
+def test_an_interpreted_triton_kernel_s_repro_runs_it_interpreted_where_no_gpu_is(
+    api: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A kernel the audit ran through Triton's interpreter: repro.py sets
+    ``TRITON_INTERPRET=1`` before the kernel's module is imported, where there is no GPU
+    (and nothing for a native kernel)."""
+    native = _repro("k:f", api, "t")
+    interpreted = _repro("k:f", api, "t", "triton")
+    assert "TRITON_INTERPRET" not in native
+    assert interpreted.index("TRITON_INTERPRET") < interpreted.index("def main")
+    script = tmp_path / "repro.py"
+    script.write_text(interpreted)
+    monkeypatch.setenv("TRITON_INTERPRET", "")  # restored as it was after the test
+    monkeypatch.delenv("TRITON_INTERPRET")
+    monkeypatch.setattr(sys, "argv", [str(script), "--backend", ""])
+    with pytest.raises(SystemExit) as stop:  # its main refuses a backend of attnref's own
+        runpy.run_path(str(script), run_name="__main__")
+    assert stop.value.code == 2
+    import os
+
+    assert os.environ.get("TRITON_INTERPRET") == ("1" if not torch.cuda.is_available() else None)
+
+
+def test_the_real_kernels_reports_in_docs_import_no_attnref() -> None:
+    """docs/bug-reports/ (SGLang's kernels): each finding folder is whole, and its
+    repro.py imports torch, the standard library and the backend's module only (their
+    running needs SGLang and Triton: docs/bug-reports/README.md says how they ran)."""
+    import ast
+
+    folders = sorted((Path(__file__).parents[1] / "docs" / "bug-reports").glob("*/finding-*"))
+    assert folders
+    for folder in folders:
+        assert {p.name for p in folder.iterdir()} >= {"repro.py", "REPORT.md", "inputs.pt",
+                                                      "expected.pt"}  # fmt: skip
+        tree = ast.parse((folder / "repro.py").read_text())
+        imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        imported |= {n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+        assert not any(m.split(".")[0] == "attnref" for m in imported), folder
+        assert "TRITON_INTERPRET" in (folder / "repro.py").read_text(), folder

@@ -19,6 +19,9 @@ descales). It returns no LSE.
 What importing it took (``nox -s peers`` does this): SGLang's wheel installed
 ``--no-deps``, and the pure-Python packages that ``sglang.srt.environ`` and
 ``sglang.srt.utils`` import (pinned in examples/adapters/constraints.txt).
+
+The module imports attnref only for its declaration, where attnref is installed: a bug
+report's repro.py (docs/reports.md) calls ``decode`` with torch, SGLang and this file.
 """
 
 from dataclasses import replace
@@ -27,11 +30,29 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from attnref.conformance.families.flash_kvcache import FLASH_ATTN_2_KVCACHE
-from attnref.kvcache import cache_slots, cached_lengths
-
 #: KV splits a row, as SGLang's scheduler picks for short contexts
 SPLITS = 4
+
+
+def _cached_lengths(cache_seqlens: Tensor | int | None, B: int, capacity: int,
+                    T_new: int) -> list[int]:  # fmt: skip
+    """The tokens already in each of the ``B`` rows (FlashAttention's rule: none given,
+    the cache is full but for the ``T_new`` appended ones)."""
+    if cache_seqlens is None:
+        return [capacity - T_new] * B
+    if isinstance(cache_seqlens, int):
+        return [cache_seqlens] * B
+    return [int(x) for x in cache_seqlens.tolist()]
+
+
+def _cache_slots(b: int, positions: range, block_table: Tensor | None, page: int,
+                 row: int) -> list[tuple[int, int]]:  # fmt: skip
+    """``(cache row or physical page, slot)`` of each logical position of batch row
+    ``b`` (``row``: its cache row, for a contiguous cache)."""
+    if block_table is None:
+        return [(row, p) for p in positions]
+    pages = block_table[b].tolist()
+    return [(int(pages[p // page]), p % page) for p in positions]
 
 
 def slot_pool(
@@ -53,14 +74,15 @@ def slot_pool(
     page = k_cache.shape[1]
     capacity = page if block_table is None else block_table.shape[1] * page
     # the tokens already cached (FlashAttention's rule: none given, the cache is full)
-    before = cached_lengths(cache_seqlens, B, capacity, T_new)
+    before = _cached_lengths(cache_seqlens, B, capacity, T_new)
     slots = []
     for b, n in enumerate(before):
         row = b if cache_batch_idx is None else int(cache_batch_idx[b])
         if k is not None and v is not None:  # in place, in the caller's cache
-            for t, (r, s) in enumerate(cache_slots(b, range(n, n + T_new), block_table, page, row)):
+            new = _cache_slots(b, range(n, n + T_new), block_table, page, row)
+            for t, (r, s) in enumerate(new):
                 k_cache[r, s], v_cache[r, s] = k[b, t], v[b, t]
-        where = cache_slots(b, range(n + T_new), block_table, page, row)
+        where = _cache_slots(b, range(n + T_new), block_table, page, row)
         slots.append(torch.tensor([r * page + s for r, s in where], dtype=torch.int64))
     return slots, k_cache.reshape(-1, *k_cache.shape[2:]), v_cache.reshape(-1, *v_cache.shape[2:])
 
@@ -107,20 +129,28 @@ def decode(
     return out.unsqueeze(1)
 
 
-decode.capabilities = replace(  # type: ignore[attr-defined]
-    FLASH_ATTN_2_KVCACHE,
-    dtypes=(torch.float32, torch.float16, torch.bfloat16),
-    window=False,
-    softcap=False,
-    alibi=False,
-    rotary=False,
-    lse=False,
-    sinks=True,
-    distinct_value_dim=True,
-    page_multiple=1,
-    single_query=True,
-    empty_sequences=False,
-    interpreter="triton",
-    tile_keys=32,
-    kv_splits=SPLITS,
-)
+def _declare() -> None:
+    try:
+        from attnref.conformance.families.flash_kvcache import FLASH_ATTN_2_KVCACHE
+    except ImportError:  # a bug report's repro.py, without attnref
+        return
+    decode.capabilities = replace(  # type: ignore[attr-defined]
+        FLASH_ATTN_2_KVCACHE,
+        dtypes=(torch.float32, torch.float16, torch.bfloat16),
+        window=False,
+        softcap=False,
+        alibi=False,
+        rotary=False,
+        lse=False,
+        sinks=True,
+        distinct_value_dim=True,
+        page_multiple=1,
+        single_query=True,
+        empty_sequences=False,
+        interpreter="triton",
+        tile_keys=32,
+        kv_splits=SPLITS,
+    )
+
+
+_declare()

@@ -15,7 +15,8 @@ log) is returned as the LSE; it counts the sink (``lse_with_sink``). On a CPU it
 are 64 x 64 (its table's fallback for head dims up to 128; 32 x 32 above). Its window
 (``sliding_window_size``), ``logit_cap``, custom mask and FP8 scales are not audited
 here. Importing it takes what ``examples.adapters.sglang_decode`` says, whose slot pool
-(``slot_pool``, ``offsets``) it shares.
+(``slot_pool``, ``offsets``) it shares. Like it, the module imports attnref only for its
+declaration: a bug report's repro.py runs it without attnref.
 """
 
 from dataclasses import replace
@@ -24,7 +25,6 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from attnref.conformance.families.flash_kvcache import FLASH_ATTN_2_KVCACHE
 from examples.adapters.sglang_decode import offsets, slot_pool
 
 #: the adapter's error for a call SGLang's extend cannot express (declared a refusal)
@@ -77,21 +77,29 @@ def extend(
     return result, lse.reshape(B, Tq, H).transpose(1, 2).contiguous()
 
 
-extend.capabilities = replace(  # type: ignore[attr-defined]
-    FLASH_ATTN_2_KVCACHE,
-    dtypes=(torch.float32, torch.float16, torch.bfloat16),
-    window=False,
-    softcap=False,
-    alibi=False,
-    rotary=False,
-    sinks=True,
-    lse_with_sink=True,
-    distinct_value_dim=True,
-    page_multiple=1,
-    queries_at_most_keys=True,
-    empty_sequences=False,
-    refuses=(REFUSAL,),
-    interpreter="triton",
-    tile_queries=64,
-    tile_keys=64,
-)
+def _declare() -> None:
+    try:
+        from attnref.conformance.families.flash_kvcache import FLASH_ATTN_2_KVCACHE
+    except ImportError:  # a bug report's repro.py, without attnref
+        return
+    extend.capabilities = replace(  # type: ignore[attr-defined]
+        FLASH_ATTN_2_KVCACHE,
+        dtypes=(torch.float32, torch.float16, torch.bfloat16),
+        window=False,
+        softcap=False,
+        alibi=False,
+        rotary=False,
+        sinks=True,
+        lse_with_sink=True,
+        distinct_value_dim=True,
+        page_multiple=1,
+        queries_at_most_keys=True,
+        empty_sequences=False,
+        refuses=(REFUSAL,),
+        interpreter="triton",
+        tile_queries=64,
+        tile_keys=64,
+    )
+
+
+_declare()

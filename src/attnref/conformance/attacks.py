@@ -20,7 +20,14 @@ from jaxtyping import Float
 from torch import Tensor
 
 from attnref._checking import checked_internal
-from attnref.conformance.calls import arguments, check_output, digest, invoke, raise_for_error
+from attnref.conformance.calls import (
+    arguments,
+    check_output,
+    digest,
+    invoke,
+    note_reading,
+    raise_for_error,
+)
 from attnref.conformance.cases import Case, Inputs, build
 from attnref.conformance.checks import Context
 from attnref.conformance.oracle import close
@@ -152,6 +159,14 @@ def fresh_values(ctx: Context, case: Case) -> None:
         if wrong is None or isinstance(verdict, Skip):
             raise verdict
         out, failure = wrong, verdict
+        inputs = sets[which]
+
+        # where a bug report's repro.py reads this call's output (each call of the
+        # series recorded as one of its own)
+        def read(r: object, x: Inputs = inputs) -> list[tuple[Inputs, object, None]]:
+            return [(x, ctx.family.read(r, x, False)[0], None)]
+
+        note_reading(ctx.executor, replies[i], read, series_call=i)
         own = v_digest(i)
         if (
             not bool(torch.isfinite(out).all())

@@ -35,6 +35,8 @@ import re
 import shutil
 from pathlib import Path
 
+import torch
+
 from attnref.conformance.report import AuditReport, PropertyResult
 from attnref.devices import dtype_name
 
@@ -63,7 +65,8 @@ def write_bug_reports(report: AuditReport, folder: Path, *, timeout: float = 60.
             api=report.api, timeout=timeout, save=where,
         )  # fmt: skip
         spec = report.backend if _is_module_spec(report.backend) else ""
-        (where / "repro.py").write_text(_repro(spec, report.api, title))
+        interpreter = (report.interpreted or {}).get("interpreter")
+        (where / "repro.py").write_text(_repro(spec, report.api, title, interpreter))
         (where / "REPORT.md").write_text(_markdown(report, title, head, verdict, spec))
         written.append(where)
     return written
@@ -83,6 +86,27 @@ def _version(spec: str) -> str:
         return f"{top} {importlib.metadata.version(top)}"
     except importlib.metadata.PackageNotFoundError:
         return f"{top} (no installed version: a local module)"
+
+
+def _interpreted(report: AuditReport, head: PropertyResult) -> str:
+    """REPORT.md's paragraph on an interpreted kernel (empty for a native one)."""
+    record = report.interpreted or {}
+    if record.get("interpreter") != "triton":
+        return ""
+    patched = record.get("patched") or "nothing"
+    bf16 = (
+        " This finding is in bfloat16, which Triton's interpreter as installed computes "
+        "on the raw bits: on a CPU, repro.py may show the interpreter's error rather than "
+        "the kernel's; run it on a GPU before filing it."
+        if head.dtype == torch.bfloat16 and patched != "nothing"
+        else ""
+    )
+    return (
+        f"\n**Run through Triton's interpreter.** The audit ran the kernel on a CPU through "
+        f"Triton {record.get('version', '?')}'s interpreter (`TRITON_INTERPRET=1`, which "
+        f"repro.py sets where no GPU is); attnref patched there: {patched}. On a GPU, "
+        f"repro.py runs the kernel natively.{bf16}\n"
+    )
 
 
 def _markdown(
@@ -133,7 +157,7 @@ the function received (`inputs.pt`).
 ```
 
 Checked again when this report was written: {verdict}
-
+{_interpreted(report, head)}
 **Versions.** {_version(spec) if spec else "attnref's own backend"}; torch
 {report.versions[1]}; Python {platform.python_version()} on {platform.platform()}; found
 by attnref {report.versions[0]} (`attnref audit`, profile {report.profile}, seed
@@ -141,14 +165,35 @@ by attnref {report.versions[0]} (`attnref audit`, profile {report.profile}, seed
 """
 
 
-def _repro(spec: str, api: str, title: str) -> str:
-    """repro.py's text: plain torch and the standard library, and the backend's module."""
+def _repro(spec: str, api: str, title: str, interpreter: str | None = None) -> str:
+    """repro.py's text: plain torch and the standard library, and the backend's module;
+    for a Triton kernel the audit ran through Triton's interpreter, the script runs it so
+    too where there is no GPU (`TRITON_INTERPRETED`)."""
     from attnref.conformance.family import get_family
 
     family = get_family(api)
     if family.repro_script is not None:  # a convention of its own (Convention.repro_script)
-        return family.repro_script(json.dumps(title), json.dumps(spec), json.dumps(api))
-    return REPRO.format(title=json.dumps(title), spec=json.dumps(spec), api=json.dumps(api))
+        text = family.repro_script(json.dumps(title), json.dumps(spec), json.dumps(api))
+    else:
+        text = REPRO.format(title=json.dumps(title), spec=json.dumps(spec), api=json.dumps(api))
+    if interpreter == "triton":
+        marker = "HERE = Path(__file__).resolve().parent\n"
+        assert marker in text, "a repro.py template names HERE"
+        text = text.replace(marker, marker + TRITON_INTERPRETED, 1)
+    return text
+
+
+#: what repro.py adds for a Triton kernel the audit ran through Triton's interpreter
+TRITON_INTERPRETED = """
+# the audit ran this Triton kernel through Triton's interpreter on a CPU: so does this
+# script where there is no GPU (set before the kernel's module is imported; on a GPU it
+# runs natively). attnref's audit also patched the interpreter where its own check
+# failed (REPORT.md says where); this script runs Triton as installed.
+if not torch.cuda.is_available():
+    import os
+
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+"""
 
 
 REPRO = '''"""Reproduce: {title}

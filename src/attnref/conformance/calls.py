@@ -340,14 +340,17 @@ def call_lse(
 Reader = Callable[[object], Iterable[tuple[Inputs, object, object | None]]]
 
 
-def note_reading(executor: Executor | None, raw: object, read: Reader) -> None:
+def note_reading(
+    executor: Executor | None, raw: object, read: Reader, series_call: int | None = None
+) -> None:
     """Tell an executor that records its calls (`attnref.conformance.runner.Recording`,
     behind ``check_case``'s ``save``) how the result ``raw`` of its last call is read:
     where each judged output and log-sum-exp lies in what the backend returned. A bug
-    report's repro.py reads the backend's answer there, with no attnref to read it."""
+    report's repro.py reads the backend's answer there, with no attnref to read it.
+    ``series_call``: ``raw`` is that call's of the last `Series`, not the last call's."""
     note = getattr(executor, "reading", None)
     if note is not None:
-        note(raw, read, False)
+        note(raw, read, False, series_call)
 
 
 def note_failed_call(executor: Executor | None, make: Callable[[], object], read: Reader) -> None:

@@ -32,6 +32,7 @@ from attnref.conformance.cases import Case
 from attnref.conformance.coverage import add as add_coverage
 from attnref.conformance.declarations import Backend, BackendError, Capabilities
 from attnref.conformance.family import get_family
+from attnref.conformance.jobs import InternalError, Raised, Series, series_outcomes
 from attnref.conformance.judges import Judges, Setup, wait_after_timeout
 from attnref.conformance.launch import Launch, calibrate
 from attnref.conformance.needs import needs
@@ -987,6 +988,9 @@ class Recording:
         self.shapes: dict[int, list[list[int]]] = {}
         #: the last call's index, its probe and the number of elements it returned
         self.probe: tuple[int, object, int] | None = None
+        #: the index of the first call of the last `Series` (its calls are recorded
+        #: one by one)
+        self.series_start = 0
 
     def locate(self, read: Callable[[object], object]) -> tuple[int, Tensor] | None:
         """The last call's index and the flat positions of the part ``read`` picks from
@@ -1009,21 +1013,38 @@ class Recording:
         except BaseException:
             self.calls.append((job, None))
             raise
-        self.calls.append((job, out))
+        if isinstance(job, Series):  # each of its calls, as repro.py makes it alone
+            self.series_start = len(self.calls)
+            try:
+                values = series_outcomes(out, len(job.calls))
+            except (Raised, InternalError):
+                values = [None] * len(job.calls)
+            for call, value in zip(job.calls, values, strict=True):
+                failed = isinstance(value, Raised | InternalError)
+                self.calls.append((call, None if failed else value))
+        else:
+            self.calls.append((job, out))
         return out
 
-    def reading(self, raw: object, read: Reader, failed: bool = False) -> None:
+    def reading(
+        self, raw: object, read: Reader, failed: bool = False, series_call: int | None = None
+    ) -> None:
         """How the result ``raw`` of the last call is read (`note_reading`): ``read``
         applied to a probe of ``raw`` whose tensors hold their own flat positions
         (counted from 1, so that a zero the reader made up is no position), kept where
         each part it reads is made of positions alone (a reader that computes, rounds or
         fills is not kept: repro.py then compares nothing of that call). ``failed``:
         the call failed, and ``raw`` is the result a correct one would return: its shapes
-        are kept as the call's (what repro.py reads a function swapped in by)."""
+        are kept as the call's (what repro.py reads a function swapped in by).
+        ``series_call``: ``raw`` is that call's of the last `Series` (each recorded as a
+        call of its own: repro.py calls it on fresh copies)."""
         leaves = _tensor_leaves(raw)
         total = sum(t.numel() for t in leaves)
         if not self.calls or not leaves or total > PROBE_ELEMENTS:
             return
+        call = len(self.calls) - 1
+        if series_call is not None:
+            call = self.series_start + series_call
         blocks, start = [], 1
         for t in leaves:
             blocks.append(
@@ -1031,12 +1052,11 @@ class Recording:
             )
             start += t.numel()
         probe = _rebuild(raw, iter(blocks))
-        self.probe = (len(self.calls) - 1, probe, total)
+        self.probe = (call, probe, total)
         try:
             parts = list(read(probe))
         except Exception:  # a reader that checks what a probe is not: nothing kept
             return
-        call = len(self.calls) - 1
         if failed:
             self.shapes[call] = [list(t.shape) for t in leaves]
         for inputs, out, lse in parts:
