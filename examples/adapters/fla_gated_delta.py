@@ -78,3 +78,37 @@ def recurrent(
 #: head), each looping over every token: its calls are held to smaller head dims
 FLA_RECURRENT = replace(FLA, max_call_work=2**15)
 recurrent.capabilities = FLA_RECURRENT  # type: ignore[attr-defined]
+
+
+def chunk_backward(*args: Any, **kwargs: Any) -> Any:
+    """fla's ``chunk_gated_delta_rule`` declared with its backward (``gradients``): the
+    same call, audited by ``gdn_gradient`` as well (fla's ``ChunkGatedDeltaRuleFunction``
+    returns ``dq, dk, dv, dg, dbeta`` and ``dh0``, and takes ``dht``)."""
+    return chunk(*args, **kwargs)
+
+
+chunk_backward.capabilities = replace(FLA, gradients=True)  # type: ignore[attr-defined]
+
+
+def kda(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    scale: float | None = None, initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False, use_qk_l2norm_in_kernel: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+) -> Any:  # fmt: skip
+    """fla's ``chunk_kda`` (KDA, Kimi Linear's linear attention): the family's call with
+    ``g`` a log decay a key channel, ``(B, T, H, K)``, the shape of ``q`` and ``k``."""
+    from fla.ops.kda import chunk_kda
+
+    return chunk_kda(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                     output_final_state=output_final_state,
+                     use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                     cu_seqlens=cu_seqlens)  # fmt: skip
+
+
+#: KDA as fla takes it: a decay a key channel, no GVA (q, k and g of one shape); its
+#: chunk kernels (a decay per key channel within the chunk) cost the interpreter more
+#: than the gated delta rule's: its calls are held to the fused recurrent's bound
+kda.capabilities = replace(  # type: ignore[attr-defined]
+    FLA, linear_gate="key", gqa=False, max_call_work=2**15
+)

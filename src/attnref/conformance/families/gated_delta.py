@@ -419,8 +419,10 @@ def _expected_grads(call: GdnCall, d_o: Tensor, d_s: Tensor | None) -> tuple[Exp
     """The float64 recurrence's gradients for ``call`` (`_grads`), each with its bound:
     the audit rule (`expected`'s), the reference there being the recurrence's backward
     in float32 on the rounded inputs, each gradient rounded to its argument's dtype; the
-    floor adds ``4 u M sqrt(chunks)`` with ``M`` the largest of that gradient, and what
-    forming decays from a chunk's running sums in float32 costs."""
+    floor adds ``8 u M sqrt(chunks)`` (twice the forward's: a backward rounds the
+    operands of its dots twice over), ``u`` the unit roundoff of the call's dtype and
+    ``M`` the largest of that gradient, and what forming decays from a chunk's running
+    sums in float32 costs (docs/linear.md)."""
     dtype = call.q.dtype
     g64 = _grads(call, d_o, d_s, torch.float64)
     if dtype == torch.float64:
@@ -439,7 +441,9 @@ def _expected_grads(call: GdnCall, d_o: Tensor, d_s: Tensor | None) -> tuple[Exp
         assert leaf is not None
         finite = exact[torch.isfinite(exact)].abs()
         M = max(1.0, float(finite.max()) if finite.numel() else 0.0)
-        floor = (TOLERANCES[leaf.dtype].atol + 4 * u * M * math.sqrt(chunks)
+        # twice the forward's rounding: a backward's dots take rounded operands twice
+        # over (the forward's factors it recomputes, then the upstream gradients)
+        floor = (TOLERANCES[leaf.dtype].atol + 8 * u * M * math.sqrt(chunks)
                  + 4 * u_c * _running_sums(call.g) * M)  # fmt: skip
         found.append(Expected(exact, (near - exact).abs(), floor, FUDGE))
     return tuple(found)
