@@ -46,7 +46,6 @@ ADAPTERS = [
     # transformers' torch paths for Qwen3-Next
     ("examples.adapters.fla_gated_delta:chunk", "fla"),
     ("examples.adapters.fla_gated_delta:recurrent", "fla"),
-    ("examples.adapters.fla_gated_delta:kda", "fla"),
     ("examples.adapters.hf_gated_delta:chunk", "transformers"),
     ("examples.adapters.hf_gated_delta:recurrent", "transformers"),
     ("examples.adapters.mlx_gated_delta:ops", "mlx_lm"),
@@ -64,7 +63,6 @@ FAMILIES = {
     "examples.adapters.sglang_sparse:single": "sparse-mla",
     "examples.adapters.fla_gated_delta:chunk": "gated-delta",
     "examples.adapters.fla_gated_delta:recurrent": "gated-delta",
-    "examples.adapters.fla_gated_delta:kda": "gated-delta",
     "examples.adapters.hf_gated_delta:chunk": "gated-delta",
     "examples.adapters.hf_gated_delta:recurrent": "gated-delta",
     "examples.adapters.mlx_gated_delta:ops": "gated-delta",
