@@ -180,3 +180,15 @@ def test_attnref_s_kda_recurrence_passes_every_property_it_declares() -> None:
                     [p.id for p in FAMILIES["gated-delta"].properties],
                     (torch.float32, torch.bfloat16))  # fmt: skip
     assert report.ok, report.format_table()
+
+
+@SLOW  # 10 s
+def test_a_call_that_fails_before_it_is_judged_is_a_report_that_reproduces_it(
+    request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
+    """A call that returns the wrong thing keeps what it was to be judged against, so
+    that its repro.py calls it again and sees it fail (it said "pass" with no answer)."""
+    report = _audit("tests.planted_linear:returns_output_only", "gated-delta",
+                    ["gdn_forward"], (torch.float32,))  # fmt: skip
+    assert not report.ok
+    reports_reproduce(request, report, "tests.planted_linear:right", tmp_path)

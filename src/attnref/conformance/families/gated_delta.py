@@ -295,13 +295,20 @@ def _declared(caps: Capabilities, call: GdnCall) -> None:
         raise Skip(f"{call.q.dtype} not declared")
 
 
-def _run_call(ctx: Context, call: GdnCall) -> tuple[Tensor, Tensor]:
+def _run_call(ctx: Context, call: GdnCall, exp: GdnExpected | None = None) -> tuple[Tensor, Tensor]:
     """The backend's ``(o, final_state)`` for ``call``, checked for type and shape, as
-    float64 (a wrong shape or type is a `Failure` naming what was expected)."""
+    float64 (a wrong shape or type is a `Failure` naming what was expected). ``exp``:
+    what the call is judged against, kept for a bug report where the call fails (its
+    repro.py then calls it again and sees it fail)."""
     _declared(ctx.caps, call)
     args, kwargs = arguments(call)
-    raw = invoke(ctx.backend, Job(args, kwargs), ctx.timeout, ctx.executor)
-    return _read_pair(raw, call)
+    try:
+        raw = invoke(ctx.backend, Job(args, kwargs), ctx.timeout, ctx.executor)
+        return _read_pair(raw, call)
+    except Failure:
+        if exp is not None:
+            _answer(ctx, exp)
+        raise
 
 
 def _read_pair(raw: object, call: GdnCall) -> tuple[Tensor, Tensor]:
@@ -331,10 +338,15 @@ def _judge_states(
 ) -> None:  # fmt: skip
     """``got_o`` and ``got_s`` (of the backend's last call) within ``exp``'s bounds
     (`close`), named by ``what``; kept for a bug report (`Context.answer`)."""
-    ctx.answer(output=exp.output.value, state=exp.state.value,
-               output_bound=exp.output.bounds(o_sel), state_bound=exp.state.bounds())  # fmt: skip
+    _answer(ctx, exp, o_sel)
     close(got_o, exp.output.value, *exp.output.bounds(o_sel), f"{what}: output", o_sel)
     close(got_s, exp.state.value, *exp.state.bounds(), f"{what}: final state")
+
+
+def _answer(ctx: Context, exp: GdnExpected, o_sel: Tensor | None = None) -> None:
+    """Keep what the backend's last call is judged against, for a bug report."""
+    ctx.answer(output=exp.output.value, state=exp.state.value,
+               output_bound=exp.output.bounds(o_sel), state_bound=exp.state.bounds())  # fmt: skip
 
 
 # --------------------------------------------------------------- the properties
@@ -343,8 +355,9 @@ def _judge_states(
 def _forward(ctx: Context, case: Case) -> None:
     """Output and final states of one call against the float64 recurrence."""
     call = build_call(case, ctx.dtype, ctx.device, ctx.caps)
-    o, s = _run_call(ctx, call)
-    _judge_states(ctx, o, s, expected(call), _named(call))
+    exp = expected(call)
+    o, s = _run_call(ctx, call, exp)
+    _judge_states(ctx, o, s, exp, _named(call))
 
 
 def _named(call: GdnCall) -> str:
@@ -364,12 +377,13 @@ def _continuation(ctx: Context, case: Case) -> None:
     s = min(max(1, int(case.option("split", T // 2))), T - 1)
     first = whole.part(0, s, whole.initial_state)
     exp1 = expected(first)
-    o1, s1 = _run_call(ctx, first)
+    o1, s1 = _run_call(ctx, first, exp1)
     _judge_states(ctx, o1, s1, exp1, f"tokens 0:{s} of {T}")
     handed = exp1.state.value.to(state_dtype(ctx.dtype)).to(ctx.device)
     second = whole.part(s, T, handed)
-    o2, s2 = _run_call(ctx, second)
-    _judge_states(ctx, o2, s2, expected(second), f"tokens {s}:{T} of {T}, from the state at {s}")
+    exp2 = expected(second)
+    o2, s2 = _run_call(ctx, second, exp2)
+    _judge_states(ctx, o2, s2, exp2, f"tokens {s}:{T} of {T}, from the state at {s}")
 
 
 def _gva(ctx: Context, case: Case) -> None:
@@ -377,7 +391,7 @@ def _gva(ctx: Context, case: Case) -> None:
     to the call with each query/key head repeated for its ``r`` value heads."""
     call = build_call(case, ctx.dtype, ctx.device, ctx.caps)
     exp = expected(call)
-    o, s = _run_call(ctx, call)
+    o, s = _run_call(ctx, call, exp)
     _judge_states(ctx, o, s, exp, _named(call))
     r = call.v.shape[2] // call.q.shape[2]
     wide = replace(call, q=call.q.repeat_interleave(r, 2), k=call.k.repeat_interleave(r, 2))
@@ -435,6 +449,7 @@ def _expected_grads(call: GdnCall, d_o: Tensor, d_s: Tensor | None) -> tuple[Exp
         low = tuple(x.to(d).double() for x, d in zip(g32, dtypes, strict=True))
     chunks = max(1, -(-call.q.shape[1] // 64))
     u, u_c = torch.finfo(dtype).eps / 2, torch.finfo(_gate_dtype(dtype)).eps / 2
+    sums = _running_sums(call.g)
     found = []
     for exact, near, leaf in zip(g64, low, (call.q, call.k, call.v, call.g, call.beta,
                                             call.initial_state), strict=False):  # fmt: skip
@@ -444,7 +459,7 @@ def _expected_grads(call: GdnCall, d_o: Tensor, d_s: Tensor | None) -> tuple[Exp
         # twice the forward's rounding: a backward's dots take rounded operands twice
         # over (the forward's factors it recomputes, then the upstream gradients)
         floor = (TOLERANCES[leaf.dtype].atol + 8 * u * M * math.sqrt(chunks)
-                 + 4 * u_c * _running_sums(call.g) * M)  # fmt: skip
+                 + 4 * u_c * sums * M)  # fmt: skip
         found.append(Expected(exact, (near - exact).abs(), floor, FUDGE))
     return tuple(found)
 
@@ -468,10 +483,20 @@ def _gradient(ctx: Context, case: Case) -> None:
     if call.initial_state is not None:
         leaves += ("initial_state",)
     job = Job(args, kwargs, (d_o, d_s), leaves=leaves)
-    got = invoke(ctx.backend, job, ctx.timeout, ctx.executor)
+
+    def answer(exp: tuple[Expected, ...]) -> None:  # for a bug report, failed or not
+        ctx.answer(
+            grads={n: e.value for n, e in zip(GRADS, exp, strict=False)},
+            grad_bounds={n: e.bounds() for n, e in zip(GRADS, exp, strict=False)},
+        )
+
+    try:
+        got = invoke(ctx.backend, job, ctx.timeout, ctx.executor)
+    except Failure:
+        answer(_expected_grads(call, d_o, d_s))
+        raise
     exp = _expected_grads(call, d_o, d_s)
-    ctx.answer(grads={n: e.value for n, e in zip(GRADS, exp, strict=False)},
-               grad_bounds={n: e.bounds() for n, e in zip(GRADS, exp, strict=False)})  # fmt: skip
+    answer(exp)
     if not isinstance(got, tuple) or len(got) != len(leaves):
         raise Failure(f"the backward returned {type(got).__name__}, expected {len(leaves)} "
                       "gradients")  # fmt: skip
@@ -1064,6 +1089,10 @@ def main():
     for part in name.split("."):
         fn = getattr(fn, part)
     calls, answers = load("inputs.pt")["calls"], load("expected.pt")["answers"]
+    if not any(answer["call"] is not None for answer in answers):
+        print("no answer of expected.pt names a call: inputs.pt and expected.pt hold the "
+              "finding's tensors")
+        return 2
     failed = False
     for answer in answers:
         if answer["call"] is None:
@@ -1073,6 +1102,10 @@ def main():
             got = call(fn, record)
         except Exception as e:
             print(f"FAIL: the bug shows: call {answer['call']} raised {type(e).__name__}: {e}")
+            return 1
+        if not isinstance(got, (tuple, list)) or len(got) < 2 + 3 * ("grads" in answer):
+            print(f"FAIL: the bug shows: call {answer['call']} returned "
+                  f"{type(got).__name__}, not (o, final_state) or its gradients")
             return 1
         again = call(None, record, rule=recurrence)
         if "grads" in answer:  # a gradient call: its leaves' gradients, in order
