@@ -148,3 +148,26 @@ def flashmla_signature(
 
 
 flashmla_signature.capabilities = CLAIMS  # type: ignore[attr-defined]
+
+
+def without_lse(
+    q: Tensor,
+    k_cache: Tensor,
+    block_table: Tensor,
+    cache_seqlens: Tensor,
+    head_dim_v: int,
+    tile_scheduler_metadata: object = None,
+    num_splits: None = None,
+    softmax_scale: float | None = None,
+    causal: bool = False,
+) -> tuple[Tensor, None]:
+    """The correct kernel returning no log-sum-exp, ``(out, None)``, and declaring so
+    (``lse=False``), as SGLang's Triton MLA decode does."""
+    out, _ = correct_mla(
+        q, k_cache, block_table, cache_seqlens, head_dim_v, softmax_scale=softmax_scale,
+        causal=causal,
+    )  # fmt: skip
+    return out, None
+
+
+without_lse.capabilities = replace(CLAIMS, lse=False)  # type: ignore[attr-defined]

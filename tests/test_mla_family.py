@@ -129,6 +129,16 @@ def test_a_kernel_with_flash_mla_s_own_signature_is_called_as_flash_mla_is() -> 
     assert report.ok, report.format_table()
 
 
+def test_a_kernel_that_declares_no_lse_is_judged_on_its_output_alone() -> None:
+    """An MLA decode that returns no LSE and says so (SGLang's Triton MLA decode): the
+    family's own properties judge its output (the ``mla`` property once failed it for the
+    LSE it does not return), and the merge law, which needs the LSE, is skipped."""
+    backend = resolve_backend("tests.planted_mla:without_lse", api="mla")
+    report = run(backend, properties=["mla", "mla_merge"], dtypes=(torch.float32,), profile=KILL)
+    status = {r.property: r.status for r in report.results}
+    assert status == {"mla": "pass", "mla_merge": "skip"}, report.format_table()
+
+
 # ------------------------------------------------------------ FP8 latent caches
 
 MLA_FP8 = ["mla_fp8", "mla_fp8_fold", "mla_fp8_values"]

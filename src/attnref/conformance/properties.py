@@ -212,7 +212,8 @@ def _any_variant(caps: Capabilities) -> str | None:
     return None if caps.variants() else "no variant (window, softcap, ALiBi, sinks) declared"
 
 
-def _needs_lse(caps: Capabilities) -> str | None:
+def needs_lse(caps: Capabilities) -> str | None:
+    """A property that reads the log-sum-exp needs a backend that returns it."""
     return None if caps.lse else "the log-sum-exp not declared"
 
 
@@ -531,7 +532,7 @@ PROPERTIES: dict[str, Property] = {
             (25, 32, 33),
             lambda p, c: case_strategy("lse", p, c, variants=some_variants(c)),
             checks.lse,
-            requires=_needs_lse,
+            requires=needs_lse,
             examples=lambda p, c: variant_grid(c, lse=True),
         ),
         Property(
@@ -543,7 +544,7 @@ PROPERTIES: dict[str, Property] = {
                 "merge", p, c, causal=None, variants=some_variants(c, positional=False)
             ),
             checks.merge,
-            requires=_needs_lse,
+            requires=needs_lse,
             needs=("cross", "non_causal"),
         ),
         Property(

@@ -60,7 +60,7 @@ from attnref.conformance.family import ApiFamily, Arguments, pair, variant_kwarg
 from attnref.conformance.mutants import Mutant
 from attnref.conformance.oracle import close
 from attnref.conformance.profiles import Profile
-from attnref.conformance.properties import Property
+from attnref.conformance.properties import Property, needs_lse
 from attnref.conformance.serving import CALIBRATED, calibrated_scale, descales, saturated
 from attnref.conformance.serving_checks import agree, guard, judge, with_lses
 from attnref.conformance.strategies import cache_strategy
@@ -589,9 +589,10 @@ def _mla(ctx: Context, case: Case) -> None:
     """Each sequence agrees with the oracle of its valid latent rows (output and LSE):
     NaN in every slot no sequence uses, the block table padded with a huge id, physical
     pages shuffled; an explicit scale is honoured (the kernel's default named when it
-    was used instead)."""
+    was used instead). The LSE only where the backend declares it (`Capabilities.lse`:
+    SGLang's MLA decode returns none)."""
     call = build_latent(case, ctx.dtype, ctx.device)
-    outs, lses = _call(ctx, call)
+    outs, lses = _call(ctx, call, lse=ctx.caps.lse)
     try:
         agree(ctx, outs, lses, call.rows, "sequence")
     except Failure as failure:
@@ -953,6 +954,7 @@ PROPERTIES: tuple[Property, ...] = (
         _mla_cases("mla_merge", Tq=1),
         _mla_merge,
         families=(NAME,),
+        requires=needs_lse,  # SGLang's MLA decode returns none
     ),
     Property(
         "mla_fp8",
