@@ -162,9 +162,10 @@ def test_an_interpreted_triton_kernel_s_repro_runs_it_interpreted_where_no_gpu_i
 
 
 def test_the_real_kernels_reports_in_docs_import_no_attnref() -> None:
-    """docs/bug-reports/ (SGLang's kernels): each finding folder is whole, and its
-    repro.py imports torch, the standard library and the backend's module only (their
-    running needs SGLang and Triton: docs/bug-reports/README.md says how they ran)."""
+    """docs/bug-reports/ (SGLang's, vLLM's and FlashAttention's kernels): each finding
+    folder is whole, and its repro.py imports torch, the standard library and the
+    backend's module only (their running needs the library and Triton:
+    docs/bug-reports/README.md says how they ran)."""
     import ast
 
     folders = sorted((Path(__file__).parents[1] / "docs" / "bug-reports").glob("*/finding-*"))
@@ -177,3 +178,26 @@ def test_the_real_kernels_reports_in_docs_import_no_attnref() -> None:
         imported |= {n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
         assert not any(m.split(".")[0] == "attnref" for m in imported), folder
         assert "TRITON_INTERPRET" in (folder / "repro.py").read_text(), folder
+
+
+def test_repro_holds_a_declared_infinity_to_itself(tmp_path: Path) -> None:
+    """Where the declared policy gives +inf (FlashAttention's LSE of a query that sees no
+    key), repro.py fails any other value, -inf and 0 included, and names both; where it
+    gives NaN, any NaN or infinity passes, as attnref's judge has it. (It once failed only
+    a finite value there, and said "gives NaN" of a +inf.)"""
+    script = tmp_path / "repro.py"
+    script.write_text(_repro("tests.plain_kernels:scale_off_by_two", "sdpa", "an empty row"))
+    compare = runpy.run_path(str(script))["compare"]
+    inf, nan, bound = float("inf"), float("nan"), (1e-5, 1e-5)
+
+    def verdict(got: float, want: float) -> str | None:
+        said: str | None = compare(torch.tensor([got]), torch.tensor([want]), None, bound)[3]
+        return said
+
+    assert verdict(inf, inf) is None
+    assert verdict(-inf, inf) == "1 elements: -inf where the declared policy gives inf"
+    assert verdict(0.0, inf) == "1 elements: 0 where the declared policy gives inf"
+    assert verdict(nan, nan) is None
+    assert verdict(inf, nan) is None
+    assert verdict(2.0, nan) == "1 elements: 2 where the declared policy gives nan"
+    assert verdict(nan, 2.0) == "1 elements: nan where a finite value is expected"

@@ -338,15 +338,19 @@ def plain_attention(inputs):
 
 def compare(got, want, known, bound):
     """(worst element, its error, how many times its bound, what fails or None), judged
-    as attnref judges: NaN where a finite value is expected fails, as does a finite
-    value where the declared policy gives NaN; then the largest and the mean error."""
+    as attnref judges: NaN or inf where a finite value is expected fails, as does any
+    other value where the declared policy gives NaN or an infinity; then the largest and
+    the mean error."""
     known = torch.ones_like(want, dtype=torch.bool) if known is None else known.expand_as(want)
     want_nan, got_bad = ~torch.isfinite(want) & known, ~torch.isfinite(got) & known
-    for bad, why in ((got_bad & ~want_nan, "NaN/inf where a finite value is expected"),
-                     (want_nan & ~got_bad, "a finite value where the declared policy gives NaN")):
+    same = (got == want) | (torch.isnan(want) & ~torch.isfinite(got))  # an infinity exactly
+    for bad, why in ((got_bad & ~want_nan, "where a finite value is expected"),
+                     (want_nan & ~same, "where the declared policy gives")):
         if bool(bad.any()):
             at = tuple(int(i) for i in bad.nonzero()[0])
-            return at, float("inf"), float("inf"), f"{{int(bad.sum())}} elements: {{why}}"
+            said = f"{{float(got[at]):g}} {{why}}"
+            said += f" {{float(want[at]):g}}" if why.endswith("gives") else ""
+            return at, float("inf"), float("inf"), f"{{int(bad.sum())}} elements: {{said}}"
     judged = known & ~want_nan
     n = int(judged.sum())
     if n == 0:
