@@ -136,5 +136,21 @@ def peers(session: nox.Session) -> None:
     # mlx-lm's gated delta rule on the CPU: mlx's CPU wheel, mlx-lm without its own
     # dependencies (importing its gated_delta module needs none of them)
     session.install("-c", constraints, "--no-deps", "mlx", "mlx-cpu", "mlx-lm")
+    # vLLM's Triton kernels: its wheel without its dependencies (it pins a CUDA torch),
+    # and the one package their import needs
+    session.install("-c", constraints, "--no-deps", "vllm")
+    session.install("-c", constraints, "regex")
+    # FlashAttention's Triton backend: its source release built with no CUDA and nothing
+    # compiled (examples/adapters/flash_attn_triton.py says how it is then imported), in
+    # this environment (its setup.py imports torch, packaging and wheel)
+    session.install("-c", constraints, "setuptools", "wheel", "packaging")
+    session.install(
+        "-c", constraints, "--no-deps", "--no-build-isolation", "flash-attn",
+        env={
+            "FLASH_ATTENTION_TRITON_AMD_ENABLE": "TRUE",
+            "FLASH_ATTENTION_SKIP_CUDA_BUILD": "TRUE",
+            "FLASH_ATTENTION_FORCE_BUILD": "TRUE",
+        },
+    )  # fmt: skip
     session.run("pytest", "-m", "", "tests/test_adapters.py")
     session.run("python", "-m", "examples.adapters.audit_all", *session.posargs)

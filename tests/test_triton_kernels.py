@@ -66,6 +66,8 @@ def test_the_right_flash_kernel_passes_interpreted() -> None:
     assert "bfloat16" in report.interpreted["patched"]
     assert report.interpreted["sizes"].startswith("tiles")
     assert report.interpreted["launch"].startswith("launch model: ")  # timed on the kernel
+    # and its cases cut to the profile's budget a call (quick's 1 s, not the model's 8)
+    assert "cut to a predicted 1 s a call" in report.interpreted["launch"]
 
 
 def test_a_module_that_sets_triton_interpret_itself_is_audited_as_interpreted() -> None:

@@ -42,6 +42,10 @@ ADAPTERS = [
     ("examples.adapters.sglang_sparse:packed", "sglang"),
     ("examples.adapters.sglang_sparse:decode", "sglang"),
     ("examples.adapters.sglang_sparse:single", "sglang"),
+    ("examples.adapters.sglang_mla:mla_decode", "sglang"),
+    ("examples.adapters.vllm_unified:unified", "vllm"),
+    ("examples.adapters.vllm_mla:mla_decode", "vllm"),
+    ("examples.adapters.flash_attn_triton:flash_attn_func", "flash_attn"),
     # the gated delta rule (docs/linear.md): fla's Triton kernels, interpreted, and
     # transformers' torch paths for Qwen3-Next
     ("examples.adapters.fla_gated_delta:chunk", "fla"),
@@ -67,6 +71,10 @@ FAMILIES = {
     "examples.adapters.hf_gated_delta:recurrent": "gated-delta",
     "examples.adapters.mlx_gated_delta:ops": "gated-delta",
     "examples.adapters.pallas_flash:mha": "flash",
+    "examples.adapters.sglang_mla:mla_decode": "mla",
+    "examples.adapters.vllm_unified:unified": "flash-kvcache",
+    "examples.adapters.vllm_mla:mla_decode": "mla",
+    "examples.adapters.flash_attn_triton:flash_attn_func": "flash",
 }
 
 

@@ -1029,6 +1029,63 @@ def sglang_extend_lse_overflows_past_a_far_sink() -> bool:
     return bool(torch.isfinite(want) and torch.isinf(lse).all() and out.abs().max() < 1e-6)
 
 
+def flash_attn_triton_empty_row_lse_is_zero() -> bool:
+    """FlashAttention 2.8.3's Triton backend (``fwd_prefill.py``), interpreted, through
+    its own ``flash_attn_func``: causal with 2 queries and 1 key (bottom-right aligned,
+    query 0 sees no key) writes 0.0 to that query's LSE, where FlashAttention's CUDA
+    kernels write +inf (and log of an empty sum is -inf). Its output row, 0, is right,
+    and query 1's LSE is its one score. The kernel's own comment says "inf written to
+    LSE" over ``tl.full([BLOCK_M], value=0.0)`` (the early exit of a query block that
+    sees no key block) and ``tl.where(lse_mask, 0.0, softmax_lse)`` (the rest). A merge
+    of attention states reads a 0 LSE as a total weight of 1 on a zero output."""
+    import os
+
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
+    from examples.adapters.flash_attn_triton import flash_attn_func
+
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, t, 1, 8, generator=gen) for t in (2, 1, 1))
+    out, lse, _ = flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
+    score = (q[0, 1, 0].double() @ k[0, 0, 0].double()) / math.sqrt(8)
+    return bool(
+        lse[0, 0, 0] == 0.0
+        and close(lse[0, 0, 1], score, 1e-5)
+        and out[0, 0].abs().max() == 0
+        and close(out[0, 1, 0], v[0, 0, 0])
+    )
+
+
+def vllm_unified_noncausal_window_masks_v_by_the_blocks_first_query() -> bool:
+    """vLLM 0.34.0's Triton ``unified_attention``, interpreted, without causal and with a
+    sliding window of one key each side of itself (``window_size=(0, 0)``: each query
+    sees its own key only; vLLM's non-causal windows are symmetric): 4 queries on their
+    4 keys, one request. Query 0's output is its value; queries 1 to 3, in the same
+    query block, get 0. After the softmax step the kernel zeroes V where
+    ``dist = context_len + qpos_lo - seq_offset`` is not inside the window
+    (``(dist < W) & (dist > -W)`` without causal), ``qpos_lo`` the block's first query:
+    each later query loses the keys right of the first query's window, its weights kept
+    in the sum. Causal windows (``dist < W`` alone) are right."""
+    import os
+
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
+    os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")  # vLLM binds Triton only so here
+    from vllm.v1.attention.ops.triton_unified_attention import unified_attention
+
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(4, 1, 8, generator=gen)  # (tokens, heads, D)
+    k, v = (torch.randn(1, 4, 1, 8, generator=gen) for _ in range(2))  # one page of 4
+    out = torch.empty(4, 1, 8)
+    unified_attention(
+        q, k, v, out, cu_seqlens_q=torch.tensor([0, 4], dtype=torch.int32), max_seqlen_q=4,
+        seqused_k=torch.tensor([4], dtype=torch.int32), max_seqlen_k=4,
+        softmax_scale=8**-0.5, causal=False, window_size=(0, 0),
+        block_table=torch.zeros(1, 1, dtype=torch.int32), softcap=0.0, q_descale=None,
+        k_descale=None, v_descale=None,
+    )  # fmt: skip
+    want = v[0, :, 0]  # each query's one visible key: its own value
+    return bool(close(out[0, 0], want[0]) and out[1:].abs().max() == 0)
+
+
 FINDINGS: list[tuple[str, Callable[[], bool]]] = [
     ("transformers", hf_sdpa_single_query_is_not_causal),
     ("transformers", hf_sdpa_drops_causal_with_a_mask),
@@ -1078,6 +1135,8 @@ FINDINGS: list[tuple[str, Callable[[], bool]]] = [
     ("sglang", sglang_decode_float16_grouped_right_expanded_wrong),
     ("sglang", sglang_extend_lse_overflows_past_a_far_sink),
     ("sglang", sglang_sparse_mla_reads_a_strided_kv_as_contiguous),
+    ("flash_attn", flash_attn_triton_empty_row_lse_is_zero),
+    ("vllm", vllm_unified_noncausal_window_masks_v_by_the_blocks_first_query),
 ]
 #: seen once in an audit, not yet rebuilt from a small case: tried, reported, not counted
 SEEN_ONCE: list[tuple[str, Callable[[], bool]]] = []

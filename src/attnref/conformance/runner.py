@@ -672,6 +672,7 @@ def audit(
             chunks = chunks_of(executor)
             launch = _calibrated(backend, executor, device, dtype_list, timeout, chunks)
             if launch is not None:
+                launch = replace(launch, budget=prof.call_budget)
                 prof = replace(prof, launch=launch)
                 report.interpreted["launch"] = launch.said()
         helpers = _helpers_for(jobs, len(work), executor)
