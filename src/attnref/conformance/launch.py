@@ -28,7 +28,8 @@ from attnref.conformance.cases import Case
 __all__ = ["CALL_BUDGET", "Launch", "calibrate", "launch_shape"]
 
 #: the seconds one call of an interpreted kernel may be predicted to take: a case past
-#: it is cut (the cookbook's kernels: a case's median 0.13 s, the slowest 10 s)
+#: it is cut (the cookbook's kernels: a case's median 0.13 s, the slowest 10 s). A
+#: profile may cut shorter (`attnref.conformance.profiles.Profile.call_budget`: quick's 1 s)
 CALL_BUDGET = 8.0
 #: a call waits at least this many times its prediction
 PATIENCE = 10.0

@@ -16,6 +16,8 @@ does not grow with it.
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
+from attnref.conformance.launch import CALL_BUDGET
+
 if TYPE_CHECKING:
     from attnref.conformance.launch import Launch
 
@@ -97,7 +99,7 @@ class Profile:
     #: forward's quick audit took 961 s, 58% of it in the 109 cases (of 1,654) past 4 s;
     #: at 1 s a case still reaches every tile boundary (one batch row and KV head: 4
     #: query tiles by 5 key tiles, 0.4 s), its GQA group kept
-    call_budget: float = 8.0
+    call_budget: float = CALL_BUDGET
     #: fitted to a kernel's tiles and cost bound (`fitted`): the properties' fixed
     #: cases past its bound (production sizes: 4097 keys, 1028 programs) are not run
     fitted: bool = False
