@@ -55,6 +55,33 @@ def _cache_slots(b: int, positions: range, block_table: Tensor | None, page: int
     return [(int(pages[p // page]), p % page) for p in positions]
 
 
+def append_new(
+    k_cache: Tensor,
+    v_cache: Tensor,
+    k: Tensor | None,
+    v: Tensor | None,
+    cache_seqlens: Tensor | int | None,
+    cache_batch_idx: Tensor | None,
+    block_table: Tensor | None,
+    B: int,
+) -> tuple[list[int], list[int]]:
+    """The new tokens ``k``, ``v`` written in place at each of the ``B`` rows' next
+    slots (serving engines write them in a kernel of their own before attention).
+    Returns the tokens each row held before them, and each row's cache row."""
+    T_new = 0 if k is None else k.shape[1]
+    page = k_cache.shape[1]
+    capacity = page if block_table is None else block_table.shape[1] * page
+    # the tokens already cached (FlashAttention's rule: none given, the cache is full)
+    before = _cached_lengths(cache_seqlens, B, capacity, T_new)
+    rows = [b if cache_batch_idx is None else int(cache_batch_idx[b]) for b in range(B)]
+    if k is not None and v is not None:  # in place, in the caller's cache
+        for b, n in enumerate(before):
+            new = _cache_slots(b, range(n, n + T_new), block_table, page, rows[b])
+            for t, (r, s) in enumerate(new):
+                k_cache[r, s], v_cache[r, s] = k[b, t], v[b, t]
+    return before, rows
+
+
 def slot_pool(
     k_cache: Tensor,
     v_cache: Tensor,
@@ -72,17 +99,12 @@ def slot_pool(
     before attention). Returns the rows' slots, and the K and V pools."""
     T_new = 0 if k is None else k.shape[1]
     page = k_cache.shape[1]
-    capacity = page if block_table is None else block_table.shape[1] * page
-    # the tokens already cached (FlashAttention's rule: none given, the cache is full)
-    before = _cached_lengths(cache_seqlens, B, capacity, T_new)
+    before, rows = append_new(
+        k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, B
+    )
     slots = []
     for b, n in enumerate(before):
-        row = b if cache_batch_idx is None else int(cache_batch_idx[b])
-        if k is not None and v is not None:  # in place, in the caller's cache
-            new = _cache_slots(b, range(n, n + T_new), block_table, page, row)
-            for t, (r, s) in enumerate(new):
-                k_cache[r, s], v_cache[r, s] = k[b, t], v[b, t]
-        where = _cache_slots(b, range(n + T_new), block_table, page, row)
+        where = _cache_slots(b, range(n + T_new), block_table, page, rows[b])
         slots.append(torch.tensor([r * page + s for r, s in where], dtype=torch.int64))
     return slots, k_cache.reshape(-1, *k_cache.shape[2:]), v_cache.reshape(-1, *v_cache.shape[2:])
 

@@ -49,7 +49,7 @@ from dataclasses import replace
 import torch
 from torch import Tensor
 
-from examples.adapters.sglang_decode import _cache_slots, _cached_lengths
+from examples.adapters.sglang_decode import append_new
 
 #: the adapter's error for a window vLLM cannot express (declared a refusal)
 REFUSAL = "vLLM's windows are (left, 0) or, without causal, (left, left)"
@@ -86,15 +86,9 @@ def unified(
     B, Tq, H, D = q.shape
     g = k_cache.shape[2]
     T_new = 0 if k is None else k.shape[1]
-    page = k_cache.shape[1]
-    capacity = page if block_table is None else block_table.shape[1] * page
-    before = _cached_lengths(cache_seqlens, B, capacity, T_new)
-    rows = [b if cache_batch_idx is None else int(cache_batch_idx[b]) for b in range(B)]
-    if k is not None and v is not None:  # in place, in the caller's cache
-        for b, n in enumerate(before):
-            new = _cache_slots(b, range(n, n + T_new), block_table, page, rows[b])
-            for t, (r, s) in enumerate(new):
-                k_cache[r, s], v_cache[r, s] = k[b, t], v[b, t]
+    before, rows = append_new(
+        k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table, B
+    )
     pages = block_table if block_table is not None else torch.tensor(rows).view(B, 1)
     seqused = torch.tensor([n + T_new for n in before], dtype=torch.int32)
     out = torch.empty(B * Tq, H, D, dtype=q.dtype)
