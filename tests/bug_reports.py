@@ -120,10 +120,19 @@ def reports_reproduce(
     return assert_reports_reproduce(report, reference, folder)
 
 
-def assert_reports_reproduce(report: AuditReport, reference: str, folder: Path) -> list[Path]:
-    """Write ``report``'s bug reports under ``folder``; each repro.py must exit 1 on the
-    audited kernel and 0 with ``reference`` (``module:function``) swapped in."""
-    written = write_bug_reports(report, folder)
+def assert_reports_reproduce(
+    report: AuditReport,
+    reference: str,
+    folder: Path,
+    *,
+    timeout: float = 60.0,
+    printed: list[str] | None = None,
+) -> list[Path]:
+    """Write ``report``'s bug reports under ``folder`` (a call given ``timeout`` seconds);
+    each repro.py must exit 1 on the audited kernel and 0 with ``reference``
+    (``module:function``) swapped in. The folders written (``printed`` gets what each
+    script printed on the kernel)."""
+    written = write_bug_reports(report, folder, timeout=timeout)
     assert written, report.format_table()
     for where in written:  # and none that a module imported first could hide
         tree = ast.parse((where / "repro.py").read_text())
@@ -133,10 +142,13 @@ def assert_reports_reproduce(report: AuditReport, reference: str, folder: Path) 
                      if isinstance(node, ast.ImportFrom)}  # fmt: skip
         assert not {m for m in imported if m.split(".")[0] == "attnref"}, where
     runs = [(where, "") for where in written] + [(where, reference) for where in written]
+    ran = run_repros(runs)
     wrong = [
-        f"{Path(where).name} {backend or 'its own kernel'}: exit {code}\n{printed}"
-        for where, backend, code, printed in run_repros(runs)
+        f"{Path(where).name} {backend or 'its own kernel'}: exit {code}\n{said}"
+        for where, backend, code, said in ran
         if code != (0 if backend else 1)
     ]
     assert not wrong, "\n".join(wrong)
+    if printed is not None:
+        printed += [str(said) for _, backend, _, said in ran if not backend]
     return written

@@ -163,7 +163,16 @@ def hangs_on_rank_3(q: Tensor, k: Tensor, v: Tensor, **kwargs: Any) -> Any:
     return D.ring_attention(q, k, v, **kwargs)
 
 
-for _fn in (raises_on_rank_2, dies_on_rank_1, hangs_on_rank_3):
+def dq_doubled(q: Tensor, k: Tensor, v: Tensor, **kwargs: Any) -> Any:
+    """The ring reference, but each rank's query gradient doubled on its way back (a
+    backward that adds a rank's share twice): the output is right, dQ is not."""
+    q = q.view_as(q)
+    if q.requires_grad:
+        q.register_hook(lambda g: 2 * g)  # type: ignore[no-untyped-call]
+    return D.ring_attention(q, k, v, **kwargs)
+
+
+for _fn in (raises_on_rank_2, dies_on_rank_1, hangs_on_rank_3, dq_doubled):
     _fn.capabilities = CAPS  # type: ignore[attr-defined]
 
 

@@ -110,15 +110,38 @@ AUDITED = [
 ]  # fmt: skip
 
 
-@pytest.mark.slow  # fourteen audits stopped at their first failure, their reports run: 30 s
-@pytest.mark.parametrize(("spec", "api", "right"), AUDITED, ids=[s for s, _, _ in AUDITED])
+#: kernels of tests/planted.py that misbehave as programs, or whose answer is malformed:
+#: each repro.py shows the bug as the audit did (a crash, an exit, a hang, a write past
+#: an argument's memory, a result of the wrong type, shape or dtype, a gradient missing),
+#: in a child process of its own, and exits 1; with the correct function, 0
+HARNESS = [
+    *[(f"tests.planted:{name}", "sdpa", SDPA)
+      for name in ("wrong_shape", "wrong_dtype", "not_a_tensor", "exits_0", "segfaults",
+                   "aborts", "calls_sys_exit", "raises_keyboard_interrupt", "busy_loop",
+                   "allocates_without_bound", "bare_assert", "writes_past_key",
+                   "writes_before_query", "wrong_then_dies", "chatty_and_wrong")],
+    # NaN declared for a query with no visible key: swapped for a kernel that keeps it
+    *[(f"tests.planted:{name}", "sdpa", "tests.planted:nan_empty_rows_softcap")
+      for name in ("nan_row_spreads", "garbage_beside_empty_rows", "nan_empty_rows_beside_sinks")],
+    *[(f"tests.planted:{name}", "sdpa", "attnref.functional:scaled_dot_product_attention")
+      for name in ("sinks_detached", "sinks_gradient_doubled", "returns_nan_everywhere",
+                   "imprecise", "imprecise_and_mask_wrong", "mask_dropped_always",
+                   "mask_dropped_under_softcap", "scale_and_alignment_ignored",
+                   "finite_diagonal_inf_mask", "undefined_rows_leak")],
+]  # fmt: skip
+
+
+@pytest.mark.slow  # 41 audits stopped at their first failure, their reports run: 2 min
+@pytest.mark.parametrize(("spec", "api", "right"), AUDITED + HARNESS,
+                         ids=[s for s, _, _ in AUDITED + HARNESS])  # fmt: skip
 def test_each_finding_of_a_planted_kernel_is_a_report_that_reproduces_it(
     spec: str, api: str, right: str, tmp_path: Path
 ) -> None:
     """Each finding of the audit, a folder whose repro.py exits 1 on the kernel and 0
     with the correct function swapped in (an exception, an input changed in place, NaN,
-    a value past its bound, an LSE off: each as the bug shows). The flash kernels are
-    audited on the properties aimed at their bug's class (as tests/test_audit.py's)."""
+    a value past its bound, an LSE off, a crash, an exit, a hang: each as the bug
+    shows). The flash kernels are audited on the properties aimed at their bug's class
+    (as tests/test_audit.py's); a call that hangs is given 5 s."""
     from dataclasses import replace
 
     from attnref.conformance import audit
@@ -132,9 +155,99 @@ def test_each_finding_of_a_planted_kernel_is_a_report_that_reproduces_it(
     kill = replace(PROFILES["quick"], name="quick-kill", shrink_seconds=0.5)
     report = audit(resolve_backend(spec, api=api), device="cpu", progress=False,
                    properties=aimed, dtypes=(torch.float32,), fail_fast=True,
-                   profile=kill)  # fmt: skip
+                   profile=kill, timeout=5.0)  # fmt: skip
+    assert not report.ok, report.format_table()
+    assert_reports_reproduce(report, right, tmp_path, timeout=5.0)
+
+
+@pytest.mark.slow  # one audit, its report written and run: 5 s
+def test_a_finding_that_needs_the_calls_before_it_is_reported_as_not_reproducing_alone(
+    tmp_path: Path,
+) -> None:
+    """A crash met only after other calls (memory an earlier call corrupted) does not
+    show in the finding's own calls: its REPORT.md says so, and its repro.py passes
+    rather than claiming the bug."""
+    from dataclasses import replace
+
+    from attnref.conformance import audit
+    from attnref.conformance.bugreports import write_bug_reports
+    from tests.bug_reports import run_repros
+
+    kill = replace(PROFILES["quick"], name="quick-kill", shrink_seconds=0.5)
+    report = audit("tests.planted:dies_after_corrupting", device="cpu", progress=False,
+                   dtypes=(torch.float32,), fail_fast=True, profile=kill)  # fmt: skip
+    assert not report.ok
+    (folder,) = write_bug_reports(report, tmp_path)
+    assert (
+        "made alone, in a fresh process, the finding's calls do not show the bug"
+        in (folder / "REPORT.md").read_text()
+    )
+    ((_, _, code, printed),) = run_repros([(folder, "")])
+    assert code == 0, printed
+
+
+#: Triton kernels of tests/ (their own code, run by Triton's interpreter), each on the
+#: property aimed at its bug, with the correct kernel of its file
+TRITON = [
+    ("tests.planted_triton:tail_dropped", "flash", ["tails"], "tests.planted_triton:right"),
+    ("tests.planted_triton:page_off_by_one", "flash-kvcache", ["kvcache_pages"],
+     "tests.planted_triton:decode_right"),
+    ("tests.planted_linear_triton:gva_modulo", "gated-delta", ["gdn_gva"],
+     "tests.planted_linear_triton:right"),
+]  # fmt: skip
+
+
+@pytest.mark.slow  # three interpreted audits stopped at their first failure: 60 s
+@pytest.mark.parametrize(("spec", "api", "properties", "right"), TRITON,
+                         ids=[t[0] for t in TRITON])  # fmt: skip
+def test_an_interpreted_triton_kernel_s_finding_is_a_report_that_reproduces_it(
+    spec: str, api: str, properties: list[str], right: str, tmp_path: Path
+) -> None:
+    """repro.py of a Triton kernel the audit ran interpreted sets ``TRITON_INTERPRET=1``
+    where there is no GPU, and shows the bug with Triton as installed: exit 1 on the
+    kernel, 0 with its file's correct kernel."""
+    from attnref.conformance import audit
+    from tests.bug_reports import assert_reports_reproduce
+
+    report = audit(spec, api=api, properties=properties, dtypes=(torch.float32,),
+                   fail_fast=True, progress=False)  # fmt: skip
+    assert report.interpreted["interpreter"] == "triton"
     assert not report.ok, report.format_table()
     assert_reports_reproduce(report, right, tmp_path)
+
+
+#: context-parallel kernels whose finding a repro.py reproduces on ranks of its own: a
+#: wrong output, a rank that raises, one that hangs (the call is given 6 s), a gradient
+CP_KERNELS = [
+    ("zigzag_equal_chunks", ("cp_agreement",), "output: max error"),
+    ("raises_on_rank_2", ("cp_agreement", "cp_world_size"), "rank 2: "),
+    ("hangs_on_rank_3", ("cp_agreement", "cp_world_size"), "rank 3 gave no answer within 6 s"),
+    ("dq_doubled", ("cp_gradients",), "FAIL: the bug shows"),
+]
+
+
+@pytest.mark.slow  # four audits at world size 4, each report run twice on 4 ranks: 100 s
+@pytest.mark.parametrize(("name", "properties", "shown"), CP_KERNELS,
+                         ids=[k[0] for k in CP_KERNELS])  # fmt: skip
+def test_a_context_parallel_finding_is_a_report_whose_ranks_reproduce_it(
+    name: str, properties: tuple[str, ...], shown: str, tmp_path: Path
+) -> None:
+    """repro.py of a context-parallel finding starts one process a rank (this script
+    again, with ``--rank``), joins them in a gloo group on this machine, gives each its
+    shard at the world size the audit ran the call at, and puts their answers together:
+    it exits 1 on the planted kernel, naming the rank where one raised or hung, and 0
+    with attnref's ring reference, a plain function of the same convention."""
+    from attnref.conformance import audit
+    from tests.bug_reports import assert_reports_reproduce
+
+    report = audit(f"tests.planted_cp:{name}", api="context-parallel",
+                   properties=list(properties), dtypes=(torch.float32,), progress=False,
+                   world_size=4, fail_fast=True, timeout=6.0)  # fmt: skip
+    assert not report.ok, report.format_table()
+    printed: list[str] = []
+    assert_reports_reproduce(report, "attnref.distributed:ring_attention", tmp_path,
+                             timeout=6.0, printed=printed)  # fmt: skip
+    assert any(shown in said for said in printed), printed
 
 
 @pytest.mark.parametrize("api", ["sdpa", "gated-delta"])
@@ -152,6 +265,10 @@ def test_an_interpreted_triton_kernel_s_repro_runs_it_interpreted_where_no_gpu_i
     script.write_text(interpreted)
     monkeypatch.setenv("TRITON_INTERPRET", "")  # restored as it was after the test
     monkeypatch.delenv("TRITON_INTERPRET")
+    if not torch.cuda.is_available():  # the script pins Triton's autotuner: undone after
+        import triton.runtime.autotuner as autotuner
+
+        monkeypatch.setattr(autotuner.Autotuner, "__init__", autotuner.Autotuner.__init__)
     monkeypatch.setattr(sys, "argv", [str(script), "--backend", ""])
     with pytest.raises(SystemExit) as stop:  # its main refuses a backend of attnref's own
         runpy.run_path(str(script), run_name="__main__")

@@ -314,22 +314,31 @@ def call_lse(
     """
     family = family_of(backend)
     args, kwargs = arguments(backend, inputs, lse, **overrides)
+    expected_shape = (*inputs.query.shape[:-1], inputs.value.shape[-1])
+
+    def well_formed() -> None:
+        # where a well-formed answer would lie, and its dtype, for a bug report's
+        # repro.py to read the answer of a function swapped in for this one (its fix, a
+        # reference), and to tell the backend's own answer malformed
+        note_failed_call(
+            executor,
+            lambda: family.to_layout(torch.zeros(expected_shape, dtype=torch.float64), inputs),
+            lambda r: [(inputs, family.read(r, inputs, False)[0], None)],
+            dtype=inputs.query.dtype,
+        )
+
     try:
         raw = invoke(backend, Job(args, kwargs), timeout, executor, meanwhile)
     except Failure:
-        # where a well-formed answer would lie, for a bug report's repro.py to read the
-        # answer of a function swapped in for this one (its fix, a reference)
-        shape = (*inputs.query.shape[:-1], inputs.value.shape[-1])
-        note_failed_call(
-            executor,
-            lambda: family.to_layout(torch.zeros(shape, dtype=torch.float64), inputs),
-            lambda r: [(inputs, family.read(r, inputs, False)[0], None)],
-        )
+        well_formed()
         raise
     note_reading(executor, raw, lambda r: [(inputs, *family.read(r, inputs, lse))])
-    out, lse_out = family.read(raw, inputs, lse)
-    expected_shape = (*inputs.query.shape[:-1], inputs.value.shape[-1])
-    checked_out = check_output(out, expected_shape, inputs).detach()
+    try:
+        out, lse_out = family.read(raw, inputs, lse)
+        checked_out = check_output(out, expected_shape, inputs).detach()
+    except Failure:  # not a tensor, a wrong shape, dtype or device
+        well_formed()
+        raise
     if not lse:
         return checked_out, None
     return checked_out, check_lse(lse_out, inputs)
@@ -353,10 +362,16 @@ def note_reading(
         note(raw, read, False, series_call)
 
 
-def note_failed_call(executor: Executor | None, make: Callable[[], object], read: Reader) -> None:
-    """`note_reading` for a last call that raised, crashed or changed its inputs:
-    ``make()`` builds the result a correct call would have returned (its layout, not its
-    values), made only where the executor records (nothing noted where it cannot be)."""
+def note_failed_call(
+    executor: Executor | None,
+    make: Callable[[], object],
+    read: Reader,
+    dtype: torch.dtype | None = None,
+) -> None:
+    """`note_reading` for a last call that raised, crashed, changed its inputs or
+    returned a malformed result: ``make()`` builds the result a correct call would have
+    returned (its layout, not its values), made only where the executor records (nothing
+    noted where it cannot be); ``dtype``: the dtype a correct call returns its output in."""
     note = getattr(executor, "reading", None)
     if note is None:
         return
@@ -364,7 +379,7 @@ def note_failed_call(executor: Executor | None, make: Callable[[], object], read
         raw = make()
     except Exception:
         return
-    note(raw, read, True)
+    note(raw, read, True, dtype=dtype)
 
 
 @checked

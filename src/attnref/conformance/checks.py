@@ -20,7 +20,7 @@ import functools
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, cast
 
 import torch
 from jaxtyping import Bool, Float, Int
@@ -590,17 +590,38 @@ def agree_grads(ctx: Context, case: Case, inputs: Inputs, **overrides: Any) -> N
             done.append(expect_grads(inputs, d_out))
 
     leaves = (inputs.query, inputs.key, inputs.value)
-    try:
-        grads = invoke(ctx.backend, job, ctx.timeout, ctx.executor, meanwhile)
-    except Failure:  # where a correct call's gradients would lie, for a bug report
-        shapes = [a.shape for a in args[:3]]
+    sinks_judged = inputs.sinks is not None and ctx.caps.sink_gradients
+    shapes = [tuple(a.shape) for a in args[:3]]
+    if sinks_judged:
+        assert inputs.sinks is not None
+        shapes.append(tuple(inputs.sinks.shape))
+
+    def well_formed() -> None:  # where a correct call's gradients lie, for a bug report
         note_failed_call(ctx.executor, lambda: tuple(torch.zeros(s) for s in shapes),
                          lambda r: [])  # fmt: skip
-        _answer_grads(ctx, leaves, done[0] if done else expect_grads(inputs, d_out))
+
+    def answer(expected: tuple[Expected, ...]) -> None:
+        _answer_grads(ctx, leaves, expected)
+        if sinks_judged:
+            exp = expect_sink_grad(inputs, d_out)
+            ctx.answer_part("dSinks", lambda r: cast(Any, r)[3], exp.value, exp.bounds())
+
+    try:
+        grads = invoke(ctx.backend, job, ctx.timeout, ctx.executor, meanwhile)
+    except Failure:
+        well_formed()
+        answer(done[0] if done else expect_grads(inputs, d_out))
         raise
-    note_reading(ctx.executor, grads, lambda r: [])
+    given = list(grads) if isinstance(grads, tuple | list) else []
+    pairs = zip(given, shapes, strict=False)
+    if len(given) < len(shapes) or any(
+        not isinstance(g, Tensor) or tuple(g.shape) != s for g, s in pairs
+    ):  # a gradient missing or misshapen: it fails below
+        well_formed()
+    else:
+        note_reading(ctx.executor, grads, lambda r: [])
     expected = done[0] if done else expect_grads(inputs, d_out)
-    _answer_grads(ctx, leaves, expected)
+    answer(expected)
     for name, g, arg, leaf, exp in zip(
         ("dQ", "dK", "dV"), grads[:3], args[:3], leaves, expected, strict=True
     ):

@@ -964,7 +964,8 @@ def check_case(
     finally:
         executor.close()
         if save is not None:
-            _save(Path(save), executor.calls, ctx.oracles(), ctx.answers(), executor.shapes)
+            _save(Path(save), executor.calls, ctx.oracles(), ctx.answers(), executor.shapes,
+                  executor.dtypes, executor.worlds)  # fmt: skip
     return "pass"
 
 
@@ -987,6 +988,10 @@ class Recording:
         self.readings: dict[int, tuple[Any, int, Tensor | None, Tensor | None, str]] = {}
         #: the shapes a failed call would have returned, by its index (`reading`)
         self.shapes: dict[int, list[list[int]]] = {}
+        #: the dtype a failed call would have returned its output in, by its index
+        self.dtypes: dict[int, str] = {}
+        #: the ranks each call ran on, by its index, where the executor runs several
+        self.worlds: dict[int, int] = {}
         #: the last call's index, its probe and the number of elements it returned
         self.probe: tuple[int, object, int] | None = None
         #: the index of the first call of the last `Series` (its calls are recorded
@@ -1009,11 +1014,16 @@ class Recording:
         return None if where is None else (call, where)
 
     def run(self, job: Any, timeout: float, meanwhile: Any = None) -> Any:
+        first = len(self.calls)
+        world = self._world(job)
         try:
             out = self.inner.run(job, timeout, meanwhile)
         except BaseException:
             self.calls.append((job, None))
             raise
+        finally:
+            if world is not None:
+                self.worlds.update((i, world) for i in range(first, len(self.calls)))
         if isinstance(job, Series):  # each of its calls, as repro.py makes it alone
             self.series_start = len(self.calls)
             try:
@@ -1025,10 +1035,29 @@ class Recording:
                 self.calls.append((call, None if failed else value))
         else:
             self.calls.append((job, out))
+        if world is not None:
+            self.worlds.update((i, world) for i in range(first, len(self.calls)))
         return out
 
+    def _world(self, job: Any) -> int | None:
+        """The ranks ``job`` runs on, where the executor runs a call on several
+        (`attnref.conformance.families.context_parallel.RankGroup.world_of`)."""
+        world_of = getattr(self.inner, "world_of", None)
+        if world_of is None:
+            return None
+        try:
+            calls = job.calls if isinstance(job, Series) else [job]
+            return max(int(world_of(c)) for c in calls)
+        except Exception:  # outside the declaration: the call is skipped, not run
+            return None
+
     def reading(
-        self, raw: object, read: Reader, failed: bool = False, series_call: int | None = None
+        self,
+        raw: object,
+        read: Reader,
+        failed: bool = False,
+        series_call: int | None = None,
+        dtype: torch.dtype | None = None,
     ) -> None:
         """How the result ``raw`` of the last call is read (`note_reading`): ``read``
         applied to a probe of ``raw`` whose tensors hold their own flat positions
@@ -1038,7 +1067,8 @@ class Recording:
         the call failed, and ``raw`` is the result a correct one would return: its shapes
         are kept as the call's (what repro.py reads a function swapped in by).
         ``series_call``: ``raw`` is that call's of the last `Series` (each recorded as a
-        call of its own: repro.py calls it on fresh copies)."""
+        call of its own: repro.py calls it on fresh copies). ``dtype``: with ``failed``,
+        the dtype a correct call returns its output in."""
         leaves = _tensor_leaves(raw)
         total = sum(t.numel() for t in leaves)
         if not self.calls or not leaves or total > PROBE_ELEMENTS:
@@ -1060,6 +1090,8 @@ class Recording:
             return
         if failed:
             self.shapes[call] = [list(t.shape) for t in leaves]
+            if dtype is not None:
+                self.dtypes[call] = str(dtype).removeprefix("torch.")
         for inputs, out, lse in parts:
             shape = (*inputs.query.shape[:-1], inputs.value.shape[-1])
             where, problem = _positions(out, total, shape, "an output")
@@ -1115,10 +1147,15 @@ def _save(
     oracles: list[Any],
     answers: list[Any],
     shapes: dict[int, list[list[int]]],
+    dtypes: dict[int, str] | None = None,
+    worlds: dict[int, int] | None = None,
 ) -> None:
     """``inputs.pt`` and ``expected.pt`` in ``folder`` (`check_case`'s ``save``): each
     call's ``shapes`` those of the tensors it returned, or (a failed call) those a
-    correct one returns, where known (``shapes``)."""
+    correct one returns, where known (``shapes``: then ``well_formed`` is true, and
+    ``dtype`` names the dtype its output is due in where ``dtypes`` knows it); ``world``
+    the ranks it ran on, where several (``worlds``)."""
+    dtypes, worlds = dtypes or {}, worlds or {}
     folder.mkdir(parents=True, exist_ok=True)
     kept = [
         {
@@ -1129,6 +1166,9 @@ def _save(
             "leaves": list(getattr(job, "leaves", ())),
             "returned": out,
             "shapes": shapes.get(i, [list(t.shape) for t in _tensor_leaves(out)]),
+            "well_formed": i in shapes,
+            "dtype": dtypes.get(i),
+            "world": worlds.get(i),
         }
         for i, (job, out) in enumerate(calls)
     ]

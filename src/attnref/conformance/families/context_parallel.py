@@ -809,6 +809,11 @@ class RankGroup:
         d_out = None if job.d_out is None else D.shard(job.d_out, rank, world, sharding)
         return Job(args, kwargs, d_out, job.writable, job.recheck, job.leaves)
 
+    def world_of(self, job: Job) -> int:
+        """The world size ``job`` runs at (`_world_of`): what a bug report's repro.py
+        starts its ranks at."""
+        return self._world_of(job)
+
     def _world_of(self, job: Job) -> int:
         """The world size ``job`` runs at: the one it asks for (``_world``) or every rank
         started, at most those, and inside the declaration (`fitted_world`).
@@ -933,10 +938,11 @@ class RankGroup:
             self._join(timeout, device)
 
     def run(self, job: Any, timeout: float, meanwhile: Meanwhile = None) -> Any:
-        answer = self._run(job, timeout)
-        if meanwhile is not None:  # after: the ranks answer through their relays
-            meanwhile()
-        return answer
+        try:
+            return self._run(job, timeout)
+        finally:  # after: the ranks answer through their relays (and a call that failed
+            if meanwhile is not None:  # is judged too: a bug report reads its oracle)
+                meanwhile()
 
     def _run(self, job: Any, timeout: float) -> Any:
         if isinstance(job, Probe):
@@ -1660,6 +1666,193 @@ MUTANTS: tuple[Mutant, ...] = (
 )  # fmt: skip
 
 
+def _repro_script(title: str, spec: str, api: str) -> str:
+    """repro.py for a finding of this family: the generic one
+    (`attnref.conformance.bugreports.REPRO`), each call made on its ranks (`RUN_RANKS`)."""
+    from attnref.conformance.bugreports import repro_text
+
+    return repro_text(title, spec, api, RUN_RANKS)
+
+
+#: how repro.py makes a call of this family: one process a rank, in a process group of
+#: their own on this machine (plain torch.distributed, as `RankGroup` runs the audit's)
+RUN_RANKS = r'''def positions(T, rank, world, sharding):
+    """The global positions of rank ``rank``'s tokens, in the order it holds them: the
+    sequence cut into ``world`` chunks (contiguous: rank r holds the r-th) or ``2 world``
+    (zigzag: the r-th and the (2 world - 1 - r)-th), as torch.tensor_split cuts."""
+    chunks = 2 * world if sharding == "zigzag" else world
+    sizes = [len(c) for c in torch.arange(T).tensor_split(chunks)]
+    starts = [sum(sizes[:i]) for i in range(chunks + 1)]
+    mine = [rank] if sharding != "zigzag" else [rank, 2 * world - 1 - rank]
+    return torch.cat([torch.arange(starts[c], starts[c + 1]) for c in mine])
+
+
+def unshard(parts, sharding, dim):
+    """The whole sequence from each rank's part (``parts[r]``, its tokens along ``dim``)."""
+    world, T = len(parts), sum(p.shape[dim] for p in parts)
+    order = torch.cat([positions(T, r, world, sharding) for r in range(world)])
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(T)
+    return torch.cat(parts, dim=dim).index_select(dim, inverse.to(parts[0].device))
+
+
+#: seconds the ranks' processes may take to start and meet, beyond TIMEOUT
+STARTUP = 120
+#: what a rank that gave up waiting for another says (torch.distributed's timeouts)
+WAITING = re.compile(r"DistBackendError|DistNetworkError|[Tt]imed out|Connection (closed|reset)")
+
+
+def run(fn, args, kwargs, record):
+    """One call of the context-parallel convention: ``fn(q, k, v, *, group, causal,
+    softmax_scale, sharding, return_lse, ...)`` with ``(B, T_local, h, D)`` shards. The
+    sequence is cut into the world size the audit ran the call at, each rank's call made
+    by a process of its own (`rank_main`, this script again) in one process group on
+    this machine (gloo; NCCL on CUDA), as torchrun would start them; the ranks' outputs
+    (LSE, gradients) are put back together as one call's."""
+    import socket
+    import subprocess
+
+    kwargs = dict(kwargs)
+    kwargs.pop("_world", None)
+    world = int(record.get("world") or 1)
+    sharding = kwargs.get("sharding", "contiguous")
+    with tempfile.TemporaryDirectory() as tmp:
+        torch.save({"args": args, "kwargs": kwargs, "d_out": record.get("d_out"),
+                    "leaves": record.get("leaves"), "world": world}, Path(tmp) / "call.pt")
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        mark(f"starting the ranks of call {CALL}")  # not timed: the processes start
+        ranks = []
+        for r in range(world):
+            log = open(Path(tmp) / f"rank{r}.log", "w")
+            ranks.append(subprocess.Popen(
+                [sys.executable, os.path.abspath(__file__), "--rank", str(r), "--call", tmp,
+                 "--port", str(port), "--backend", BACKEND, "--timeout", str(TIMEOUT)],
+                stdout=log, stderr=subprocess.STDOUT))
+            log.close()
+        # a rank is ready once in the group: the call is timed from then, its start not.
+        # A rank that gave up waiting for another (its group's timeout, half the call's)
+        # is not the one to blame: the one it waited for is
+        started, ready, failure, waited = time.monotonic(), False, None, []
+        while failure is None and any(p.poll() is None for p in ranks):
+            for r, p in enumerate(ranks):
+                if p.poll() not in (None, 0) and r not in waited:
+                    said = (Path(tmp) / f"rank{r}.log").read_text(errors="replace")
+                    if p.returncode > 0 and WAITING.search(said):
+                        waited.append(r)
+                        continue
+                    failure = (r, p.returncode)
+                    break
+            if not ready and all((Path(tmp) / f"ready{r}").exists() for r in range(world)):
+                ready, started = True, time.monotonic()
+                mark(f"call {CALL}, on its {world} ranks")
+            limit = TIMEOUT if ready else TIMEOUT + STARTUP
+            if failure is None and time.monotonic() - started > limit:
+                # the ranks that wait for a hung one give up at their group's timeout:
+                # a while more to let them say so, so that the hung one is named
+                grace = time.monotonic() + max(TIMEOUT / 2, 5)
+                while True:
+                    running = [r for r, p in enumerate(ranks) if p.poll() is None]
+                    said = {r: (Path(tmp) / f"rank{r}.log").read_text(errors="replace")
+                            for r in running}
+                    hung = [r for r in running if not WAITING.search(said[r])]
+                    if len(hung) <= 1 or time.monotonic() > grace:
+                        break
+                    time.sleep(0.1)
+                waited += [r for r in running if r not in hung and r not in waited]
+                failure = ((hung or running or [0])[0], None)
+            time.sleep(0.02)
+        if failure is None:  # every rank that failed gave up waiting: the first of them
+            failure = next(((r, p.returncode) for r, p in enumerate(ranks) if p.returncode), None)
+        for p in ranks:  # a rank that failed leaves the others waiting for it
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+        if failure is not None:
+            r, code = failure
+            said = (Path(tmp) / f"rank{r}.log").read_text(errors="replace").strip()
+            print(f"rank {r}'s output:\n{said[-3000:]}")
+            if code is None:
+                then = f" (ranks {waited} gave up waiting)" if waited else ""
+                raise BugShows(f"rank {r} gave no answer within {TIMEOUT:g} s{then}")
+            if code < 0:
+                raise BugShows(f"rank {r}'s process was killed by {signal.Signals(-code).name}")
+            last = said.splitlines()[-1] if said else f"exit code {code}"
+            raise BugShows(f"rank {r}: {last}")
+        parts = []
+        for r in range(world):
+            try:
+                parts.append(torch.load(Path(tmp) / f"rank{r}.pt", weights_only=True))
+            except Exception as e:
+                raise BugShows(f"rank {r}'s result could not be read back: {e}") from None
+    try:
+        if record.get("d_out") is not None:  # each leaf's gradient: the sinks' a sum
+            names = record.get("leaves") or [0, 1, 2] + (
+                ["sinks"] if isinstance(kwargs.get("sinks"), torch.Tensor) else [])
+            return tuple(
+                torch.stack([p[j] for p in parts]).sum(0) if name == "sinks"
+                else unshard([p[j] for p in parts], sharding, 1)
+                for j, name in enumerate(names))
+        if kwargs.get("return_lse"):
+            return (unshard([p[0] for p in parts], sharding, 1),
+                    unshard([p[1] for p in parts], sharding, 2))
+        return unshard(parts, sharding, 1)
+    except Exception as e:  # a rank returned no tensor, or one of another shape
+        raise BugShows(f"the ranks' results do not fit together: {type(e).__name__}: {e}") \
+            from None
+
+
+def rank_main():
+    """One rank of a call (`run`): its shard of the saved call, in the process group."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    parser = argparse.ArgumentParser()
+    for option in ("--rank", "--port"):
+        parser.add_argument(option, type=int)
+    parser.add_argument("--call")
+    parser.add_argument("--backend")
+    parser.add_argument("--timeout", type=float)
+    a = parser.parse_args()
+    saved = torch.load(Path(a.call) / "call.pt", weights_only=True)
+    args, kwargs, world = list(saved["args"]), dict(saved["kwargs"]), saved["world"]
+    cuda = args[0].is_cuda
+    if cuda:
+        torch.cuda.set_device(a.rank % torch.cuda.device_count())
+    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{a.port}",
+                            rank=a.rank, world_size=world,
+                            timeout=timedelta(seconds=max(a.timeout / 2, 1.0)))
+    (Path(a.call) / f"ready{a.rank}").touch()
+    mine = positions(args[0].shape[1], a.rank, world, kwargs.get("sharding", "contiguous"))
+    mine = mine.to(args[0].device)
+    args = [x[:, mine] if i < 3 else x for i, x in enumerate(args)]
+    module, _, name = a.backend.partition(":")
+    fn = importlib.import_module(module)
+    for part in name.split("."):
+        fn = getattr(fn, part)
+    if saved["d_out"] is None:
+        out = fn(*args, group=dist.group.WORLD, **kwargs)
+    else:
+        chosen = make_leaves(args, kwargs, saved["leaves"])
+        out = fn(*args, group=dist.group.WORLD, **kwargs)
+        out = gradients_of(out, saved["d_out"][:, mine], chosen)
+        if not mine.numel():  # a rank with no token has nothing to differentiate: zeros
+            out = tuple(torch.zeros_like(c) if g is None else g for g, c in zip(out, chosen))
+
+    def plain(x):
+        if isinstance(x, torch.Tensor):
+            return x.detach()
+        if isinstance(x, (tuple, list)):
+            return tuple(plain(item) for item in x)
+        return x
+
+    torch.save(plain(out), Path(a.call) / f"rank{a.rank}.pt")
+    dist.destroy_process_group()
+    return 0'''
+
+
 FAMILY = ApiFamily(
     name=NAME,
     summary="attention sharded across the ranks of a torch.distributed group: (B, T_local, "
@@ -1687,4 +1880,5 @@ FAMILY = ApiFamily(
     bench_backends=("ring-reference", "allgather-reference", "alltoall-reference"),
     bench_note=_bench_note,
     serve=serve_rank,
+    repro_script=_repro_script,
 )
