@@ -533,10 +533,22 @@ def compare(got, want, known, bound):
     return at, big, times, verdict
 
 
+def form(x):
+    """The form of a call's result: its types, and each tensor's shape and dtype."""
+    if isinstance(x, torch.Tensor):
+        return ("tensor", tuple(x.shape), str(x.dtype))
+    if isinstance(x, (tuple, list)):
+        return (type(x).__name__, tuple(form(item) for item in x))
+    return type(x).__name__
+
+
 def malformed(returned, tensors, record):
     """What is wrong with a call's result where the audit knows a correct one's form
-    (``well_formed``: it judged the backend's own malformed, or it failed): its tensors
-    must begin with those shapes, the output in its dtype; None where it is well formed."""
+    (``well_formed``: it judged the backend's own malformed, or it failed): the audit's
+    words where the result has the very form the audit judged malformed; else its
+    tensors must begin with a correct one's shapes; None where it is well formed."""
+    if record.get("malformed") and form(returned) == form(record["returned"]):
+        return record["malformed"]
     shapes, want = [list(t.shape) for t in tensors], record["shapes"]
     if not record.get("well_formed") or not want:
         return None

@@ -316,15 +316,17 @@ def call_lse(
     args, kwargs = arguments(backend, inputs, lse, **overrides)
     expected_shape = (*inputs.query.shape[:-1], inputs.value.shape[-1])
 
-    def well_formed() -> None:
+    def well_formed(malformed: str | None = None) -> None:
         # where a well-formed answer would lie, and its dtype, for a bug report's
         # repro.py to read the answer of a function swapped in for this one (its fix, a
-        # reference), and to tell the backend's own answer malformed
+        # reference), and to tell the backend's own answer malformed (``malformed``:
+        # what was wrong with the answer it returned)
         note_failed_call(
             executor,
             lambda: family.to_layout(torch.zeros(expected_shape, dtype=torch.float64), inputs),
             lambda r: [(inputs, family.read(r, inputs, False)[0], None)],
             dtype=inputs.query.dtype,
+            malformed=malformed,
         )
 
     try:
@@ -336,8 +338,8 @@ def call_lse(
     try:
         out, lse_out = family.read(raw, inputs, lse)
         checked_out = check_output(out, expected_shape, inputs).detach()
-    except Failure:  # not a tensor, a wrong shape, dtype or device
-        well_formed()
+    except Failure as f:  # not a tensor, a wrong shape, dtype or device
+        well_formed(str(f))
         raise
     if not lse:
         return checked_out, None
@@ -367,11 +369,13 @@ def note_failed_call(
     make: Callable[[], object],
     read: Reader,
     dtype: torch.dtype | None = None,
+    malformed: str | None = None,
 ) -> None:
     """`note_reading` for a last call that raised, crashed, changed its inputs or
     returned a malformed result: ``make()`` builds the result a correct call would have
     returned (its layout, not its values), made only where the executor records (nothing
-    noted where it cannot be); ``dtype``: the dtype a correct call returns its output in."""
+    noted where it cannot be); ``dtype``: the dtype a correct call returns its output in;
+    ``malformed``: what was wrong with the result the call returned."""
     note = getattr(executor, "reading", None)
     if note is None:
         return
@@ -379,7 +383,7 @@ def note_failed_call(
         raw = make()
     except Exception:
         return
-    note(raw, read, True, dtype=dtype)
+    note(raw, read, True, dtype=dtype, malformed=malformed)
 
 
 @checked

@@ -965,7 +965,7 @@ def check_case(
         executor.close()
         if save is not None:
             _save(Path(save), executor.calls, ctx.oracles(), ctx.answers(), executor.shapes,
-                  executor.dtypes, executor.worlds)  # fmt: skip
+                  executor.dtypes, executor.worlds, executor.malformed)  # fmt: skip
     return "pass"
 
 
@@ -992,6 +992,8 @@ class Recording:
         self.dtypes: dict[int, str] = {}
         #: the ranks each call ran on, by its index, where the executor runs several
         self.worlds: dict[int, int] = {}
+        #: what was wrong with a call's malformed result, by its index
+        self.malformed: dict[int, str] = {}
         #: the last call's index, its probe and the number of elements it returned
         self.probe: tuple[int, object, int] | None = None
         #: the index of the first call of the last `Series` (its calls are recorded
@@ -1058,6 +1060,7 @@ class Recording:
         failed: bool = False,
         series_call: int | None = None,
         dtype: torch.dtype | None = None,
+        malformed: str | None = None,
     ) -> None:
         """How the result ``raw`` of the last call is read (`note_reading`): ``read``
         applied to a probe of ``raw`` whose tensors hold their own flat positions
@@ -1068,7 +1071,8 @@ class Recording:
         are kept as the call's (what repro.py reads a function swapped in by).
         ``series_call``: ``raw`` is that call's of the last `Series` (each recorded as a
         call of its own: repro.py calls it on fresh copies). ``dtype``: with ``failed``,
-        the dtype a correct call returns its output in."""
+        the dtype a correct call returns its output in; ``malformed``: what was wrong
+        with the result the call returned."""
         leaves = _tensor_leaves(raw)
         total = sum(t.numel() for t in leaves)
         if not self.calls or not leaves or total > PROBE_ELEMENTS:
@@ -1092,6 +1096,8 @@ class Recording:
             self.shapes[call] = [list(t.shape) for t in leaves]
             if dtype is not None:
                 self.dtypes[call] = str(dtype).removeprefix("torch.")
+            if malformed is not None:
+                self.malformed[call] = malformed
         for inputs, out, lse in parts:
             shape = (*inputs.query.shape[:-1], inputs.value.shape[-1])
             where, problem = _positions(out, total, shape, "an output")
@@ -1149,13 +1155,15 @@ def _save(
     shapes: dict[int, list[list[int]]],
     dtypes: dict[int, str] | None = None,
     worlds: dict[int, int] | None = None,
+    malformed: dict[int, str] | None = None,
 ) -> None:
     """``inputs.pt`` and ``expected.pt`` in ``folder`` (`check_case`'s ``save``): each
     call's ``shapes`` those of the tensors it returned, or (a failed call) those a
     correct one returns, where known (``shapes``: then ``well_formed`` is true, and
     ``dtype`` names the dtype its output is due in where ``dtypes`` knows it); ``world``
-    the ranks it ran on, where several (``worlds``)."""
-    dtypes, worlds = dtypes or {}, worlds or {}
+    the ranks it ran on, where several (``worlds``); ``malformed`` what was wrong with
+    the result it returned, where the audit judged it malformed."""
+    dtypes, worlds, malformed = dtypes or {}, worlds or {}, malformed or {}
     folder.mkdir(parents=True, exist_ok=True)
     kept = [
         {
@@ -1169,6 +1177,7 @@ def _save(
             "well_formed": i in shapes,
             "dtype": dtypes.get(i),
             "world": worlds.get(i),
+            "malformed": malformed.get(i),
         }
         for i, (job, out) in enumerate(calls)
     ]
