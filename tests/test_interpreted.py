@@ -170,6 +170,7 @@ import torch, triton, triton.language as tl
 from attnref.interpreted.triton_fixes import fix
 
 FOUR = tl.constexpr(4)
+exp = tl.exp  # a builtin under a name of the module's own, as fla's ops/op.py has it
 
 @triton.jit
 def kernel(x_ptr, y_ptr, mul_ptr, dot_ptr, cast_ptr):
@@ -185,6 +186,11 @@ def offsets(off_ptr):
     r = tl.arange(0, 16)
     tl.store(off_ptr + r, (FOUR + r)[None, :].reshape(16))
 
+@triton.jit
+def exps(x_ptr, y_ptr):
+    r = tl.arange(0, 16)
+    tl.store(y_ptr + r, exp(tl.load(x_ptr + r)))
+
 def run():
     g = torch.Generator().manual_seed(0)
     x, y = (torch.randn(16, 16, generator=g).bfloat16() for _ in range(2))
@@ -196,6 +202,12 @@ def run():
         same = off.tolist() == list(range(4, 20))
     except Exception as e:
         same = type(e).__name__
+    xs, ys = torch.linspace(-2, 2, 16), torch.zeros(16)
+    try:
+        exps[(1,)](xs, ys)
+        aliased = float((ys - xs.exp()).abs().max())
+    except Exception as e:
+        aliased = type(e).__name__
     from attnref.interpreted.triton_flash import reductions
 
     rows = (torch.randn(8, 16, generator=g) * 4).bfloat16()
@@ -205,6 +217,7 @@ def run():
         "dot": float((dot - x.float() @ y.float()).abs().max()),
         "cast": bool(torch.equal(cast, (x.float() * 1.3).bfloat16())),
         "off": same,
+        "alias": aliased,
         "sum": float((red[0] - exact.sum(1)).abs().max()),
         "max": float((red[1] - exact.max(1).values).abs().max()),
         "cumsum": float((red[3] - exact.cumsum(1).sum(1)).abs().max() / 16),
@@ -220,9 +233,10 @@ print(json.dumps({"before": before, "after": run()}))
 @pytest.mark.slow  # triton imported in a process of its own: 4 s
 def test_triton_s_interpreter_computes_bfloat16_as_a_device_once_fixed() -> None:
     """Triton 3.9's interpreter multiplies, dots, casts and reduces bfloat16 wrong (and
-    trips on a module-level constexpr added to a tensor); after `triton_fixes.fix`, a
-    product and a cast equal torch's bfloat16 bit for bit, a dot is float32's, the
-    constexpr sum is the tensor's, and tl.sum, tl.max, tl.cumsum and tl.argmax over
+    trips on a module-level constexpr added to a tensor, and on a module's alias of a
+    builtin, ``exp = tl.exp``); after `triton_fixes.fix`, a product and a cast equal
+    torch's bfloat16 bit for bit, a dot is float32's, the constexpr sum is the tensor's,
+    the alias is tl.exp, and tl.sum, tl.max, tl.cumsum and tl.argmax over
     bfloat16 rows are the values' (a sum was 2.4e34; an argmax cast to bfloat16, 0)."""
     pytest.importorskip("triton")
     import subprocess
@@ -235,6 +249,7 @@ def test_triton_s_interpreter_computes_bfloat16_as_a_device_once_fixed() -> None
     assert not before["mul"], before
     assert not before["cast"], before
     assert before["off"] is not True, before
+    assert before["alias"] == "InterpreterError", before  # "Did you forget @triton.jit?"
     assert before["dot"] > 1, before
     assert before["sum"] > 1e3, before  # bfloat16 bits summed as integers
     assert before["cumsum"] > 1e3, before
@@ -247,6 +262,7 @@ def test_triton_s_interpreter_computes_bfloat16_as_a_device_once_fixed() -> None
     assert after["mul"], after
     assert after["cast"], after
     assert after["off"], after
+    assert after["alias"] < 1e-6, after
     assert after["dot"] < 1e-5, after
 
 

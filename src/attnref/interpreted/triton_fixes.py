@@ -33,6 +33,14 @@ loop, where ``i`` is an ``int`` without ``.to``, and the kernel would fail with 
 ``AttributeError`` a device never raises. `fix` rewrites such a loop, as the interpreter
 already rewrites assignments, to give its variable as a tensor; ``tl.static_range``'s,
 a constant when compiled, stays an ``int``.
+
+**A builtin under a name of the kernel's module.** ``exp = tl.exp`` at module level, and
+``exp(b_g)`` in the kernel (fla's ``ops/op.py``, vendored by vLLM and SGLang), compiles
+as ``tl.exp``; the interpreter makes ``triton.language``'s builtins callable by replacing
+the module's attributes for the call, so the alias still names the builtin as it was,
+which raises "Did you forget to add @triton.jit?". `fix` gives such names, in the
+kernel's module (and a device function's), the interpreter's version too, and restores
+them with the rest after the call.
 """
 
 import ast
@@ -49,7 +57,8 @@ PATCHED = (
     "operations in float32 rounded once, dots accumulated in float32, casts by value "
     "rounded to nearest even, sums, cumulative sums and min/max over the values in "
     "float32 rounded once; a module-level constexpr combined with a tensor gives the tensor; "
-    "a range loop's variable is a tensor"
+    "a range loop's variable is a tensor; a module's alias of a triton.language builtin "
+    "(exp = tl.exp) is called as the builtin"
 )
 
 #: the arithmetic of ``tl.constexpr`` that `fix` lets return a tensor
@@ -80,6 +89,7 @@ def fix() -> bool:
 
     _fix_constexpr(tl)
     _fix_loop_variables(interpreter)
+    _fix_builtin_aliases(interpreter, tl)
 
     builder: Any = interpreter.InterpreterBuilder
     if getattr(builder, "_attnref_bfloat16", False):
@@ -248,3 +258,36 @@ def _fix_loop_variables(interpreter: Any) -> None:
 
     cls.visit_For = visit_For
     cls._attnref_loops = True
+
+
+def _fix_builtin_aliases(interpreter: Any, tl: Any) -> None:
+    """A kernel's global that is a ``triton.language`` builtin (``exp = tl.exp``) called
+    as the interpreter calls the builtin itself, for as long as the call (module
+    docstring)."""
+    if getattr(interpreter, "_attnref_aliases", False):
+        return
+    original = interpreter._patch_lang
+
+    def patch_lang(fn: Any) -> Any:
+        scope = original(fn)
+        names = fn.__globals__
+        aliases = [(n, m) for n, m in list(names.items()) if tl.core.is_builtin(m)]
+        for name, member in aliases:
+
+            def called(*args: Any, _member: Any = member, **kwargs: Any) -> Any:
+                kwargs = {k: v for k, v in kwargs.items() if k != "_semantic"}
+                return _member(*args, **kwargs, _semantic=interpreter.interpreter_semantic)
+
+            names[name] = called
+        restore = scope.restore
+
+        def restore_all() -> None:
+            for name, member in aliases:
+                names[name] = member
+            restore()
+
+        scope.restore = restore_all
+        return scope
+
+    interpreter._patch_lang = patch_lang
+    interpreter._attnref_aliases = True
