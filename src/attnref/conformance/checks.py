@@ -600,11 +600,13 @@ def agree_grads(ctx: Context, case: Case, inputs: Inputs, **overrides: Any) -> N
         note_failed_call(ctx.executor, lambda: tuple(torch.zeros(s) for s in shapes),
                          lambda r: [])  # fmt: skip
 
+    sink_exp = expect_sink_grad(inputs, d_out) if sinks_judged else None
+
     def answer(expected: tuple[Expected, ...]) -> None:
         _answer_grads(ctx, leaves, expected)
-        if sinks_judged:
-            exp = expect_sink_grad(inputs, d_out)
-            ctx.answer_part("dSinks", lambda r: cast(Any, r)[3], exp.value, exp.bounds())
+        if sink_exp is not None:
+            ctx.answer_part("dSinks", lambda r: cast(Any, r)[3], sink_exp.value,
+                            sink_exp.bounds())  # fmt: skip
 
     try:
         grads = invoke(ctx.backend, job, ctx.timeout, ctx.executor, meanwhile)
@@ -631,15 +633,14 @@ def agree_grads(ctx: Context, case: Case, inputs: Inputs, **overrides: Any) -> N
             raise Failure(f"{name} has shape {tuple(g.shape)}, expected {tuple(arg.shape)}")
         back = family.from_layout(g.detach(), leaf)
         close(back.to(torch.float64), exp.value, *exp.bounds(), name)
-    if inputs.sinks is not None and ctx.caps.sink_gradients:
+    if inputs.sinks is not None and sink_exp is not None:
         d_sinks = grads[3] if len(grads) > 3 else None
         if d_sinks is None:
             raise Failure("dSinks is None: the output does not depend on the sink logits")
         if tuple(d_sinks.shape) != tuple(inputs.sinks.shape):
             shape = tuple(inputs.sinks.shape)
             raise Failure(f"dSinks has shape {tuple(d_sinks.shape)}, expected {shape}")
-        exp = expect_sink_grad(inputs, d_out)
-        close(d_sinks.detach().to(torch.float64), exp.value, *exp.bounds(), "dSinks")
+        close(d_sinks.detach().to(torch.float64), sink_exp.value, *sink_exp.bounds(), "dSinks")
 
 
 def _answer_grads(

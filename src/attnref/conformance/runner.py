@@ -1022,10 +1022,9 @@ class Recording:
             out = self.inner.run(job, timeout, meanwhile)
         except BaseException:
             self.calls.append((job, None))
-            raise
-        finally:
             if world is not None:
-                self.worlds.update((i, world) for i in range(first, len(self.calls)))
+                self.worlds[first] = world
+            raise
         if isinstance(job, Series):  # each of its calls, as repro.py makes it alone
             self.series_start = len(self.calls)
             try:
