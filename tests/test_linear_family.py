@@ -92,6 +92,32 @@ def test_the_pool_mutants_fail_the_pool_properties_only_where_their_bug_shows() 
     assert status == {"gdn_decode_pool": "pass", "gdn_speculative": "fail"}
 
 
+def test_kda_s_serving_form_is_audited_with_a_decay_a_key_channel() -> None:
+    """KDA in the pool (``linear_gate="key"``: ``g (1, T, HV, K)``, as vLLM's copy of
+    fla's ``fused_recurrent_kda`` takes it): attnref's reference passes the three serving
+    properties; a kernel that decays the whole state by the channels' mean (a head gate
+    where the model gives one a channel) fails them, and a pool mutant still fails."""
+    from attnref.conformance.backends import resolve_backend
+    from attnref.conformance.families.gated_delta_decode import plain_pool_decode
+
+    def key(backend: object) -> object:
+        caps = backend.capabilities  # type: ignore[attr-defined]
+        return replace(backend, capabilities=replace(caps, linear_gate="key"))  # type: ignore[type-var]
+
+    def channels_averaged(q, k, v, g, beta, scale, initial_state, *args, **kwargs):  # type: ignore[no-untyped-def]
+        return plain_pool_decode(q, k, v, g.mean(-1) if g.dim() == 4 else g, beta, scale,
+                                 initial_state, *args, **kwargs)  # fmt: skip
+
+    ref = resolve_backend("gated-delta-decode-reference", api="gated-delta-decode")
+    kw = {"dtypes": (torch.float32,), "progress": False, "isolate": False}
+    assert run(key(ref), **kw).ok  # type: ignore[arg-type]
+    averaged = replace(ref, name="channels_averaged", fn=channels_averaged)
+    report = run(key(averaged), **kw)  # type: ignore[arg-type]
+    assert {r.status for r in report.results} == {"fail"}, report.format_table()
+    mutant = resolve_backend(f"mutant.{MUTANTS['gdn_pool_slot_by_order'].name}")
+    assert not run(key(mutant), properties=["gdn_decode_pool"], **kw).ok  # type: ignore[arg-type]
+
+
 def test_a_slot_no_request_names_written_is_its_own_finding() -> None:
     mutant = MUTANTS["gdn_pool_neighbour_written"]
     report = _audit(f"mutant.{mutant.name}", "gated-delta-decode", ["gdn_decode_pool"],

@@ -133,9 +133,6 @@ def _starts(pc: PoolCall) -> Tensor:
 
 
 def _declared(caps: Capabilities, pc: PoolCall) -> None:
-    if caps.linear_gate != "head":
-        raise Skip("the serving form is audited with a decay a value head only (KDA's a key "
-                   "channel, linear_gate='key', is not yet)")  # fmt: skip
     if not caps.state_pool:
         raise Skip("a pool of states (ssm_state_indices) not declared (state_pool)")
     if pc.accepted is not None and not caps.speculative:
@@ -210,9 +207,19 @@ def _prefix(call: GdnCall, n: int, upto: int) -> tuple[Tensor, Tensor]:
                         (call.q, call.k, call.v, call.g, call.beta))  # fmt: skip
     s0 = call.initial_state
     assert s0 is not None
-    return gated_delta_rule(q, k, v, g, beta, scale=call.scale,
-                            initial_state=s0.cpu().double()[n : n + 1],
-                            l2norm_qk=call.l2norm)  # fmt: skip
+    return _rule(q, k, v, g, beta, scale=call.scale, initial_state=s0.cpu().double()[n : n + 1],
+                 l2norm_qk=call.l2norm)  # fmt: skip
+
+
+def _rule(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, **kwargs: Any
+) -> tuple[Tensor, Tensor]:
+    """`attnref.linear.gated_delta_rule` with the serving form's ``g``: a decay a value
+    head ``(B, T, HV)``, or (KDA, ``linear_gate="key"``) one a key channel ``(B, T, HV,
+    K)``, which the reference takes as ``gk``."""
+    if g.dim() == 4:
+        return gated_delta_rule(q, k, v, None, beta, gk=g, **kwargs)
+    return gated_delta_rule(q, k, v, g, beta, **kwargs)
 
 
 def _decode(ctx: Context, case: Case) -> None:
@@ -327,7 +334,8 @@ PROPERTIES: tuple[Property, ...] = (
 @checked_internal
 def plain_pool_decode(
     q: Float[Tensor, "1 T H K"], k: Float[Tensor, "1 T H K"], v: Float[Tensor, "1 T HV V"],
-    g: Float[Tensor, "1 T HV"], beta: Float[Tensor, "1 T HV"], scale: float | None,
+    g: Float[Tensor, "1 T HV"] | Float[Tensor, "1 T HV K"], beta: Float[Tensor, "1 T HV"],
+    scale: float | None,
     initial_state: Float[Tensor, "slots HV K V"], inplace_final_state: bool = True,
     cu_seqlens: Integer[Tensor, " N1"] | None = None,
     ssm_state_indices: Integer[Tensor, " N *spec"] | None = None,
@@ -372,7 +380,8 @@ def plain_pool_decode(
         S = initial_state[int(row[first])].to(work).clone()
         mine = []
         for i, t in enumerate(range(cu[n], cu[n + 1])):
-            S = S * torch.exp(gf[0, t])[:, None, None]
+            decay = torch.exp(gf[0, t])  # (HV,), or KDA's (HV, K): a key channel each
+            S = S * (decay[:, :, None] if decay.dim() == 2 else decay[:, None, None])
             u = bf[0, t][:, None] * (vf[0, t] - torch.einsum("hkv,hk->hv", S, kf[0, t]))
             S = S + kf[0, t][:, :, None] * u[:, None, :]
             o[0, t] = scale * torch.einsum("hkv,hk->hv", S, qf[0, t])
@@ -409,8 +418,8 @@ def _reference(
         S = initial_state[int(row[first])][None].to(work)
         for i, t in enumerate(range(cu[n], cu[n + 1])):
             part = (x[:, t : t + 1].to(work) for x in (q, k, v, g, beta))
-            out, S = gated_delta_rule(*part, scale=scale, initial_state=S,
-                                      l2norm_qk=use_qk_l2norm_in_kernel)  # fmt: skip
+            out, S = _rule(*part, scale=scale, initial_state=S,
+                           l2norm_qk=use_qk_l2norm_in_kernel)  # fmt: skip
             o[:, t : t + 1] = out.to(o.dtype)
             initial_state[int(row[min(i, len(row) - 1)])] = S[0].to(initial_state.dtype)
     return o, initial_state
