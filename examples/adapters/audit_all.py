@@ -54,6 +54,7 @@ ADAPTERS = [
     ("examples.adapters.hf_gated_delta:recurrent", "transformers"),
     ("examples.adapters.mlx_gated_delta:ops", "mlx_lm"),
     ("examples.adapters.vllm_gated_delta:decode", "vllm"),
+    ("examples.adapters.vllm_gated_delta:kda", "vllm"),
     ("examples.adapters.pallas_flash:mha", "jax"),
 ]
 #: the API family of an adapter that is not torch SDPA's (``--api``)
@@ -72,6 +73,7 @@ FAMILIES = {
     "examples.adapters.hf_gated_delta:recurrent": "gated-delta",
     "examples.adapters.mlx_gated_delta:ops": "gated-delta",
     "examples.adapters.vllm_gated_delta:decode": "gated-delta-decode",
+    "examples.adapters.vllm_gated_delta:kda": "gated-delta-decode",
     "examples.adapters.pallas_flash:mha": "flash",
     "examples.adapters.sglang_mla:mla_decode": "mla",
     "examples.adapters.vllm_unified:unified": "flash-kvcache",

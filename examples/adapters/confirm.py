@@ -1086,6 +1086,41 @@ def vllm_unified_noncausal_window_masks_v_by_the_blocks_first_query() -> bool:
     return bool(close(out[0, 0], want[0]) and out[1:].abs().max() == 0)
 
 
+def vllm_kda_output_shaped_as_the_keys() -> bool:
+    """vLLM 0.34.0's ``fused_recurrent_kda`` (``vllm/third_party/flash_linear_attention/
+    ops/kda.py``), interpreted, with value heads of 8 channels and keys of 16: its
+    ``fused_recurrent_kda_fwd`` allocates the output as ``torch.empty_like(k)``, where the
+    kernel writes ``HV x V`` values a token, so the output comes back ``(1, T, H, K)``, not
+    ``(1, T, HV, V)`` (and with ``V > K`` the kernel writes past it: the audit's worker
+    died of heap corruption). Kimi Linear has ``V == K``: a latent bug for other shapes."""
+    import os
+
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
+    os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")  # vLLM binds Triton only so here
+    from vllm.third_party.flash_linear_attention.ops import fused_recurrent
+    from vllm.third_party.flash_linear_attention.ops.kda import fused_recurrent_kda
+
+    from examples.adapters.triton_exp import exp
+
+    # the kernel's module names tl.exp as ``exp``, which Triton's interpreter does not
+    # swap for its own: a jit function of the same arithmetic in its place
+    fused_recurrent.exp = exp
+
+    gen = torch.Generator().manual_seed(0)
+    T, H, K, V = 2, 1, 16, 8
+    q, k = (torch.randn(1, T, H, K, generator=gen) for _ in range(2))
+    v = torch.randn(1, T, H, V, generator=gen)
+    g = -torch.rand(1, T, H, K, generator=gen)
+    beta = torch.rand(1, T, H, generator=gen)
+    pool = torch.zeros(2, H, V, K)  # vLLM's states (HV, V, K); slot 0 its null block
+    o, _ = fused_recurrent_kda(
+        q, k, v, g, beta, initial_state=pool, inplace_final_state=True,
+        use_qk_l2norm_in_kernel=False, cu_seqlens=torch.tensor([0, T]),
+        ssm_state_indices=torch.tensor([1]),
+    )  # fmt: skip
+    return tuple(o.shape) == (1, T, H, K) != (1, T, H, V)
+
+
 FINDINGS: list[tuple[str, Callable[[], bool]]] = [
     ("transformers", hf_sdpa_single_query_is_not_causal),
     ("transformers", hf_sdpa_drops_causal_with_a_mask),
@@ -1137,6 +1172,7 @@ FINDINGS: list[tuple[str, Callable[[], bool]]] = [
     ("sglang", sglang_sparse_mla_reads_a_strided_kv_as_contiguous),
     ("flash_attn", flash_attn_triton_empty_row_lse_is_zero),
     ("vllm", vllm_unified_noncausal_window_masks_v_by_the_blocks_first_query),
+    ("vllm", vllm_kda_output_shaped_as_the_keys),
 ]
 #: seen once in an audit, not yet rebuilt from a small case: tried, reported, not counted
 SEEN_ONCE: list[tuple[str, Callable[[], bool]]] = []

@@ -73,6 +73,43 @@ def decode(
     return o, pool
 
 
+def kda(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    scale: float | None = None,
+    initial_state: Tensor | None = None,
+    inplace_final_state: bool = True,
+    cu_seqlens: Tensor | None = None,
+    ssm_state_indices: Tensor | None = None,
+    num_accepted_tokens: Tensor | None = None,
+    use_qk_l2norm_in_kernel: bool = False,
+) -> tuple[Tensor, Tensor]:
+    """vLLM's ``fused_recurrent_kda`` (``ops/kda.py``: KDA, ``g (1, T, HV, K)``, one decay
+    a key channel), interpreted, on the pool as vLLM keeps it; the L2 norm passed as the
+    family asks (vLLM's default is on). It takes no ``num_accepted_tokens`` (its
+    ``**kwargs`` would swallow one): declared without speculative decoding."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
+    from vllm.third_party.flash_linear_attention.ops.kda import fused_recurrent_kda
+
+    if initial_state is None or ssm_state_indices is None or num_accepted_tokens is not None:
+        raise NotImplementedError("the adapter takes vLLM's serving form: a pool, in place")
+    pool = initial_state
+    slots, HV, K, V = pool.shape
+    theirs = torch.zeros((slots + 1, HV, V, K), dtype=pool.dtype, device=pool.device)
+    theirs[1:] = pool.transpose(-1, -2)
+    o, _ = fused_recurrent_kda(
+        q, k, v, g, beta, scale=scale, initial_state=theirs, inplace_final_state=True,
+        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens,
+        ssm_state_indices=ssm_state_indices.to(torch.int64) + 1,
+    )  # fmt: skip
+    pool.copy_(theirs[1:].transpose(-1, -2))
+    return o, pool
+
+
 def _declare() -> None:
     try:
         from attnref.conformance.families.gated_delta_decode import VLLM_FUSED_RECURRENT
@@ -85,6 +122,12 @@ def _declare() -> None:
         VLLM_FUSED_RECURRENT,
         dtypes=(torch.float32, torch.float16, torch.bfloat16),
         interpreter="triton",
+    )
+    kda.capabilities = replace(  # type: ignore[attr-defined]
+        decode.capabilities,  # type: ignore[attr-defined]
+        linear_gate="key",
+        gqa=False,  # Kimi Linear's heads: as many value heads as query/key heads
+        speculative=False,
     )
 
 
