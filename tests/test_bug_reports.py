@@ -218,6 +218,28 @@ def test_an_interpreted_triton_kernel_s_finding_is_a_report_that_reproduces_it(
     assert_reports_reproduce(report, right, tmp_path)
 
 
+#: kernels of the gated delta rule's serving form (tests/planted_pool.py: plain torch):
+#: a pool slot read by the request's order, an output allocated as the keys
+POOL = ["slot_by_order", "output_as_keys"]
+
+
+@pytest.mark.slow  # two audits in this process, their reports run: 10 s
+@pytest.mark.parametrize("name", POOL)
+def test_a_serving_form_finding_is_a_report_that_reproduces_it(name: str, tmp_path: Path) -> None:
+    """The pool family keeps where its output and its pool lie in what a call returns
+    (and where a well-formed result would hold them, for a call it judged malformed):
+    repro.py exits 1 on the kernel and 0 on its correct twin (it once had nothing to
+    compare: no answer of the family's was kept)."""
+    from attnref.conformance import audit
+    from tests.bug_reports import assert_reports_reproduce
+
+    report = audit(f"tests.planted_pool:{name}", api="gated-delta-decode",
+                   properties=["gdn_decode_pool"], dtypes=(torch.float32,), fail_fast=True,
+                   progress=False)  # fmt: skip
+    assert not report.ok, report.format_table()
+    assert_reports_reproduce(report, "tests.planted_pool:right", tmp_path)
+
+
 #: context-parallel kernels whose finding a repro.py reproduces on ranks of its own: a
 #: wrong output, a rank that raises, one that hangs (the call is given 6 s), a gradient
 CP_KERNELS = [

@@ -24,7 +24,7 @@ it (``final_state`` is the pool itself in vLLM); the audit reads the pool argume
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, cast
 
 import torch
 from hypothesis import strategies as st
@@ -32,7 +32,7 @@ from jaxtyping import Float, Integer
 from torch import Tensor
 
 from attnref._checking import checked_internal
-from attnref.conformance.calls import invoke
+from attnref.conformance.calls import invoke, note_failed_call, note_reading
 from attnref.conformance.cases import Case
 from attnref.conformance.checks import Context
 from attnref.conformance.declarations import Backend, Capabilities
@@ -143,26 +143,63 @@ def _declared(caps: Capabilities, pc: PoolCall) -> None:
         raise Skip(f"{pc.call.q.dtype} not declared")
 
 
-def _run(ctx: Context, pc: PoolCall) -> tuple[Tensor, Tensor]:
-    """The backend's output (float64) and the pool as it left it (float64)."""
+def _run(
+    ctx: Context, pc: PoolCall, answer: Callable[[], None] | None = None
+) -> tuple[Tensor, Tensor]:
+    """The backend's output (float64) and the pool as it left it (float64). ``answer``
+    keeps, for a bug report, what the call is judged against (`_answer`), once where
+    its parts lie is noted: in what it returned, or where a well-formed result would
+    hold them where it failed."""
     _declared(ctx.caps, pc)
     args, kwargs = pc.arguments()
-    raw = invoke(ctx.backend, Job(args, kwargs, writable=(6,)), ctx.timeout, ctx.executor)
-    if not isinstance(raw, tuple | list) or len(raw) != 2:
-        raise Failure(f"the audit's call returned {type(raw).__name__}")
-    result, (pool,) = raw
-    if not isinstance(result, tuple | list) or len(result) != 2:
-        raise Failure(
-            "fused_recurrent_gated_delta_rule returns (o, final_state), returned "
-            f"{type(result).__name__}"
-        )
-    o = result[0]
-    if not isinstance(o, Tensor) or tuple(o.shape) != tuple(pc.call.v.shape):
-        shape = tuple(o.shape) if isinstance(o, Tensor) else type(o).__name__
-        raise Failure(f"returned o of shape {shape}, expected {tuple(pc.call.v.shape)}")
-    if not isinstance(pool, Tensor) or pool.shape != pc.pool.shape:
-        raise Failure("the pool (initial_state) came back reshaped")
+    o_shape, pool_shape = tuple(pc.call.v.shape), tuple(pc.pool.shape)
+
+    def well_formed(malformed: str | None = None) -> None:
+        def make() -> object:  # (o, final_state) and the pool it may write
+            return (torch.zeros(o_shape), torch.zeros(pool_shape)), (torch.zeros(pool_shape),)
+
+        note_failed_call(ctx.executor, make, lambda r: [], malformed=malformed)
+        if answer is not None:
+            answer()
+
+    try:
+        raw = invoke(ctx.backend, Job(args, kwargs, writable=(6,)), ctx.timeout, ctx.executor)
+    except Failure:
+        well_formed()
+        raise
+    try:
+        if not isinstance(raw, tuple | list) or len(raw) != 2:
+            raise Failure(f"the audit's call returned {type(raw).__name__}")
+        result, (pool,) = raw
+        if not isinstance(result, tuple | list) or len(result) != 2:
+            raise Failure(
+                "fused_recurrent_gated_delta_rule returns (o, final_state), returned "
+                f"{type(result).__name__}"
+            )
+        o = result[0]
+        if not isinstance(o, Tensor) or tuple(o.shape) != o_shape:
+            shape = tuple(o.shape) if isinstance(o, Tensor) else type(o).__name__
+            raise Failure(f"returned o of shape {shape}, expected {o_shape}")
+        if not isinstance(pool, Tensor) or tuple(pool.shape) != pool_shape:
+            raise Failure("the pool (initial_state) came back reshaped")
+    except Failure as f:
+        well_formed(str(f))
+        raise
+    note_reading(ctx.executor, raw, lambda r: [])
+    if answer is not None:
+        answer()
     return o.detach().cpu().double(), pool.detach().cpu().double()
+
+
+def _answer(
+    ctx: Context, output: Tensor, bounds: tuple[float, float], pool: Tensor | None = None,
+    pool_bounds: tuple[float, float] = (0.0, 0.0),
+) -> None:  # fmt: skip
+    """Keep the output a call is judged against, and the pool (NaN in every slot it
+    must leave alone), where they lie in its result, for a bug report's repro.py."""
+    ctx.answer_part("output", lambda r: cast(Any, r)[0][0], output, bounds)
+    if pool is not None:
+        ctx.answer_part("pool", lambda r: cast(Any, r)[1][0], pool, pool_bounds)
 
 
 def _judge_pool(ctx: Context, pc: PoolCall, what: str) -> None:
@@ -171,26 +208,31 @@ def _judge_pool(ctx: Context, pc: PoolCall, what: str) -> None:
     c = pc.call
     starts = _starts(pc).to(state_dtype(c.q.dtype))
     call = replace(c, initial_state=starts.to(c.q.device))
-    o, pool = _run(ctx, pc)
     exp = expected(call)
-    close(o, exp.output.value, *exp.output.bounds(), f"{what}: output")
-    # the states after each token, each request's named slots
+    # the states after each token, each request's named slots; NaN in every other
     idx = pc.indices.cpu().long()
     N = idx.shape[0]
     cu = [int(x) for x in c.cu_seqlens.cpu().tolist()]  # type: ignore[union-attr]
-    named = torch.zeros(pool.shape[0], dtype=torch.bool)
-    got, want = [], []
+    named = torch.zeros(pc.pool.shape[0], dtype=torch.bool)
+    slots, want = [], []
     for n in range(N):
         lengths = range(1, cu[n + 1] - cu[n] + 1) if idx.dim() == 2 else [cu[n + 1] - cu[n]]
         for t, upto in enumerate(lengths):
             slot = int(idx[n, t]) if idx.dim() == 2 else int(idx[n])
             _, s = _prefix(call, n, upto)
             named[slot] = True
-            got.append(pool[slot])
+            slots.append(slot)
             want.append(s[0])
-    if got:
+    left = torch.full(tuple(pc.pool.shape), math.nan, dtype=torch.float64)
+    for slot, state in zip(slots, want, strict=True):
+        left[slot] = state
+    o, pool = _run(ctx, pc, lambda: _answer(ctx, exp.output.value, exp.output.bounds(), left,
+                                            exp.state.bounds()))  # fmt: skip
+    close(o, exp.output.value, *exp.output.bounds(), f"{what}: output")
+    if slots:
+        got = torch.stack([pool[slot] for slot in slots])
         bounds = exp.state.bounds()
-        close(torch.stack(got), torch.stack(want), *bounds, f"{what}: the named slots' states")
+        close(got, torch.stack(want), *bounds, f"{what}: the named slots' states")
     untouched = pool[~named]
     if untouched.numel() and not bool(untouched.isnan().all()):
         bad = int((~untouched.isnan()).flatten(1).any(1).nonzero()[0])
@@ -248,8 +290,12 @@ def _steps(ctx: Context, case: Case) -> None:
         one = GdnCall(q, k, v, g, beta, whole.scale, None,
                       torch.arange(N + 1, device=whole.q.device), whole.l2norm)  # fmt: skip
         step = replace(pc, call=one, pool=pool)
-        o, left = _run(ctx, step)
         want = exp.output.value[:, at]
+
+        def answer(want: Tensor = want) -> None:
+            _answer(ctx, want, exp.output.bounds())
+
+        o, left = _run(ctx, step, answer)
         close(o, want, *exp.output.bounds(), f"decode step {t + 1} of {steps} ({N} requests, "
               "each from the state the step before left): output")  # fmt: skip
         pool = left.to(pc.pool.device, pc.pool.dtype)
