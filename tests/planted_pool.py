@@ -44,43 +44,30 @@ def _decode(
     return o.to(q.dtype)
 
 
-def right(
-    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float | None = None,
-    initial_state: Any = None, inplace_final_state: bool = True,
-    cu_seqlens: Any = None, ssm_state_indices: Any = None, num_accepted_tokens: Any = None,
-    use_qk_l2norm_in_kernel: bool = False,
-) -> tuple[Tensor, Tensor]:  # fmt: skip
-    """Correct."""
-    o = _decode(q, k, v, g, beta, scale, initial_state, cu_seqlens, ssm_state_indices,
-                num_accepted_tokens, use_qk_l2norm_in_kernel, False)  # fmt: skip
-    return o, initial_state
+def _kernel(by_order: bool = False, as_keys: bool = False) -> Any:
+    def kernel(
+        q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float | None = None,
+        initial_state: Any = None, inplace_final_state: bool = True,
+        cu_seqlens: Any = None, ssm_state_indices: Any = None, num_accepted_tokens: Any = None,
+        use_qk_l2norm_in_kernel: bool = False,
+    ) -> tuple[Tensor, Tensor]:  # fmt: skip
+        o = _decode(q, k, v, g, beta, scale, initial_state, cu_seqlens, ssm_state_indices,
+                    num_accepted_tokens, use_qk_l2norm_in_kernel, by_order)  # fmt: skip
+        if not as_keys:
+            return o, initial_state
+        out = torch.zeros_like(k)  # its first HV x V values a token laid out as they come
+        n = min(out[0, 0].numel(), o[0, 0].numel())
+        flat = o.reshape(o.shape[0], o.shape[1], -1)
+        out.view(out.shape[0], out.shape[1], -1)[..., :n] = flat[..., :n]
+        return out, initial_state
+
+    return kernel
 
 
-def slot_by_order(
-    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float | None = None,
-    initial_state: Any = None, inplace_final_state: bool = True,
-    cu_seqlens: Any = None, ssm_state_indices: Any = None, num_accepted_tokens: Any = None,
-    use_qk_l2norm_in_kernel: bool = False,
-) -> tuple[Tensor, Tensor]:  # fmt: skip
-    """Request ``n`` reads and writes slot ``n``, whatever its index names."""
-    o = _decode(q, k, v, g, beta, scale, initial_state, cu_seqlens, ssm_state_indices,
-                num_accepted_tokens, use_qk_l2norm_in_kernel, True)  # fmt: skip
-    return o, initial_state
-
-
-def output_as_keys(
-    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float | None = None,
-    initial_state: Any = None, inplace_final_state: bool = True,
-    cu_seqlens: Any = None, ssm_state_indices: Any = None, num_accepted_tokens: Any = None,
-    use_qk_l2norm_in_kernel: bool = False,
-) -> tuple[Tensor, Tensor]:  # fmt: skip
-    """Right values, in an output buffer shaped as the keys ``(1, T, H, K)`` (its first
-    ``HV x V`` values a token laid out as they come): wrong wherever ``V != K``."""
-    o = _decode(q, k, v, g, beta, scale, initial_state, cu_seqlens, ssm_state_indices,
-                num_accepted_tokens, use_qk_l2norm_in_kernel, False)  # fmt: skip
-    out = torch.zeros_like(k)
-    n = min(out[0, 0].numel(), o[0, 0].numel())
-    out.view(out.shape[0], out.shape[1], -1)[..., :n] = o.reshape(o.shape[0], o.shape[1], -1)[
-        ..., :n
-    ]
-    return out, initial_state
+#: correct
+right = _kernel()
+#: request ``n`` reads and writes slot ``n``, whatever its index names
+slot_by_order = _kernel(by_order=True)
+#: right values, in an output buffer shaped as the keys ``(1, T, H, K)``: wrong wherever
+#: ``V != K``
+output_as_keys = _kernel(as_keys=True)

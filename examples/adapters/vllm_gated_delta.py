@@ -32,6 +32,7 @@ report's repro.py calls ``decode`` with torch, vLLM and this file.
 
 import os
 from dataclasses import replace
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -59,16 +60,29 @@ def decode(
         fused_recurrent_gated_delta_rule,
     )
 
-    if initial_state is None or ssm_state_indices is None or not inplace_final_state:
+    if not inplace_final_state:
         raise NotImplementedError("the adapter takes vLLM's serving form: a pool, in place")
-    pool = initial_state
+
+    def call(theirs: Tensor, indices: Tensor) -> Any:
+        o, _ = fused_recurrent_gated_delta_rule(
+            q, k, v, g, beta, scale, theirs, True, cu_seqlens, indices, num_accepted_tokens,
+            use_qk_l2norm_in_kernel,
+        )  # fmt: skip
+        return o
+
+    return _on_vllms_pool(call, initial_state, ssm_state_indices)
+
+
+def _on_vllms_pool(call: Any, pool: Tensor | None, indices: Tensor | None) -> tuple[Tensor, Tensor]:
+    """``call(theirs, indices)`` on the pool as vLLM keeps it (states ``(HV, V, K)``,
+    slot 0 its null block, each index one more), every slot copied back after it; the
+    output and the family's pool."""
+    if pool is None or indices is None:
+        raise NotImplementedError("the adapter takes vLLM's serving form: a pool, in place")
     slots, HV, K, V = pool.shape
     theirs = torch.zeros((slots + 1, HV, V, K), dtype=pool.dtype, device=pool.device)
     theirs[1:] = pool.transpose(-1, -2)
-    o, _ = fused_recurrent_gated_delta_rule(
-        q, k, v, g, beta, scale, theirs, True, cu_seqlens,
-        ssm_state_indices.to(torch.int64) + 1, num_accepted_tokens, use_qk_l2norm_in_kernel,
-    )  # fmt: skip
+    o = call(theirs, indices.to(torch.int64) + 1)
     pool.copy_(theirs[1:].transpose(-1, -2))
     return o, pool
 
@@ -95,19 +109,18 @@ def kda(
         os.environ.setdefault("CUDA_VISIBLE_DEVICES", "")
     from vllm.third_party.flash_linear_attention.ops.kda import fused_recurrent_kda
 
-    if initial_state is None or ssm_state_indices is None or num_accepted_tokens is not None:
-        raise NotImplementedError("the adapter takes vLLM's serving form: a pool, in place")
-    pool = initial_state
-    slots, HV, K, V = pool.shape
-    theirs = torch.zeros((slots + 1, HV, V, K), dtype=pool.dtype, device=pool.device)
-    theirs[1:] = pool.transpose(-1, -2)
-    o, _ = fused_recurrent_kda(
-        q, k, v, g, beta, scale=scale, initial_state=theirs, inplace_final_state=True,
-        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens,
-        ssm_state_indices=ssm_state_indices.to(torch.int64) + 1,
-    )  # fmt: skip
-    pool.copy_(theirs[1:].transpose(-1, -2))
-    return o, pool
+    if num_accepted_tokens is not None or not inplace_final_state:
+        raise NotImplementedError("the adapter takes vLLM's KDA decode form: no speculation")
+
+    def call(theirs: Tensor, indices: Tensor) -> Any:
+        o, _ = fused_recurrent_kda(
+            q, k, v, g, beta, scale=scale, initial_state=theirs, inplace_final_state=True,
+            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens,
+            ssm_state_indices=indices,
+        )  # fmt: skip
+        return o
+
+    return _on_vllms_pool(call, initial_state, ssm_state_indices)
 
 
 def _declare() -> None:
