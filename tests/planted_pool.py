@@ -17,9 +17,11 @@ def _decode(
     pool: Tensor, cu_seqlens: Tensor, indices: Tensor, accepted: Tensor | None,
     l2norm: bool, by_order: bool,
 ) -> Tensor:  # fmt: skip
-    """Token by token in float32: each request from its slot (the last accepted token's,
-    in a speculative step), each token's state written to its slot."""
-    qf, kf, vf, gf, bf = (x.float() for x in (q, k, v, g, beta))
+    """Token by token in float32 (float64 for float64 calls): each request from its slot
+    (the last accepted token's, in a speculative step), each token's state written to
+    its slot."""
+    work = torch.float64 if q.dtype == torch.float64 else torch.float32
+    qf, kf, vf, gf, bf = (x.to(work) for x in (q, k, v, g, beta))
     H, HV = qf.shape[2], vf.shape[2]
     qf, kf = (x.repeat_interleave(HV // H, dim=2) for x in (qf, kf))
     if l2norm:
@@ -33,7 +35,7 @@ def _decode(
         if by_order:
             row = torch.arange(n * len(row), (n + 1) * len(row))
         first = 0 if accepted is None else int(accepted[n]) - 1
-        S = pool[int(row[first])].float().clone()  # (HV, K, V)
+        S = pool[int(row[first])].to(work).clone()  # (HV, K, V)
         for i, t in enumerate(range(cu[n], cu[n + 1])):
             decay = gf[0, t].exp()
             S = S * (decay[:, :, None] if decay.dim() == 2 else decay[:, None, None])

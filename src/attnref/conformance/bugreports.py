@@ -290,7 +290,6 @@ this script's own end. ``--in-process`` runs them here (for a debugger).
 import argparse
 import importlib
 import os
-import re
 import signal
 import sys
 import tempfile
@@ -310,6 +309,15 @@ TIMEOUT = @TIMEOUT@
 
 def load(name):
     return torch.load(HERE / name, weights_only=True)
+
+
+def resolve(spec):
+    """The function ``module:function`` names."""
+    module, _, name = spec.partition(":")
+    fn = importlib.import_module(module)
+    for part in name.split("."):
+        fn = getattr(fn, part)
+    return fn
 
 
 def leaves(x):
@@ -569,10 +577,7 @@ def judge(backend):
     judged."""
     global BACKEND
     BACKEND = backend
-    module, _, name = backend.partition(":")
-    fn = importlib.import_module(module)
-    for part in name.split("."):
-        fn = getattr(fn, part)
+    fn = resolve(backend)
     calls, expected = load("inputs.pt")["calls"], load("expected.pt")
     # what the audit judged, each a part of one call's result: (call, what, where it
     # lies in the result, expected values, which are known, bounds, the oracle's inputs)

@@ -964,8 +964,7 @@ def check_case(
     finally:
         executor.close()
         if save is not None:
-            _save(Path(save), executor.calls, ctx.oracles(), ctx.answers(), executor.shapes,
-                  executor.dtypes, executor.worlds, executor.malformed)  # fmt: skip
+            _save(Path(save), executor.calls, ctx.oracles(), ctx.answers(), executor.notes)
     return "pass"
 
 
@@ -986,14 +985,11 @@ class Recording:
         #: the inputs it answers: (inputs, call index, output's flat positions, LSE's,
         #: what is wrong with the output read where it is not one: its type or shape)
         self.readings: dict[int, tuple[Any, int, Tensor | None, Tensor | None, str]] = {}
-        #: the shapes a failed call would have returned, by its index (`reading`)
-        self.shapes: dict[int, list[list[int]]] = {}
-        #: the dtype a failed call would have returned its output in, by its index
-        self.dtypes: dict[int, str] = {}
-        #: the ranks each call ran on, by its index, where the executor runs several
-        self.worlds: dict[int, int] = {}
-        #: what was wrong with a call's malformed result, by its index
-        self.malformed: dict[int, str] = {}
+        #: what repro.py is told of a call beyond its job and result, by its index: for
+        #: a failed call, the ``shapes`` a correct one returns, the ``dtype`` of its
+        #: output and what was ``malformed`` in what it returned (`reading`); the
+        #: ``world`` it ran on, where the executor runs a call on several ranks
+        self.notes: dict[int, dict[str, Any]] = {}
         #: the last call's index, its probe and the number of elements it returned
         self.probe: tuple[int, object, int] | None = None
         #: the index of the first call of the last `Series` (its calls are recorded
@@ -1023,7 +1019,7 @@ class Recording:
         except BaseException:
             self.calls.append((job, None))
             if world is not None:
-                self.worlds[first] = world
+                self.notes.setdefault(first, {})["world"] = world
             raise
         if isinstance(job, Series):  # each of its calls, as repro.py makes it alone
             self.series_start = len(self.calls)
@@ -1037,7 +1033,8 @@ class Recording:
         else:
             self.calls.append((job, out))
         if world is not None:
-            self.worlds.update((i, world) for i in range(first, len(self.calls)))
+            for i in range(first, len(self.calls)):
+                self.notes.setdefault(i, {})["world"] = world
         return out
 
     def _world(self, job: Any) -> int | None:
@@ -1092,11 +1089,12 @@ class Recording:
         except Exception:  # a reader that checks what a probe is not: nothing kept
             return
         if failed:
-            self.shapes[call] = [list(t.shape) for t in leaves]
+            note = self.notes.setdefault(call, {})
+            note["shapes"] = [list(t.shape) for t in leaves]
             if dtype is not None:
-                self.dtypes[call] = str(dtype).removeprefix("torch.")
+                note["dtype"] = str(dtype).removeprefix("torch.")
             if malformed is not None:
-                self.malformed[call] = malformed
+                note["malformed"] = malformed
         for inputs, out, lse in parts:
             shape = (*inputs.query.shape[:-1], inputs.value.shape[-1])
             where, problem = _positions(out, total, shape, "an output")
@@ -1151,35 +1149,30 @@ def _save(
     calls: list[tuple[Any, Any]],
     oracles: list[Any],
     answers: list[Any],
-    shapes: dict[int, list[list[int]]],
-    dtypes: dict[int, str] | None = None,
-    worlds: dict[int, int] | None = None,
-    malformed: dict[int, str] | None = None,
+    notes: dict[int, dict[str, Any]],
 ) -> None:
     """``inputs.pt`` and ``expected.pt`` in ``folder`` (`check_case`'s ``save``): each
     call's ``shapes`` those of the tensors it returned, or (a failed call) those a
-    correct one returns, where known (``shapes``: then ``well_formed`` is true, and
-    ``dtype`` names the dtype its output is due in where ``dtypes`` knows it); ``world``
-    the ranks it ran on, where several (``worlds``); ``malformed`` what was wrong with
-    the result it returned, where the audit judged it malformed."""
-    dtypes, worlds, malformed = dtypes or {}, worlds or {}, malformed or {}
+    correct one returns, where known (`Recording.notes`: then ``well_formed`` is true,
+    with the ``dtype`` its output is due in and what was ``malformed``); ``world`` the
+    ranks it ran on, where several."""
     folder.mkdir(parents=True, exist_ok=True)
-    kept = [
-        {
+    kept = []
+    for i, (job, out) in enumerate(calls):
+        note = notes.get(i, {})
+        kept.append({
             "args": list(getattr(job, "args", ())),
             "kwargs": dict(getattr(job, "kwargs", {})),
             "d_out": getattr(job, "d_out", None),
             "writable": list(getattr(job, "writable", ())),
             "leaves": list(getattr(job, "leaves", ())),
             "returned": out,
-            "shapes": shapes.get(i, [list(t.shape) for t in _tensor_leaves(out)]),
-            "well_formed": i in shapes,
-            "dtype": dtypes.get(i),
-            "world": worlds.get(i),
-            "malformed": malformed.get(i),
-        }
-        for i, (job, out) in enumerate(calls)
-    ]
+            "shapes": note.get("shapes", [list(t.shape) for t in _tensor_leaves(out)]),
+            "well_formed": "shapes" in note,
+            "dtype": note.get("dtype"),
+            "world": note.get("world"),
+            "malformed": note.get("malformed"),
+        })  # fmt: skip
     torch.save({"calls": kept}, folder / "inputs.pt")
     torch.save({"oracles": oracles, "answers": answers}, folder / "expected.pt")
 

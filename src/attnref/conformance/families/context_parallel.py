@@ -810,13 +810,9 @@ class RankGroup:
         return Job(args, kwargs, d_out, job.writable, job.recheck, job.leaves)
 
     def world_of(self, job: Job) -> int:
-        """The world size ``job`` runs at (`_world_of`): what a bug report's repro.py
-        starts its ranks at."""
-        return self._world_of(job)
-
-    def _world_of(self, job: Job) -> int:
         """The world size ``job`` runs at: the one it asks for (``_world``) or every rank
-        started, at most those, and inside the declaration (`fitted_world`).
+        started, at most those, and inside the declaration (`fitted_world`); what a bug
+        report's repro.py starts its ranks at.
 
         Raises:
             Skip: no world size cuts the sequence as the backend declares it takes.
@@ -954,7 +950,7 @@ class RankGroup:
         first = job.calls[0] if isinstance(job, Series) else job
         self._ensure(timeout, first.args[0].device)
         if isinstance(job, Series):
-            world = max(self._world_of(c) for c in job.calls)
+            world = max(self.world_of(c) for c in job.calls)
             per_rank = [
                 Series(tuple(self._shard_call(c, r, world, timeout) for c in job.calls), job.into)
                 for r in range(world)
@@ -965,7 +961,7 @@ class RankGroup:
                 for i in range(len(job.calls))
             ]
         assert isinstance(job, Job)
-        world = self._world_of(job)
+        world = self.world_of(job)
         parts = self._gang(
             [self._shard_call(job, r, world, timeout) for r in range(world)], timeout
         )
@@ -1149,7 +1145,7 @@ def _bench_note(executor: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
     job = Job(args, {**kwargs, "_count": True})
     try:
         executor._ensure(timeout, args[0].device)
-        world = executor._world_of(job)
+        world = executor.world_of(job)
         jobs = [executor._shard_call(job, r, world, timeout) for r in range(world)]
         parts = executor._gang(jobs, timeout)
         sent = max(float(_tensor(p, r, (1,), "byte count")[0]) for r, p in enumerate(parts))
@@ -1698,6 +1694,8 @@ def unshard(parts, sharding, dim):
 
 #: seconds the ranks' processes may take to start and meet, beyond TIMEOUT
 STARTUP = 120
+import re  # noqa: E402 (what the ranks' runner alone needs)
+
 #: what a rank that gave up waiting for another says (torch.distributed's timeouts)
 WAITING = re.compile(r"DistBackendError|DistNetworkError|[Tt]imed out|Connection (closed|reset)")
 
@@ -1717,6 +1715,10 @@ def run(fn, args, kwargs, record):
     world = int(record.get("world") or 1)
     sharding = kwargs.get("sharding", "contiguous")
     with tempfile.TemporaryDirectory() as tmp:
+
+        def said_by(r):  # what rank r printed
+            return (Path(tmp) / f"rank{r}.log").read_text(errors="replace")
+
         torch.save({"args": args, "kwargs": kwargs, "d_out": record.get("d_out"),
                     "leaves": record.get("leaves"), "world": world}, Path(tmp) / "call.pt")
         with socket.socket() as s:
@@ -1738,8 +1740,7 @@ def run(fn, args, kwargs, record):
         while failure is None and any(p.poll() is None for p in ranks):
             for r, p in enumerate(ranks):
                 if p.poll() not in (None, 0) and r not in waited:
-                    said = (Path(tmp) / f"rank{r}.log").read_text(errors="replace")
-                    if p.returncode > 0 and WAITING.search(said):
+                    if p.returncode > 0 and WAITING.search(said_by(r)):
                         waited.append(r)
                         continue
                     failure = (r, p.returncode)
@@ -1754,9 +1755,7 @@ def run(fn, args, kwargs, record):
                 grace = time.monotonic() + max(TIMEOUT / 2, 5)
                 while True:
                     running = [r for r, p in enumerate(ranks) if p.poll() is None]
-                    said = {r: (Path(tmp) / f"rank{r}.log").read_text(errors="replace")
-                            for r in running}
-                    hung = [r for r in running if not WAITING.search(said[r])]
+                    hung = [r for r in running if not WAITING.search(said_by(r))]
                     if len(hung) <= 1 or time.monotonic() > grace:
                         break
                     time.sleep(0.1)
@@ -1771,7 +1770,7 @@ def run(fn, args, kwargs, record):
             p.wait()
         if failure is not None:
             r, code = failure
-            said = (Path(tmp) / f"rank{r}.log").read_text(errors="replace").strip()
+            said = said_by(r).strip()
             print(f"rank {r}'s output:\n{said[-3000:]}")
             if code is None:
                 then = f" (ranks {waited} gave up waiting)" if waited else ""
@@ -1828,10 +1827,7 @@ def rank_main():
     mine = positions(args[0].shape[1], a.rank, world, kwargs.get("sharding", "contiguous"))
     mine = mine.to(args[0].device)
     args = [x[:, mine] if i < 3 else x for i, x in enumerate(args)]
-    module, _, name = a.backend.partition(":")
-    fn = importlib.import_module(module)
-    for part in name.split("."):
-        fn = getattr(fn, part)
+    fn = resolve(a.backend)
     if saved["d_out"] is None:
         out = fn(*args, group=dist.group.WORLD, **kwargs)
     else:

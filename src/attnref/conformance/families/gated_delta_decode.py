@@ -191,8 +191,10 @@ def _run(
     return o.detach().cpu().double(), pool.detach().cpu().double()
 
 
+@checked_internal
 def _answer(
-    ctx: Context, output: Tensor, bounds: tuple[float, float], pool: Tensor | None = None,
+    ctx: Context, output: Float[Tensor, "1 T HV V"], bounds: tuple[float, float],
+    pool: Float[Tensor, "slots HV K V"] | None = None,
     pool_bounds: tuple[float, float] = (0.0, 0.0),
 ) -> None:  # fmt: skip
     """Keep the output a call is judged against, and the pool (NaN in every slot it
@@ -214,6 +216,7 @@ def _judge_pool(ctx: Context, pc: PoolCall, what: str) -> None:
     N = idx.shape[0]
     cu = [int(x) for x in c.cu_seqlens.cpu().tolist()]  # type: ignore[union-attr]
     named = torch.zeros(pc.pool.shape[0], dtype=torch.bool)
+    left = torch.full(tuple(pc.pool.shape), math.nan, dtype=torch.float64)  # as it must be
     slots, want = [], []
     for n in range(N):
         lengths = range(1, cu[n + 1] - cu[n] + 1) if idx.dim() == 2 else [cu[n + 1] - cu[n]]
@@ -223,9 +226,7 @@ def _judge_pool(ctx: Context, pc: PoolCall, what: str) -> None:
             named[slot] = True
             slots.append(slot)
             want.append(s[0])
-    left = torch.full(tuple(pc.pool.shape), math.nan, dtype=torch.float64)
-    for slot, state in zip(slots, want, strict=True):
-        left[slot] = state
+            left[slot] = s[0]
     o, pool = _run(ctx, pc, lambda: _answer(ctx, exp.output.value, exp.output.bounds(), left,
                                             exp.state.bounds()))  # fmt: skip
     close(o, exp.output.value, *exp.output.bounds(), f"{what}: output")
@@ -253,9 +254,15 @@ def _prefix(call: GdnCall, n: int, upto: int) -> tuple[Tensor, Tensor]:
                  l2norm_qk=call.l2norm)  # fmt: skip
 
 
+@checked_internal
 def _rule(
-    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, **kwargs: Any
-) -> tuple[Tensor, Tensor]:
+    q: Float[Tensor, "B T H K"],
+    k: Float[Tensor, "B T H K"],
+    v: Float[Tensor, "B T HV V"],
+    g: Float[Tensor, "B T HV"] | Float[Tensor, "B T HV K"],
+    beta: Float[Tensor, "B T HV"],
+    **kwargs: Any,
+) -> tuple[Float[Tensor, "B T HV V"], Float[Tensor, "N HV K V"]]:
     """`attnref.linear.gated_delta_rule` with the serving form's ``g``: a decay a value
     head ``(B, T, HV)``, or (KDA, ``linear_gate="key"``) one a key channel ``(B, T, HV,
     K)``, which the reference takes as ``gk``."""
